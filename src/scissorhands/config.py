@@ -1,0 +1,134 @@
+"""Frozen, validated configuration for budgeted KV eviction.
+
+Every bad value raises ``ValueError`` whose message starts with the parameter's
+name, so the CLI can print it as a one-line error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+IMPORTANCE_FORMS = ("sum", "count")
+SCHEDULES = ("uniform", "increasing")
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+
+
+@dataclass(frozen=True)
+class ScissorhandsConfig:
+    """What a :class:`~scissorhands.cache.ScissorhandsCache` keeps and how it evicts.
+
+    Parameters
+    ----------
+    budget : int
+        Average number of tokens each full-attention layer may store; the
+        schedule spreads ``budget * n_layers`` over the layers. It is a peak:
+        no layer ever stores more than its own budget.
+    recent : int
+        The ``r`` most recently appended tokens are never evicted.
+    window : int or None
+        History window ``w``: importance counts the queries of the last ``w``
+        steps. ``None`` means the whole history (the H2O end of the family).
+    window_buckets : int or None
+        How many buckets of steps represent the window. Each stored token keeps
+        one accumulator per bucket, so the importance state costs
+        ``window_buckets`` numbers per token per KV head instead of ``window``.
+        The window then spans between ``w - s + 1`` and ``w`` steps, with
+        ``s = ceil(w / window_buckets)``. ``None`` gives one bucket per step: exact.
+    drop : float or int
+        Drop amount ``m``. A float in (0, 1) is a fraction of each layer's
+        budget; an int is a token count. At least ``m`` tokens go at each
+        compression, so compression runs once every ``m`` decode steps.
+    importance : {"sum", "count"}
+        ``sum`` adds attention probabilities; ``count`` counts the queries
+        in which a token's probability exceeded ``1/n`` (n = tokens attended).
+    schedule : str, sequence of int, or path
+        ``"uniform"``, ``"increasing"`` (later layers get more, same total),
+        an explicit list of per-layer budgets, or a path to a JSON schedule.
+    increasing_slope : float
+        For ``"increasing"``: the last layer gets ``1 + slope`` times the
+        average and the first ``1 - slope`` times, linearly in between.
+    query_tile : int
+        Most query rows scored at once while prefilling; bounds the size of
+        the probability block to ``query_tile x budget`` per head.
+    """
+
+    budget: int
+    recent: int = 10
+    window: int | None = 400
+    window_buckets: int | None = 8
+    drop: float | int = 0.4
+    importance: str = "sum"
+    schedule: str | tuple[int, ...] = "uniform"
+    increasing_slope: float = 0.5
+    query_tile: int = 256
+
+    def __post_init__(self):
+        _check_int("budget", self.budget, 1)
+        _check_int("recent", self.recent, 0)
+        if self.budget <= self.recent:
+            raise ValueError(f"budget: must be > recent ({self.recent}), got {self.budget}")
+        if self.window is not None:
+            _check_int("window", self.window, 1)
+        if self.window_buckets is not None:
+            _check_int("window_buckets", self.window_buckets, 1)
+        if isinstance(self.drop, bool) or not isinstance(self.drop, (int, float)):
+            raise ValueError(f"drop: must be a fraction in (0, 1) or a token count, got {self.drop!r}")
+        if isinstance(self.drop, float):
+            if not 0.0 < self.drop < 1.0:
+                raise ValueError(f"drop: a fractional drop must be in (0, 1), got {self.drop}")
+        else:
+            _check_int("drop", self.drop, 1)
+            if self.drop >= self.budget:
+                raise ValueError(f"drop: must be < budget ({self.budget}), got {self.drop}")
+            if self.drop > self.budget - self.recent:
+                raise ValueError(
+                    f"drop: must be <= budget - recent ({self.budget - self.recent}), got {self.drop}"
+                )
+        if self.importance not in IMPORTANCE_FORMS:
+            raise ValueError(f"importance: must be one of {IMPORTANCE_FORMS}, got {self.importance!r}")
+        if isinstance(self.schedule, list):
+            object.__setattr__(self, "schedule", tuple(self.schedule))
+        if isinstance(self.schedule, Path):
+            object.__setattr__(self, "schedule", str(self.schedule))
+        if isinstance(self.schedule, tuple):
+            for b in self.schedule:
+                _check_int("schedule", b, self.recent + 1)
+        elif not isinstance(self.schedule, str):
+            raise ValueError(f"schedule: must be a name, a list of budgets or a JSON path, got {self.schedule!r}")
+        elif self.schedule not in SCHEDULES and not self.schedule.endswith(".json"):
+            raise ValueError(
+                f"schedule: must be one of {SCHEDULES}, a list of budgets or a .json file, got {self.schedule!r}"
+            )
+        if not 0.0 <= self.increasing_slope < 1.0:
+            raise ValueError(f"increasing_slope: must be in [0, 1), got {self.increasing_slope}")
+        _check_int("query_tile", self.query_tile, 1)
+
+    # -- derived quantities ---------------------------------------------------------------
+    def bucket_steps(self) -> int | None:
+        """Steps per importance bucket, or ``None`` for an unbounded window."""
+        if self.window is None:
+            return None
+        n = self.window if self.window_buckets is None else min(self.window_buckets, self.window)
+        return math.ceil(self.window / n)
+
+    def n_buckets(self) -> int:
+        """Number of importance accumulators kept per stored token and KV head."""
+        if self.window is None:
+            return 1
+        return math.ceil(self.window / self.bucket_steps())
+
+    def drop_for(self, layer_budget: int) -> int:
+        """Drop amount for a layer with this budget (a fraction is rounded, then clamped)."""
+        if isinstance(self.drop, float):
+            m = max(1, round(self.drop * layer_budget))
+        else:
+            m = self.drop
+        return max(1, min(m, layer_budget - self.recent))

@@ -1,0 +1,75 @@
+"""Per-layer budgets: how the total ``budget * n_layers`` is split across layers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import ScissorhandsConfig
+
+
+def _round_to_total(weights: list[float], total: int, floor: int) -> list[int]:
+    """Integer budgets proportional to ``weights`` that add up to ``total`` exactly.
+
+    Largest-remainder rounding, with every layer at least ``floor``.
+    """
+    s = sum(weights)
+    raw = [max(floor, total * w / s) for w in weights]
+    # Re-normalise after flooring so the free part still sums to the total.
+    excess = sum(raw) - total
+    if excess > 0:
+        free = [r - floor for r in raw]
+        free_total = sum(free)
+        raw = [floor + f * (1 - excess / free_total) if free_total > 0 else floor for f in free]
+    out = [int(r) for r in raw]
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - out[i], reverse=True)
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def load_schedule(path: str | Path) -> list[int]:
+    """Read per-layer budgets from a JSON file: ``{"budgets": [...]}`` or a plain list."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"schedule: no such file {str(p)!r}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"schedule: {str(p)!r} is not valid JSON ({e.msg})") from None
+    budgets = data.get("budgets") if isinstance(data, dict) else data
+    if not isinstance(budgets, list) or not all(isinstance(b, int) and b > 0 for b in budgets):
+        raise ValueError(f"schedule: {str(p)!r} must hold a list of positive integer budgets")
+    return budgets
+
+
+def layer_budgets(config: ScissorhandsConfig, n_layers: int) -> list[int]:
+    """Budgets for the ``n_layers`` budgeted (full-attention) layers.
+
+    ``uniform`` and ``increasing`` keep the total at ``config.budget * n_layers``.
+    An explicit list or a JSON file is used as given, after checking its length.
+    A JSON schedule made at another total is rescaled to this total, so the
+    calibrated *shape* carries over between budgets.
+    """
+    if n_layers < 1:
+        raise ValueError("model: no full-attention layer to put a budget on")
+    floor = config.recent + 1
+    total = config.budget * n_layers
+    sched = config.schedule
+    if isinstance(sched, tuple):
+        budgets = list(sched)
+        if len(budgets) != n_layers:
+            raise ValueError(f"schedule: {len(budgets)} budgets given for {n_layers} full-attention layers")
+        return budgets
+    if sched == "uniform":
+        return [config.budget] * n_layers
+    if sched == "increasing":
+        if n_layers == 1:
+            return [config.budget]
+        a = config.increasing_slope
+        weights = [1 - a + 2 * a * i / (n_layers - 1) for i in range(n_layers)]
+        return _round_to_total(weights, total, floor)
+    budgets = load_schedule(sched)
+    if len(budgets) != n_layers:
+        raise ValueError(f"schedule: {sched!r} has {len(budgets)} budgets for {n_layers} full-attention layers")
+    return _round_to_total([float(b) for b in budgets], total, floor)
