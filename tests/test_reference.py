@@ -1,0 +1,149 @@
+"""The fast layer against the naive reference, over many configurations."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reference import reference_stream
+from scissorhands.cache import ScissorhandsLayer
+from scissorhands.importance import ImportanceState
+from scissorhands.policy import ImportancePolicy
+
+
+def chunk_mask(valid_chunk: torch.Tensor) -> torch.Tensor:
+    """The model's mask for a chunk: causal and key padding, (B, 1, c, c), True = attend."""
+    c = valid_chunk.shape[1]
+    causal = torch.ones(c, c, dtype=torch.bool).tril()
+    return causal[None, None] & valid_chunk[:, None, None, :]
+
+
+def run_layer(q, k, v, valid, chunks, *, budget, recent, drop, window, bucket_steps, importance, scaling,
+              query_tile=256):
+    """Feed the tensors through one ScissorhandsLayer in the given chunks."""
+    n_buckets = 1 if window is None else math.ceil(window / (bucket_steps or 1))
+    steps = None if window is None else (bucket_steps or 1)
+    layer = ScissorhandsLayer(budget, recent, drop, ImportanceState(importance, steps, n_buckets),
+                              ImportancePolicy(), query_tile=query_tile)
+    outs, i = [], 0
+    for c in chunks:
+        kwargs = {}
+        layer.update(k[:, :, i:i + c], v[:, :, i:i + c], kwargs=kwargs)
+        assert kwargs["scissorhands_layer"] is layer
+        vc = valid[:, i:i + c]
+        mask = None if bool(vc.all()) else chunk_mask(vc)
+        outs.append(layer.attend(q[:, :, i:i + c], k[:, :, i:i + c], v[:, :, i:i + c], mask, scaling))
+        assert int(layer.lengths.max()) <= budget
+        assert layer.keys.shape[-2] <= budget
+        i += c
+    return torch.cat(outs, dim=2), layer
+
+
+def kept_of(layer, b_size, h_kv):
+    return [[layer.stored_positions(b)[h].tolist() for h in range(h_kv)] for b in range(b_size)]
+
+
+@st.composite
+def cases(draw):
+    b = draw(st.integers(1, 3))
+    h_kv = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 2, 3]))
+    t = draw(st.integers(1, 36))
+    recent = draw(st.integers(0, 5))
+    budget = draw(st.integers(recent + 1, recent + 20))
+    drop = draw(st.integers(1, budget - recent))
+    window = draw(st.one_of(st.none(), st.integers(1, 12)))
+    bucket_steps = None if window is None else draw(st.one_of(st.none(), st.integers(1, 5)))
+    importance = draw(st.sampled_from(["sum", "count"]))
+    pads = [draw(st.integers(0, t - 1)) for _ in range(b)]
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(t - 1, 1)), max_size=5))) - {t}) if t > 1 else []
+    chunks = [y - x for x, y in zip([0] + cuts, cuts + [t])]
+    tile = draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2**16))
+    return dict(b=b, h_kv=h_kv, group=group, t=t, recent=recent, budget=budget, drop=drop, window=window,
+                bucket_steps=bucket_steps, importance=importance, pads=pads, chunks=chunks, tile=tile, seed=seed)
+
+
+def make_inputs(case, d=4):
+    gen = torch.Generator().manual_seed(case["seed"])
+    b, h_kv, t = case["b"], case["h_kv"], case["t"]
+    # A spread of logit scales gives both peaked and flat attention.
+    q = torch.randn(b, h_kv * case["group"], t, d, generator=gen, dtype=torch.float64) * 2
+    k = torch.randn(b, h_kv, t, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, h_kv, t, d, generator=gen, dtype=torch.float64)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    for row, p in enumerate(case["pads"]):
+        valid[row, :p] = False
+    return q, k, v, valid
+
+
+def check_case(case):
+    q, k, v, valid = make_inputs(case)
+    params = dict(budget=case["budget"], recent=case["recent"], drop=case["drop"], window=case["window"],
+                  bucket_steps=case["bucket_steps"], importance=case["importance"], scaling=0.5)
+    ref_out, ref_kept = reference_stream(q, k, v, valid, **params)
+    out, layer = run_layer(q, k, v, valid, case["chunks"], query_tile=case["tile"], **params)
+    assert kept_of(layer, case["b"], case["h_kv"]) == ref_kept
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+    # Padding queries produce zeros and store nothing.
+    assert torch.all(out.transpose(1, 2)[~valid] == 0)
+    assert layer.lengths.tolist() == [min(len(ref_kept[r][0]), case["budget"]) for r in range(case["b"])]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_layer_matches_reference(case):
+    check_case(case)
+
+
+@pytest.mark.parametrize("importance", ["sum", "count"])
+@pytest.mark.parametrize("window,bucket_steps", [(None, None), (1, None), (6, None), (8, 3), (5, 5)])
+def test_long_stream_matches_reference(importance, window, bucket_steps):
+    """Many compressions, prefill larger than the budget, then decode steps."""
+    case = dict(b=2, h_kv=2, group=3, t=60, recent=3, budget=12, drop=4, window=window,
+                bucket_steps=bucket_steps, importance=importance, pads=[0, 9], chunks=[31] + [1] * 29,
+                tile=5, seed=7)
+    check_case(case)
+
+
+def test_chunking_does_not_change_the_result():
+    """One chunk, token by token, and odd chunks all give the same outputs and kept sets."""
+    base = dict(b=2, h_kv=1, group=2, t=40, recent=2, budget=9, drop=3, window=7, bucket_steps=2,
+                importance="sum", pads=[0, 5], tile=3, seed=3)
+    q, k, v, valid = make_inputs(base)
+    params = dict(budget=9, recent=2, drop=3, window=7, bucket_steps=2, importance="sum", scaling=0.5)
+    results = [run_layer(q, k, v, valid, chunks, **params) for chunks in ([40], [1] * 40, [13, 1, 20, 6])]
+    for out, layer in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=1e-10, atol=1e-10)
+        assert kept_of(layer, 2, 1) == kept_of(results[0][1], 2, 1)
+
+
+def test_recent_window_is_always_kept():
+    case = dict(b=1, h_kv=2, group=1, t=50, recent=6, budget=10, drop=4, window=3, bucket_steps=None,
+                importance="count", pads=[0], chunks=[1] * 50, tile=4, seed=11)
+    q, k, v, valid = make_inputs(case)
+    layer = ScissorhandsLayer(10, 6, 4, ImportanceState("count", 1, 3), ImportancePolicy())
+    for t in range(50):
+        kwargs = {}
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1], kwargs=kwargs)
+        layer.attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None, 0.5)
+        for h in range(2):
+            kept = set(layer.stored_positions(0)[h].tolist())
+            assert set(range(max(0, t - 5), t + 1)) <= kept
+            assert len(kept) <= 10
+
+
+def test_ties_keep_the_more_recent_token():
+    """All-zero queries give uniform attention: every older token ties, the oldest go first."""
+    q = torch.zeros(1, 1, 20, 4, dtype=torch.float64)
+    k = torch.randn(1, 1, 20, 4, dtype=torch.float64)
+    v = torch.randn(1, 1, 20, 4, dtype=torch.float64)
+    layer = ScissorhandsLayer(8, 2, 3, ImportanceState("count", None, 1), ImportancePolicy())
+    for t in range(9):
+        kwargs = {}
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1], kwargs=kwargs)
+        layer.attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None, 1.0)
+    # Uniform probabilities never exceed 1/n: all counts are 0, so the 3 oldest went.
+    assert layer.stored_positions(0)[0].tolist() == [3, 4, 5, 6, 7, 8]
