@@ -14,7 +14,6 @@ message starts with ``"model:"``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -22,7 +21,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -301,45 +300,19 @@ def _from_pretrained(source, dtype=None, **kwargs):
     return model, tokenizer
 
 
-@contextlib.contextmanager
-def _gguf_without_accelerate() -> Iterator[None]:
-    """Let ``from_pretrained(gguf_file=...)`` run when accelerate is absent.
-
-    transformers refuses GGUF files up front unless ``accelerate`` is
-    installed, although de-quantising onto the CPU never uses it.  When it is
-    missing, the check is switched off for the duration of the call only (and
-    restored after, since other code paths do need the real answer).
-    """
-    try:
-        import transformers.modeling_utils as modeling_utils
-    except ImportError:  # pragma: no cover - transformers is a hard dependency
-        yield
-        return
-    original = getattr(modeling_utils, "is_accelerate_available", None)
-    if original is None or original():
-        yield
-        return
-    modeling_utils.is_accelerate_available = lambda *args, **kwargs: True
-    try:
-        yield
-    finally:
-        modeling_utils.is_accelerate_available = original
-
-
 def _convert_gguf(folder: str, filename: str):
     """De-quantise a GGUF file into a float32 model plus its tokenizer."""
     from transformers import GgufConfig
 
     logger.info("converting %s (one-off, may take ~30 s)", os.path.join(folder, filename))
-    with _gguf_without_accelerate():
-        model, tokenizer = _from_pretrained(
-            folder,
-            dtype=torch.float32,
-            gguf_file=filename,
-            # plain dense weights, never packed GGUF blocks, so the model can
-            # be saved as ordinary safetensors
-            quantization_config=GgufConfig(dequantize=True),
-        )
+    model, tokenizer = _from_pretrained(
+        folder,
+        dtype=torch.float32,
+        gguf_file=filename,
+        # plain dense weights, never packed GGUF blocks, so the model can
+        # be saved as ordinary safetensors
+        quantization_config=GgufConfig(dequantize=True),
+    )
     # A GGUF-loaded model carries its quantizer, and save_pretrained refuses
     # quantized models; once de-quantised it is an ordinary float model.
     model.hf_quantizer = None

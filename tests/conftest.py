@@ -1,0 +1,69 @@
+"""Tiny random models built from configs, offline and seeded."""
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    OPTConfig,
+    Qwen2Config,
+)
+
+VOCAB = 256
+
+
+def tiny_config(arch: str):
+    common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=1024, **common)
+    if arch == "qwen2":
+        return Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+                           num_key_value_heads=2, max_position_embeddings=1024, **common)
+    if arch == "mistral":
+        return MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=1, max_position_embeddings=1024, sliding_window=None, **common)
+    if arch == "gemma3":
+        return Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                             "full_attention"], **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **common)
+    if arch == "opt":
+        return OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                         max_position_embeddings=1024, word_embed_proj_dim=64, **common)
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "qwen2", "mistral", "gemma3", "gpt2", "opt"]
+_CACHE = {}
+
+
+def tiny_model(arch: str, dtype=torch.float32):
+    key = (arch, dtype)
+    if key not in _CACHE:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch), attn_implementation="sdpa")
+        _CACHE[key] = model.to(dtype).eval()
+    return _CACHE[key]
+
+
+def left_padded(lengths, seed=0, pad_id=0):
+    """Random token ids (never the pad id), left padded to the longest length."""
+    gen = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids = torch.full((len(lengths), t), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(lengths), t, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, t - n:] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[row, t - n:] = 1
+    return ids, mask
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request):
+    return request.param

@@ -1,0 +1,200 @@
+"""ScissorhandsCache inside real transformers models (tiny, random, offline)."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+from conftest import left_padded, tiny_config, tiny_model
+from scissorhands import ScissorhandsCache, ScissorhandsConfig, ScissorhandsLayer
+
+
+def greedy(model, ids, mask, cache, n=12, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False,
+                              pad_token_id=0, **kw)
+
+
+def test_identity_with_budget_above_length(arch):
+    model = tiny_model(arch)
+    ids, mask = left_padded([24, 17], seed=1)
+    full = greedy(model, ids, mask, DynamicCache(config=model.config), n=16)
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=48, recent=4))
+    ours = greedy(model, ids, mask, cache, n=16)
+    assert torch.equal(full, ours)
+    assert all(layer.compressions == 0 for layer in cache.budgeted_layers)
+    # The model still runs a plain DynamicCache the same way after being enabled.
+    assert torch.equal(full, greedy(model, ids, mask, DynamicCache(config=model.config), n=16))
+
+
+def kept_sets(cache):
+    return [[layer.stored_positions(b).tolist() for b in range(layer.lengths.numel())]
+            for layer in cache.budgeted_layers]
+
+
+def test_prefill_equals_token_by_token(arch):
+    """A prompt longer than the budget, in one forward, equals feeding it one token at a time."""
+    model = tiny_model(arch, torch.float64)
+    ids, mask = left_padded([40, 33], seed=2)
+    cfg = ScissorhandsConfig(budget=14, recent=3, drop=5, window=6, window_buckets=3)
+    with torch.no_grad():
+        one = ScissorhandsCache(model, cfg)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them for left padding
+        logits_one = model(ids, attention_mask=mask, cache=one, position_ids=positions).logits
+        step = ScissorhandsCache(model, cfg)
+        logits_step = []
+        for t in range(ids.shape[1]):
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=step,
+                        position_ids=(mask[:, :t + 1].cumsum(-1) - 1).clamp(min=0)[:, -1:])
+            logits_step.append(out.logits)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(logits_step, 1)[real], logits_one[real], rtol=1e-9, atol=1e-9)
+    assert kept_sets(one) == kept_sets(step)
+    assert all(layer.compressions > 0 for layer in one.budgeted_layers)
+
+
+class CacheInspector(LogitsProcessor):
+    """Checks the cache after every decoding step of generate()."""
+
+    def __init__(self, cache, recent):
+        self.cache, self.recent, self.steps = cache, recent, 0
+
+    def __call__(self, input_ids, scores):
+        self.steps += 1
+        for layer in self.cache.budgeted_layers:
+            assert int(layer.lengths.max()) <= layer.budget
+            assert layer.keys.shape[-2] <= layer.budget  # storage itself, not a flag
+            assert layer.values.shape[-2] <= layer.budget
+            for b in range(layer.lengths.numel()):
+                seen = int(layer.row_seen[b])
+                recent = set(range(max(0, seen - self.recent), seen))
+                for head in layer.stored_positions(b).tolist():
+                    assert recent <= set(head)
+                    assert len(head) == len(set(head))
+        return scores
+
+
+@pytest.mark.parametrize("importance", ["sum", "count"])
+def test_invariants_during_generate(arch, importance):
+    model = tiny_model(arch)
+    ids, mask = left_padded([30, 12], seed=3)
+    cfg = ScissorhandsConfig(budget=16, recent=5, drop=0.4, window=10, importance=importance,
+                             schedule="increasing")
+    cache = ScissorhandsCache(model, cfg)
+    inspector = CacheInspector(cache, 5)
+    out = greedy(model, ids, mask, cache, n=25, logits_processor=LogitsProcessorList([inspector]))
+    assert inspector.steps == 25 and out.shape[1] == ids.shape[1] + 25
+    report = cache.memory_report()
+    assert report["max_stored"] <= max(layer.budget for layer in cache.budgeted_layers)
+    assert all(layer.compressions > 0 for layer in cache.budgeted_layers)
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "gemma3", "gpt2", "opt"])
+def test_batch_equals_each_sequence_alone(arch_name):
+    model = tiny_model(arch_name, torch.float64)
+    lengths = [30, 21, 9]
+    ids, mask = left_padded(lengths, seed=4)
+    cfg = ScissorhandsConfig(budget=12, recent=3, drop=4, window=8, window_buckets=4)
+    batch_cache = ScissorhandsCache(model, cfg)
+    batch = greedy(model, ids, mask, batch_cache, n=15)
+    for row, n in enumerate(lengths):
+        alone_cache = ScissorhandsCache(model, cfg)
+        alone = greedy(model, ids[row:row + 1, -n:], mask[row:row + 1, -n:], alone_cache, n=15)
+        assert torch.equal(batch[row, -(n + 15):], alone[0])
+        for lb, la in zip(batch_cache.budgeted_layers, alone_cache.budgeted_layers):
+            assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
+
+
+def test_sampling_runs_and_matches_full_cache_when_nothing_is_evicted():
+    model = tiny_model("llama")
+    ids, mask = left_padded([20, 20], seed=5)
+
+    def sample(cache):
+        torch.manual_seed(123)
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=15, do_sample=True,
+                                  top_k=50, temperature=1.0, pad_token_id=0)
+
+    assert torch.equal(sample(DynamicCache(config=model.config)),
+                       sample(ScissorhandsCache(model, ScissorhandsConfig(budget=64))))
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=12, recent=2))
+    out = sample(cache)
+    assert out.shape == (2, 35) and cache.memory_report()["max_stored"] <= 12
+
+
+def test_bf16_runs_and_importance_stays_fp32():
+    model = tiny_model("llama", torch.bfloat16)
+    ids, mask = left_padded([25, 18], seed=6)
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=12, recent=2, importance="sum"))
+    out = greedy(model, ids, mask, cache, n=10)
+    assert out.shape[1] == 35
+    layer = cache.budgeted_layers[0]
+    assert layer.keys.dtype == torch.bfloat16
+    assert layer.importance.acc.dtype == torch.float32
+    count = ScissorhandsCache(model, ScissorhandsConfig(budget=12, recent=2, importance="count"))
+    greedy(model, ids, mask, count, n=4)
+    assert count.budgeted_layers[0].importance.acc.dtype == torch.int16
+
+
+def test_gqa_stores_kv_heads_only():
+    model = tiny_model("qwen2")  # 6 query heads over 2 KV heads
+    ids, mask = left_padded([20], seed=7)
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=10, recent=2))
+    greedy(model, ids, mask, cache, n=3)
+    assert cache.budgeted_layers[0].keys.shape[1] == 2
+
+
+def test_gemma3_sliding_layers_keep_their_own_window():
+    model = tiny_model("gemma3")
+    ids, mask = left_padded([40], seed=8)
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=20, recent=2))
+    greedy(model, ids, mask, cache, n=10)
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds == ["DynamicSlidingWindowLayer", "ScissorhandsLayer", "DynamicSlidingWindowLayer",
+                     "ScissorhandsLayer"]
+    report = cache.memory_report()
+    assert report["layers"][0]["stored"] <= 8  # native window, untouched by the budget
+    assert report["layers"][1]["stored"] <= 20
+
+
+def test_memory_report_matches_tensor_storage():
+    model = tiny_model("llama")  # head_dim 16, 2 KV heads, fp32
+    ids, mask = left_padded([50], seed=9)
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=32, recent=4))
+    greedy(model, ids, mask, cache, n=10)
+    report = cache.memory_report()
+    layer = cache.budgeted_layers[0]
+    assert report["kv_bytes"] == sum(l.keys.nbytes + l.values.nbytes for l in cache.budgeted_layers)
+    m = report["layers"][0]
+    assert m["kv_bytes_per_token_head"] == 2 * 16 * 4
+    assert m["importance_bytes_per_token_head"] == 8 * 4  # 8 fp32 buckets
+    # 50 prompt tokens + 9 fed back (the 10th new token is never fed), 2 heads, K and V, fp32
+    assert m["full_kv_bytes"] == 59 * 2 * 2 * 16 * 4
+    assert m["capacity"] <= 32 and layer.keys.shape[-2] == m["capacity"]
+
+
+def test_not_enabled_attention_is_detected():
+    model = tiny_model("llama")
+    model.set_attn_implementation("sdpa")
+    try:
+        cache = ScissorhandsCache(model.config, ScissorhandsConfig(budget=8, recent=2))
+        ids, mask = left_padded([6], seed=1)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, cache=cache)
+            with pytest.raises(RuntimeError, match="not routed through scissorhands"):
+                model(ids[:, :1], attention_mask=torch.ones(1, 7, dtype=torch.long), cache=cache)
+    finally:
+        ScissorhandsCache(model, ScissorhandsConfig(budget=8, recent=2))  # re-enable for other tests
+
+
+def test_all_sliding_model_is_rejected():
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config("mistral")
+    cfg.sliding_window = 16
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="^model: .*no full-attention layer"):
+        ScissorhandsCache(model, ScissorhandsConfig(budget=8, recent=2))
+
+
+def test_layer_budget_check():
+    with pytest.raises(ValueError, match="^drop:"):
+        ScissorhandsLayer(budget=10, recent=5, drop=6, importance=None, policy=None)
