@@ -120,6 +120,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.lengths = self.row_seen = None
         self.importance.acc = None
         self.seen = 0
+        self.peak = 0  # most tokens any row ever stored: the budget bounds this
         self.compressions = 0
         self._pending: int | None = None
         self.is_initialized = False
@@ -209,6 +210,7 @@ class ScissorhandsLayer(CacheLayerMixin):
             self.importance.clear_slots(r, sl)
         self.lengths += added
         self.row_seen += added
+        self.peak = max(self.peak, self.length)
 
     def _compress(self, rows: torch.Tensor) -> None:
         """Evict ``drop`` tokens from each KV head of the full rows ``rows`` (CPU bool, (B,))."""
@@ -363,13 +365,14 @@ class ScissorhandsLayer(CacheLayerMixin):
     def memory(self) -> dict:
         """Bytes and tokens held by this layer."""
         if not self.is_initialized:
-            return {"budget": self.budget, "stored": 0, "capacity": 0, "seen": 0, "kv_bytes": 0,
+            return {"budget": self.budget, "stored": 0, "peak": 0, "capacity": 0, "seen": 0, "kv_bytes": 0,
                     "importance_bytes": 0, "position_bytes": 0, "full_kv_bytes": 0}
         b, h, cap, d = self.keys.shape
         per_token_head = d * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
         return {
             "budget": self.budget,
             "stored": self.length,
+            "peak": self.peak,
             "capacity": cap,
             "seen": int(self.row_seen.max()),
             "kv_bytes": self.keys.nbytes + self.values.nbytes,
@@ -465,9 +468,10 @@ class ScissorhandsCache(Cache):
         -------
         dict
             ``layers``: one dict per layer (budgeted layers have ``budget``);
-            totals ``kv_bytes``, ``importance_bytes``, ``position_bytes``,
-            ``full_kv_bytes`` (what a full cache would hold for the budgeted
-            layers), ``max_stored`` and ``stored_per_layer``.
+            totals ``kv_bytes`` (allocated), ``budgeted_kv_bytes``,
+            ``importance_bytes``, ``position_bytes``, ``full_kv_bytes`` (what a
+            full cache would hold for the budgeted layers), ``max_stored`` (now),
+            ``peak_stored`` (ever, in any layer) and ``stored_per_layer``.
         """
         per_layer = []
         for layer in self.layers:
@@ -484,6 +488,7 @@ class ScissorhandsCache(Cache):
         total["full_kv_bytes"] = sum(m["full_kv_bytes"] for m in budgeted)
         total["budgeted_kv_bytes"] = sum(m["kv_bytes"] for m in budgeted)
         total["max_stored"] = max(m["stored"] for m in budgeted)
+        total["peak_stored"] = max(m["peak"] for m in budgeted)
         total["stored_per_layer"] = [m["stored"] for m in per_layer]
         total["layers"] = per_layer
         return total

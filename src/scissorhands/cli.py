@@ -1,0 +1,173 @@
+"""Command line: builds configs and calls the library; no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .config import ScissorhandsConfig
+
+logger = logging.getLogger("scissorhands")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _window(text: str) -> int | None:
+    if text.lower() in ("none", "inf", "all"):
+        return None
+    return int(text)
+
+
+def _drop(text: str) -> float | int:
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+def _schedule(text: str):
+    if "," in text or text.isdigit():
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad budget list {text!r}") from None
+    return text
+
+
+def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None) -> None:
+    g = p.add_argument_group("cache")
+    g.add_argument("--budget", type=int, default=budget_default, required=budget_default is None,
+                   help="average tokens stored per full-attention layer (a hard peak per layer)")
+    g.add_argument("--recent", type=int, default=10, help="most recent tokens never evicted (r)")
+    g.add_argument("--window", type=_window, default=400, help="history window w in steps, or 'none'")
+    g.add_argument("--window-buckets", type=_window, default=8, help="buckets representing the window, "
+                   "or 'none' for the exact per-step window")
+    g.add_argument("--drop", type=_drop, default=0.4, help="drop amount m: a fraction of the budget or a count")
+    g.add_argument("--importance", default="sum", help="sum | count")
+    g.add_argument("--schedule", type=_schedule, default="uniform",
+                   help="uniform | increasing | b1,b2,... | calibrated.json")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (embedded default), a Hugging Face id, a folder or a .gguf file")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+
+
+def _cache_config(args) -> ScissorhandsConfig:
+    return ScissorhandsConfig(budget=args.budget, recent=args.recent, window=args.window,
+                              window_buckets=args.window_buckets, drop=args.drop, importance=args.importance,
+                              schedule=args.schedule)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="scissorhands", description="Budgeted KV-cache eviction (Scissorhands) for transformers")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate under a KV budget")
+    _add_model_args(gen)
+    _add_cache_args(gen, budget_default=None)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="file holding the prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--compare-full", action="store_true", help="also run the full cache and compare")
+
+    demo = sub.add_parser("demo", help="generate from the opening of Hamlet on the default model")
+    _add_model_args(demo)
+    _add_cache_args(demo, budget_default=400)
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    return parser
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+        if not text.strip():
+            raise ValueError("prompt: is empty")
+        return text
+    path = args.prompt_file
+    if not path.is_file():
+        raise ValueError(f"prompt-file: no such file {str(path)!r}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"prompt-file: {str(path)!r} is empty")
+    return text
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _report(label: str, result, out=sys.stderr) -> None:
+    print(f"[{label}] {result.new_tokens.shape[1]} new tokens in {result.seconds:.2f} s "
+          f"(prefill {result.prefill_seconds:.2f} s): {result.tokens_per_second:.2f} tokens/s overall, "
+          f"{result.decode_tokens_per_second:.2f} tokens/s decoding", file=out)
+    mem = result.memory
+    if mem is not None:
+        held = mem["budgeted_kv_bytes"]
+        full = mem["full_kv_bytes"]
+        print(f"[{label}] KV held {_mib(held)} (+ importance state {_mib(mem['importance_bytes'])}) "
+              f"vs full cache {_mib(full)}: {full / max(held, 1):.2f}x smaller; "
+              f"peak tokens stored in any layer {mem['peak_stored']}", file=out)
+
+
+def _run_generate(args, prompt: str, label_budget: str) -> int:
+    from .generation import generate
+    from .models import load_model
+
+    config = _cache_config(args)  # validate before the slow model load
+    if args.max_new_tokens < 1:
+        raise ValueError(f"max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    sampling = dict(do_sample=getattr(args, "sample", False), temperature=getattr(args, "temperature", 1.0),
+                    top_p=getattr(args, "top_p", 1.0), seed=getattr(args, "seed", 0))
+    result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True, **sampling)
+    print(f"prompt: {result.prompt_tokens[0]} tokens; budget {label_budget}", file=sys.stderr)
+    print(result.texts[0])
+    _report("scissorhands", result)
+    if getattr(args, "compare_full", True):
+        full = generate(model, tokenizer, prompt, None, args.max_new_tokens, progress=True, **sampling)
+        _report("full cache", full)
+        a, b = result.new_tokens[0], full.new_tokens[0]
+        n = min(len(a), len(b))
+        diverge = next((i for i in range(n) if a[i] != b[i]), n)
+        print(f"[compare] identical to the full cache for the first {diverge} of {n} new tokens; decode "
+              f"speed ratio {result.decode_tokens_per_second / full.decode_tokens_per_second:.2f}x", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not args.verbose:  # hub retries are reported once, as the one-line model error
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if args.command == "generate":
+            return _run_generate(args, _read_prompt(args), str(args.budget))
+        if args.command == "demo":
+            from .generation import demo_prompt
+
+            return _run_generate(args, demo_prompt(), str(args.budget))
+    except ValueError as e:  # includes ModelLoadError; messages start with the parameter's name
+        print(f"scissorhands: error: {e}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

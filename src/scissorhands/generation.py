@@ -1,0 +1,127 @@
+"""Generation under a budget: the library function behind ``scissorhands generate`` and ``demo``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from .cache import ScissorhandsCache
+from .config import ScissorhandsConfig
+
+
+def demo_prompt() -> str:
+    """About 2,000 SmolLM2 tokens of real text: the opening of Hamlet (public domain)."""
+    return resources.files("scissorhands").joinpath("data/hamlet_act1.txt").read_text()
+
+
+class _Clock(BaseStreamer):
+    """generate()'s streamer hook: times the first new token and drives an optional tqdm bar."""
+
+    def __init__(self, total: int, progress: bool):
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="generating", unit="tok", leave=False)
+        self.calls = 0
+        self.start = time.perf_counter()
+        self.first_token = None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 1:  # the first call carries the prompt
+            return
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def end(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclass
+class GenerationResult:
+    """What one generation produced and cost."""
+
+    texts: list[str]
+    new_tokens: torch.Tensor  # (B, N)
+    prompt_tokens: list[int]
+    seconds: float
+    prefill_seconds: float  # until the first new token
+    memory: dict | None  # ScissorhandsCache.memory_report(); None for the full cache
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second, prefill included."""
+        return self.new_tokens.numel() / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """New tokens after the first, per second of decoding."""
+        n = self.new_tokens.shape[1] - 1
+        dt = self.seconds - self.prefill_seconds
+        return self.new_tokens.shape[0] * n / dt if n > 0 and dt > 0 else float("nan")
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts: str | list[str],
+    config: ScissorhandsConfig | None,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    progress: bool = False,
+) -> GenerationResult:
+    """Generate from ``prompts`` with a budgeted cache (or the full cache if ``config`` is None).
+
+    Parameters
+    ----------
+    model, tokenizer
+        A causal LM and its tokenizer (left padding is used for batches).
+    prompts : str or list of str
+        One prompt or a batch.
+    config : ScissorhandsConfig or None
+        The budget; ``None`` runs transformers' ``DynamicCache`` for comparison.
+    max_new_tokens : int
+        Tokens to generate per prompt (generation also stops at EOS).
+
+    Returns
+    -------
+    GenerationResult
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts or any(not p.strip() for p in prompts):
+        raise ValueError("prompt: is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max-new-tokens: must be >= 1, got {max_new_tokens}")
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
+    cache = ScissorhandsCache(model, config) if config is not None else DynamicCache(config=model.config)
+    torch.manual_seed(seed)
+    kwargs = dict(do_sample=do_sample, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
+    streamer = _Clock(max_new_tokens, progress) if len(prompts) == 1 else None
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, streamer=streamer,
+                             pad_token_id=tokenizer.pad_token_id, **kwargs)
+    seconds = time.perf_counter() - start
+    new = out[:, enc["input_ids"].shape[1]:]
+    return GenerationResult(
+        texts=tokenizer.batch_decode(new, skip_special_tokens=True),
+        new_tokens=new,
+        prompt_tokens=enc["attention_mask"].sum(dim=1).tolist(),
+        seconds=seconds,
+        prefill_seconds=(streamer.first_token - start) if streamer and streamer.first_token else float("nan"),
+        memory=cache.memory_report() if config is not None else None,
+    )

@@ -1,0 +1,50 @@
+"""The embedded default model, SmolLM2-135M-Instruct, through the cache."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from scissorhands import ScissorhandsCache, ScissorhandsConfig
+from scissorhands.generation import demo_prompt
+from scissorhands.models import load_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_model("smollm2-135m")
+
+
+def test_budget_holds_on_real_text_and_identity_when_it_fits(smollm):
+    model, tok = smollm
+    ids = tok(demo_prompt(), return_tensors="pt").input_ids[:, :600]
+    with torch.no_grad():
+        full = model.generate(ids, cache=DynamicCache(config=model.config), max_new_tokens=12, do_sample=False)
+        same = ScissorhandsCache(model, ScissorhandsConfig(budget=700))
+        ours = model.generate(ids, cache=same, max_new_tokens=12, do_sample=False)
+        assert torch.equal(full, ours)
+
+        small = ScissorhandsCache(model, ScissorhandsConfig(budget=128, recent=10))
+        out = model.generate(ids, cache=small, max_new_tokens=12, do_sample=False)
+    report = small.memory_report()
+    assert report["peak_stored"] <= 128
+    assert all(layer.keys.shape[-2] <= 128 for layer in small.budgeted_layers)
+    assert len(small.budgeted_layers) == 30
+    assert report["full_kv_bytes"] > 4 * report["budgeted_kv_bytes"]
+    assert tok.decode(out[0, ids.shape[1]:]).strip()
+
+
+def test_prefill_equals_token_by_token_on_real_model(smollm):
+    """The blocked prefill equals streaming the text one token at a time (fp32, SmolLM2)."""
+    model, tok = smollm
+    ids = tok(demo_prompt(), return_tensors="pt").input_ids[:, :96]
+    cfg = ScissorhandsConfig(budget=40, recent=4, drop=12, window=16, window_buckets=4)
+    with torch.no_grad():
+        one = ScissorhandsCache(model, cfg)
+        logits_one = model(ids, cache=one).logits.log_softmax(-1)
+        step = ScissorhandsCache(model, cfg)
+        logits_step = torch.cat([model(ids[:, t:t + 1], cache=step).logits for t in range(ids.shape[1])], 1)
+    torch.testing.assert_close(logits_step.log_softmax(-1), logits_one, rtol=0, atol=1e-4)
+    for a, b in zip(one.budgeted_layers, step.budgeted_layers):
+        assert torch.equal(a.stored_positions(0), b.stored_positions(0))
