@@ -71,6 +71,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.importance = importance
         self.policy = policy
         self.query_tile = query_tile
+        self.layer_idx = 0  # set by the cache; lets policies tell layers apart
         self.reset()
 
     # -- transformers layer API ---------------------------------------------------------------
@@ -433,7 +434,7 @@ class ScissorhandsCache(Cache):
         self.policy = policy or ImportancePolicy()
         budgets = iter(layer_budgets(config, len(full)))
         layers = []
-        for layer_type, kwargs in zip(layer_types, layer_kwargs):
+        for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if layer_type == "full_attention":
                 budget = next(budgets)
                 if budget <= config.recent:
@@ -448,6 +449,7 @@ class ScissorhandsCache(Cache):
                         query_tile=config.query_tile,
                     )
                 )
+                layers[-1].layer_idx = idx
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
         super().__init__(layers=layers)

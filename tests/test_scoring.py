@@ -1,0 +1,85 @@
+"""The exact scorer equals decoding through the cache; every method runs through it."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from scissorhands import ScissorhandsCache, ScissorhandsConfig
+from scissorhands.methods import METHODS, get_method, resolve_budget
+from scissorhands.scoring import ScoreSetup, continuation_logprobs, token_logprobs
+
+BASE = ScissorhandsConfig(budget=16, recent=3, drop=5, window=8, window_buckets=4)
+
+
+def decode_logprobs(model, ids, setup):
+    """Reference: feed one token at a time through the cache, as generation would."""
+    cache = setup.make_cache(model, ids.shape[-1])
+    out = []
+    with torch.no_grad():
+        for t in range(ids.shape[-1] - 1):
+            logits = model(ids[None, t:t + 1], cache=cache).logits[0, -1]
+            out.append(torch.log_softmax(logits.float(), -1)[ids[t + 1]])
+    return torch.stack(out), cache
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if m != "full"])
+def test_scorer_equals_decoding(name):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(1))
+    setup = ScoreSetup(get_method(name), 16, BASE, seed=5)
+    fast, _ = token_logprobs(model, ids, setup)
+    slow, cache = decode_logprobs(model, ids, ScoreSetup(get_method(name), 16, BASE, seed=5))
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
+    assert isinstance(cache, ScissorhandsCache) and cache.memory_report()["peak_stored"] <= 16
+
+
+def test_full_method_and_large_budget_equal_plain_forward():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0, :-1]
+    plain = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
+    for setup in (ScoreSetup(get_method("full"), None, BASE), ScoreSetup(get_method("scissorhands"), 30, BASE)):
+        torch.testing.assert_close(token_logprobs(model, ids, setup)[0], plain, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["full", "scissorhands", "h2o", "streaming"])
+def test_continuations_equal_scoring_each_sequence_alone(name):
+    model = tiny_model("gemma3")
+    gen = torch.Generator().manual_seed(3)
+    context = torch.randint(3, 256, (40,), generator=gen).tolist()
+    conts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 5, 3)]
+    setup = ScoreSetup(get_method(name), 20, BASE)
+    got = continuation_logprobs(model, context, conts, setup)
+    for (total, greedy), cont in zip(got, conts):
+        lp, hit = token_logprobs(model, torch.tensor(context + cont), setup)
+        assert total == pytest.approx(float(lp[-len(cont):].sum()), abs=1e-4)
+        assert greedy == bool(hit[-len(cont):].all())
+
+
+def test_methods_keep_what_they_promise():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(4))
+
+    def kept(name):
+        setup = ScoreSetup(get_method(name), 16, BASE)
+        cache = setup.make_cache(model, 60)
+        with torch.no_grad():
+            model(ids[None], cache=cache)
+        return [set(p.tolist()) for layer in cache.budgeted_layers for p in layer.stored_positions(0)]
+
+    for heads in kept("streaming"):
+        assert {0, 1, 2, 3} <= heads  # attention sinks
+    for heads in kept("local"):
+        assert heads == set(range(60 - len(heads), 60))  # a contiguous recent window
+    assert kept("random") != kept("local")
+
+
+def test_budget_resolution_and_errors():
+    assert resolve_budget(0.2, 100, 10) == 20
+    assert resolve_budget(0.05, 100, 10) == 11  # never below recent + 1
+    assert resolve_budget(64, 1000, 10) == 64
+    with pytest.raises(ValueError, match="^budgets:"):
+        resolve_budget(0, 100, 10)
+    with pytest.raises(ValueError, match="^methods:"):
+        get_method("nope")
