@@ -67,3 +67,17 @@ def left_padded(lengths, seed=0, pad_id=0):
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param
+
+
+class ByteTokenizer:
+    """A real, if simple, tokenizer for the tiny models: one id per UTF-8 byte."""
+
+    eos_token_id = 2
+    pad_token_id = 0
+
+    class _Enc:
+        def __init__(self, ids):
+            self.input_ids = ids
+
+    def __call__(self, text, add_special_tokens=False):
+        return self._Enc([3 + b % (VOCAB - 3) for b in text.encode()])

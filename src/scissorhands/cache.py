@@ -83,6 +83,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.positions = torch.empty(b, h, 0, dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros(b, dtype=torch.long)  # CPU: stored tokens per row
         self.row_seen = torch.zeros(b, dtype=torch.long)  # CPU: real tokens seen per row
+        self._uniform = (0, 0)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
@@ -119,6 +120,8 @@ class ScissorhandsLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.positions = None
         self.lengths = self.row_seen = None
+        # (stored, seen) shared by every row, or None: lets decoding skip per-row bookkeeping.
+        self._uniform: tuple[int, int] | None = None
         self.importance.acc = None
         self.seen = 0
         self.peak = 0  # most tokens any row ever stored: the budget bounds this
@@ -141,6 +144,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.row_seen = self.row_seen.index_select(0, cpu)
         if self.importance.acc is not None:
             self.importance.select_batch(dev)
+        self._sync_uniform()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_batch(beam_idx)
@@ -166,6 +170,10 @@ class ScissorhandsLayer(CacheLayerMixin):
     def _aligned(self, lengths: torch.Tensor) -> bool:
         """Do all rows store as many tokens and sit at the same step? Then scalar fast paths apply."""
         return bool((lengths == lengths[0]).all()) and bool((self.row_seen == self.row_seen[0]).all())
+
+    def _sync_uniform(self) -> None:
+        aligned = self.lengths.numel() > 0 and self._aligned(self.lengths)
+        self._uniform = (int(self.lengths[0]), int(self.row_seen[0])) if aligned else None
 
     def _reserve(self, needed: int) -> None:
         """Grow the buffers (geometrically, never past the budget) to hold ``needed`` slots."""
@@ -212,6 +220,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.lengths += added
         self.row_seen += added
         self.peak = max(self.peak, self.length)
+        self._sync_uniform()
 
     def _compress(self, rows: torch.Tensor) -> None:
         """Evict ``drop`` tokens from each KV head of the full rows ``rows`` (CPU bool, (B,))."""
@@ -239,6 +248,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         empty = slot[None, :] >= self.lengths.to(self.device)[:, None]  # (B, L)
         self.positions[:, :, :length].masked_fill_(empty[:, None, :], -1)
         self.compressions += 1
+        self._sync_uniform()
 
     # -- attention -------------------------------------------------------------------------
     def attend(
@@ -285,6 +295,9 @@ class ScissorhandsLayer(CacheLayerMixin):
             # Allocated here: the count dtype depends on the group size, sum on the compute dtype.
             self.importance.allocate(b, h, self.capacity, group=g, device=self.device, dtype=query.dtype)
 
+        if total == 1 and mask is None and self._uniform is not None:
+            return self._decode_step(query, key, value, scaling, softcap)
+
         valid = None
         if mask is not None:
             last = mask[:, 0, -1, :]  # (B, T): what the chunk's last query may see
@@ -315,6 +328,39 @@ class ScissorhandsLayer(CacheLayerMixin):
             self._attend_block(q[:, :, :, i:e], out[:, :, :, i:e], base, bcum, bvalid, scaling, softcap)
             i = e
         return out.view(b, h_q, total, -1)
+
+    def _decode_step(self, query, key, value, scaling, softcap) -> torch.Tensor:
+        """One new token per row, all rows in step: the per-token path, kept to a few tensor ops."""
+        b, h_q, _, d = query.shape  # (B, H_q, 1, D)
+        h = key.shape[1]
+        length, seen = self._uniform
+        if length >= self.budget:
+            self._compress(torch.ones(b, dtype=torch.bool))
+            length, seen = self._uniform
+        self._reserve(length + 1)
+        self.keys[:, :, length] = key[:, :, 0]
+        self.values[:, :, length] = value[:, :, 0]
+        self.positions[:, :, length] = seen
+        self.importance.acc[..., length] = 0
+        length += 1
+        self.lengths += 1
+        self.row_seen += 1
+        self._uniform = (length, seen + 1)
+        self.peak = max(self.peak, length)
+        q = query.view(b, h, h_q // h, d)  # (B, H_kv, g, D)
+        logits = torch.matmul(q, self.keys[:, :, :length].transpose(-1, -2))  # (B, H_kv, g, L)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        probs = torch.softmax(logits, dim=-1)  # (B, H_kv, g, L)
+        ctx = torch.matmul(probs.to(self.values.dtype), self.values[:, :, :length])  # (B, H_kv, g, D_v)
+        if self.policy.tracks_attention:
+            if self.importance.form == "sum":
+                contrib = probs.sum(dim=2)  # (B, H_kv, L)
+            else:
+                contrib = (probs > 1.0 / length).sum(dim=2, dtype=torch.float32)
+            self.importance.add_step(seen, contrib)
+        return ctx.view(b, h_q, 1, -1)
 
     def _attend_block(self, q, out, base, cum, valid, scaling, softcap) -> None:
         """Queries of one block over each row's old slots plus the block's real tokens (causal).

@@ -82,6 +82,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--compare-full", action="store_true", help="also run the full cache and compare")
 
+    ev = sub.add_parser("eval", help="quality of methods x budgets on real data (exact compressed scoring)")
+    _add_model_args(ev)
+    _add_cache_args(ev, budget_default=64)
+    ev.add_argument("--methods", default="full,scissorhands,h2o,tova,streaming",
+                    help="comma list: full, scissorhands, scissorhands-count, h2o, tova, streaming, local, random")
+    ev.add_argument("--budgets", default="0.1,0.2,0.33,0.5",
+                    help="comma list: fractions (<= 1) of each sequence's length, or token counts (> 1)")
+    ev.add_argument("--tasks", default="ppl", help="comma list: ppl, agreement, lambada, hellaswag, piqa, "
+                    "winogrande, arc_easy, arc_challenge, openbookqa, or a .jsonl file")
+    ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts)")
+    ev.add_argument("--seq-len", type=int, default=2048, help="perplexity window length T")
+    ev.add_argument("--windows", type=int, default=16, help="perplexity windows")
+    ev.add_argument("--data", default=None, help="text file or folder for ppl/agreement (default: Shakespeare)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", type=Path, default=Path("eval-out"))
+    ev.add_argument("--no-resume", action="store_true", help="recompute results already in OUT/results.jsonl")
+
     demo = sub.add_parser("demo", help="generate from the opening of Hamlet on the default model")
     _add_model_args(demo)
     _add_cache_args(demo, budget_default=400)
@@ -146,6 +163,53 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
     return 0
 
 
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name}: expected a comma list of numbers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{name}: is empty")
+    return values
+
+
+def _run_eval(args) -> int:
+    from .eval import make_task, plot_results, run_grid, summary_table
+    from .eval.runner import paired_vs_full
+    from .methods import get_method, resolve_budget
+    from .models import load_model
+
+    base = _cache_config(args)
+    methods = [get_method(m.strip()) for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ValueError("methods: is empty")
+    budgets = _floats(args.budgets, "budgets")
+    for b in budgets:
+        resolve_budget(b, 1000, base.recent)
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"limit: must be >= 1, got {args.limit}")
+    if args.data is not None and not Path(args.data).exists():
+        raise ValueError(f"data: no such file or folder {args.data!r}")
+    tasks = [make_task(t.strip(), args.seq_len, args.windows, args.data) for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("tasks: is empty")
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    results = run_grid(model, tokenizer, args.model, tasks, methods, budgets, base, args.out, args.limit,
+                       args.seed, resume=not args.no_resume)
+    table = summary_table(results)
+    print(table)
+    (args.out / "summary.md").write_text(table + "\n")
+    paired = paired_vs_full(results)
+    if paired:
+        print("\nppl: mean NLL difference to the full cache, paired over windows (95% CI)")
+        for p in paired:
+            print(f"  {p['method']:<20} budget {p['budget']}: {p['delta_nll']:+.4f} ±{p['delta_nll_ci95']:.4f}")
+    for path in plot_results(results, args.out):
+        print(f"plot: {path}", file=sys.stderr)
+    print(f"results: {args.out / 'results.jsonl'}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -158,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()
         if args.command == "generate":
             return _run_generate(args, _read_prompt(args), str(args.budget))
+        if args.command == "eval":
+            return _run_eval(args)
         if args.command == "demo":
             from .generation import demo_prompt
 

@@ -121,10 +121,13 @@ def get_method(name: str) -> Method:
 def resolve_budget(spec: float, length: int, recent: int) -> int:
     """Token budget for a sequence of ``length`` tokens.
 
-    A spec below 1 is a fraction of the sequence's own length; 1 or more is a
-    token count. The budget never goes below ``recent + 1``.
+    A spec up to 1 is a fraction of the sequence's own length (1 = no
+    eviction); above 1 it is a token count. The budget never goes below
+    ``recent + 1``.
     """
     if spec <= 0:
         raise ValueError(f"budgets: must be > 0, got {spec}")
-    tokens = round(spec * length) if spec < 1 else int(spec)
+    if spec > 1 and spec != int(spec):
+        raise ValueError(f"budgets: a token count must be a whole number, got {spec}")
+    tokens = round(spec * length) if spec <= 1 else int(spec)
     return max(tokens, recent + 1)
