@@ -1,14 +1,13 @@
 """Evaluation tasks and the grid runner on tiny models and real text."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import ByteTokenizer, tiny_model
 from scissorhands import ScissorhandsConfig
+from scissorhands.cli import main
 from scissorhands.eval import make_task, plot_results, run_grid, summary_table
 from scissorhands.eval.runner import paired_vs_full
 from scissorhands.eval.tasks import Agreement, MultipleChoice, Perplexity
@@ -101,9 +100,8 @@ def test_real_task_data_is_read():
     (["--budget", "4"], "budget"),
     (["--limit", "0"], "limit"),
 ])
-def test_eval_cli_rejects_bad_arguments_in_one_line(args, param):
-    proc = subprocess.run([sys.executable, "-m", "scissorhands.cli", "eval", *args], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"{param}:" in lines[0] and "Traceback" not in proc.stderr
+def test_eval_cli_rejects_bad_arguments_in_one_line(capsys, args, param):
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"{param}:" in lines[0] and "Traceback" not in err
