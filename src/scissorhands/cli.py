@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--compare-full", action="store_true", help="also run the full cache and compare")
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
 
     ev = sub.add_parser("eval", help="quality of methods x budgets on real data (exact compressed scoring)")
     _add_model_args(ev)
@@ -147,7 +148,8 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
         raise ValueError(f"max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     sampling = dict(do_sample=getattr(args, "sample", False), temperature=getattr(args, "temperature", 1.0),
-                    top_p=getattr(args, "top_p", 1.0), seed=getattr(args, "seed", 0))
+                    top_p=getattr(args, "top_p", 1.0), seed=getattr(args, "seed", 0),
+                    ignore_eos=getattr(args, "ignore_eos", False))
     result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True, **sampling)
     print(f"prompt: {result.prompt_tokens[0]} tokens; budget {label_budget}", file=sys.stderr)
     print(result.texts[0])

@@ -81,6 +81,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     progress: bool = False,
+    ignore_eos: bool = False,
 ) -> GenerationResult:
     """Generate from ``prompts`` with a budgeted cache (or the full cache if ``config`` is None).
 
@@ -93,7 +94,7 @@ def generate(
     config : ScissorhandsConfig or None
         The budget; ``None`` runs transformers' ``DynamicCache`` for comparison.
     max_new_tokens : int
-        Tokens to generate per prompt (generation also stops at EOS).
+        Tokens to generate per prompt (generation also stops at EOS unless ``ignore_eos``).
 
     Returns
     -------
@@ -110,6 +111,8 @@ def generate(
     cache = ScissorhandsCache(model, config) if config is not None else DynamicCache(config=model.config)
     torch.manual_seed(seed)
     kwargs = dict(do_sample=do_sample, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
+    if ignore_eos:
+        kwargs["min_new_tokens"] = max_new_tokens
     streamer = _Clock(max_new_tokens, progress) if len(prompts) == 1 else None
     start = time.perf_counter()
     with torch.no_grad():

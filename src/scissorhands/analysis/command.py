@@ -1,0 +1,118 @@
+"""``scissorhands analyze``: persistence, power law, calibrated budgets and the bound on one model.
+
+Options are parsed as text and checked in :func:`settings_from_args`, so a bad
+value is a ``ValueError`` whose message starts with the option's name.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from .settings import PARTS, AnalysisSettings
+
+
+def add_parser(subparsers):
+    """Add the ``analyze`` subcommand to an argparse subparsers object; returns its parser."""
+    p = subparsers.add_parser("analyze", help="persistence of importance, power law, calibrated budgets, "
+                              "deviation vs budget")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (embedded default), a Hugging Face id, a folder or a .gguf file")
+    p.add_argument("--text", default=None, help="text file or folder (default: Shakespeare's plays)")
+    p.add_argument("--seq-len", default="256,512,1024",
+                   help="comma list of lengths T for persistence; the largest is used for the maps, "
+                   "power law and bound")
+    p.add_argument("--windows", default="8", help="calibration windows for persistence and power law")
+    p.add_argument("--thresholds", default="1,2,5,10", help="form (a) thresholds as multiples of 1/t")
+    p.add_argument("--topk", default="5,10,20,30", help="form (b) top sets, percent of the first half")
+    p.add_argument("--calib-topk", default="10", help="form (b) top-set percent that drives calibration")
+    p.add_argument("--budget", default="0.2",
+                   help="average budget of the calibrated schedule: fraction of --ppl-seq-len (<=1) or tokens")
+    p.add_argument("--weight-floor", default="0.1", help="added to each layer's weight 1 - persistence")
+    p.add_argument("--ratios", default="0.1,0.2,0.3,0.5,0.7,1.0", help="B/T values for the bound analysis")
+    p.add_argument("--bound-windows", default="2", help="evaluation windows for the bound analysis")
+    p.add_argument("--ppl-seq-len", default="2048", help="window length for the schedule perplexity comparison")
+    p.add_argument("--ppl-windows", default="16", help="windows for the schedule perplexity comparison")
+    p.add_argument("--compressions", default="3,5", help="compression factors T/budget for the comparison")
+    p.add_argument("--calib-fraction", default="0.5",
+                   help="share of the corpus tokens (from the start) used for calibration; the rest evaluates")
+    p.add_argument("--rank-lo", default="2", help="first rank of the power-law fit (the last is T/2)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    p.add_argument("--seed", default="0", help="seed of the randomly initialised control model")
+    p.add_argument("--out", default="analysis-out", help="output folder for JSON and PNG files")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def _number(text: str, name: str, kind=float):
+    try:
+        value = kind(str(text).strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+    return value
+
+
+def _numbers(text: str, name: str, kind=float) -> tuple:
+    items = [x for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"{name}: is empty")
+    return tuple(_number(x, name, kind) for x in items)
+
+
+def settings_from_args(args) -> AnalysisSettings:
+    """Build validated settings from the parsed options (raises ValueError naming the option)."""
+    topk = tuple(k / 100 for k in _numbers(args.topk, "topk"))
+    for k in topk:
+        if not 0.0 < k <= 1.0:
+            raise ValueError(f"topk: must be in (0, 100] percent, got {k * 100:g}")
+    calib = _number(args.calib_topk, "calib-topk") / 100
+    if not any(abs(calib - k) < 1e-12 for k in topk):
+        raise ValueError(f"calib-topk: must be one of --topk ({args.topk}), got {args.calib_topk}")
+    calib = next(k for k in topk if abs(calib - k) < 1e-12)
+    return AnalysisSettings(
+        seq_lens=_numbers(args.seq_len, "seq-len", int),
+        windows=_number(args.windows, "windows", int),
+        thresholds=_numbers(args.thresholds, "thresholds"),
+        topk=topk,
+        calib_topk=calib,
+        budget=_number(args.budget, "budget"),
+        weight_floor=_number(args.weight_floor, "weight-floor"),
+        ratios=_numbers(args.ratios, "ratios"),
+        bound_windows=_number(args.bound_windows, "bound-windows", int),
+        ppl_seq_len=_number(args.ppl_seq_len, "ppl-seq-len", int),
+        ppl_windows=_number(args.ppl_windows, "ppl-windows", int),
+        compressions=_numbers(args.compressions, "compressions"),
+        calib_fraction=_number(args.calib_fraction, "calib-fraction"),
+        rank_lo=_number(args.rank_lo, "rank-lo", int),
+        seed=_number(args.seed, "seed", int),
+        parts=tuple(p.strip() for p in str(args.parts).split(",") if p.strip()),
+    )
+
+
+def run(args) -> int:
+    """Run ``scissorhands analyze``; writes ``analysis.json``, the calibrated schedule and plots to ``--out``."""
+    from ..models import load_model
+    from ..text import load_texts
+    from .pipeline import analyze
+    from .report import save_json, summary, write_plots
+
+    settings = settings_from_args(args)  # check every option before the slow model load
+    if args.text is not None and args.text != "shakespeare" and not Path(args.text).expanduser().exists():
+        raise ValueError(f"text: no such file or folder {args.text!r}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out: {str(out)!r} exists and is not a folder")
+    texts = load_texts(args.text)
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    result = analyze(model, tokenizer, texts, settings, out, model_name=args.model,
+                     progress=not args.no_progress)
+    result["seconds"]["total"] = round(time.perf_counter() - start, 1)
+    result["text"] = args.text or "shakespeare"
+    save_json(result, out / "analysis.json")
+    print(summary(result))
+    for path in write_plots(result, out):
+        print(f"plot: {path}", file=sys.stderr)
+    print(f"results: {out / 'analysis.json'}", file=sys.stderr)
+    return 0
