@@ -17,6 +17,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 from .config import ScissorhandsConfig
 from .importance import ImportanceState
+from .kvstore import DenseKVStore
 from .policy import EvictionPolicy, ImportancePolicy
 from .schedule import layer_budgets
 
@@ -62,6 +63,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         policy: EvictionPolicy,
         query_tile: int = 256,
     ):
+        self.store = DenseKVStore()  # before the base __init__, which assigns keys/values
         super().__init__()
         if drop > budget - recent:
             raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
@@ -74,12 +76,28 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.layer_idx = 0  # set by the cache; lets policies tell layers apart
         self.reset()
 
+    # transformers' base class and callers read `keys`/`values`; they are the store's buffers.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.store.keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self.store.keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.store.values
+
+    @values.setter
+    def values(self, value) -> None:
+        self.store.values = value
+
     # -- transformers layer API ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape  # (B, H_kv, T, D)
         self.device = key_states.device
-        self.keys = key_states.new_empty(b, h, 0, d)
-        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
+        self.store.allocate(key_states, value_states)
         self.positions = torch.empty(b, h, 0, dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros(b, dtype=torch.long)  # CPU: stored tokens per row
         self.row_seen = torch.zeros(b, dtype=torch.long)  # CPU: real tokens seen per row
@@ -136,8 +154,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         dev = index.to(self.device)
-        self.keys = self.keys.index_select(0, dev)
-        self.values = self.values.index_select(0, dev)
+        self.store.select_batch(dev)
         self.positions = self.positions.index_select(0, dev)
         cpu = index.cpu()
         self.lengths = self.lengths.index_select(0, cpu)
@@ -160,7 +177,7 @@ class ScissorhandsLayer(CacheLayerMixin):
     # -- storage ---------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return self.store.capacity
 
     @property
     def length(self) -> int:
@@ -181,15 +198,10 @@ class ScissorhandsLayer(CacheLayerMixin):
         if needed <= cap:
             return
         new_cap = min(self.budget, max(needed, 2 * cap, 16))
-
-        def grown(t: torch.Tensor, fill=0) -> torch.Tensor:
-            out = t.new_full((*t.shape[:2], new_cap, *t.shape[3:]), fill)  # (B, H_kv, new_cap, ...)
-            out[:, :, :cap] = t
-            return out
-
-        self.keys = grown(self.keys)
-        self.values = grown(self.values)
-        self.positions = grown(self.positions, -1)
+        self.store.grow(new_cap)
+        positions = self.positions.new_full((*self.positions.shape[:2], new_cap), -1)  # (B, H_kv, new_cap)
+        positions[:, :, :cap] = self.positions
+        self.positions = positions
         self.importance.grow(new_cap)
 
     def _append(self, key, value, valid, cum) -> None:
@@ -203,18 +215,16 @@ class ScissorhandsLayer(CacheLayerMixin):
         self._reserve(int((self.lengths + added).max()))
         if valid is None and self._aligned(self.lengths):
             start = int(self.lengths[0])
-            self.keys[:, :, start : start + c] = key
-            self.values[:, :, start : start + c] = value
+            self.store.write(start, key, value)
             pos = int(self.row_seen[0]) + torch.arange(c, dtype=torch.int32, device=self.device)
             self.positions[:, :, start : start + c] = pos
-            self.importance.clear_rows(None, start, start + c)
+            self.importance.clear(start, start + c)
         else:
             rows, cols = (valid if valid is not None else torch.ones_like(cum, dtype=torch.bool)).nonzero(as_tuple=True)
             slots = self.lengths[rows] + cum[rows, cols] - 1  # (N,)
             pos = (self.row_seen[rows] + cum[rows, cols] - 1).to(torch.int32)
             r, sl, cl = rows.to(self.device), slots.to(self.device), cols.to(self.device)
-            self.keys[r, :, sl] = key[r, :, cl]  # (N, H_kv, D)
-            self.values[r, :, sl] = value[r, :, cl]
+            self.store.write_at(r, sl, key[r, :, cl], value[r, :, cl])  # (N, H_kv, D) each
             self.positions[r, :, sl] = pos.to(self.device)[:, None]
             self.importance.clear_slots(r, sl)
         self.lengths += added
@@ -238,10 +248,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         dropped = torch.zeros_like(score, dtype=torch.bool).scatter_(2, order, ranked_drop.expand_as(order))
         # Kept slots first, in stored order; dropped ones after (then overwritten).
         keep = torch.sort(dropped.to(torch.uint8), dim=-1, stable=True).indices  # (B, H_kv, L)
-        d_k, d_v = self.keys.shape[-1], self.values.shape[-1]
-        self.keys[:, :, :length] = self.keys[:, :, :length].gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, d_k))
-        self.values[:, :, :length] = self.values[:, :, :length].gather(
-            2, keep.unsqueeze(-1).expand(-1, -1, -1, d_v))
+        self.store.reorder(keep)
         self.positions[:, :, :length] = self.positions[:, :, :length].gather(2, keep)
         self.importance.compact(keep)
         self.lengths -= torch.where(rows, self.drop, 0)
@@ -338,22 +345,22 @@ class ScissorhandsLayer(CacheLayerMixin):
             self._compress(torch.ones(b, dtype=torch.bool))
             length, seen = self._uniform
         self._reserve(length + 1)
-        self.keys[:, :, length] = key[:, :, 0]
-        self.values[:, :, length] = value[:, :, 0]
+        self.store.write(length, key, value)
         self.positions[:, :, length] = seen
-        self.importance.acc[..., length] = 0
+        self.importance.clear(length, length + 1)
         length += 1
         self.lengths += 1
         self.row_seen += 1
         self._uniform = (length, seen + 1)
         self.peak = max(self.peak, length)
         q = query.view(b, h, h_q // h, d)  # (B, H_kv, g, D)
-        logits = torch.matmul(q, self.keys[:, :, :length].transpose(-1, -2))  # (B, H_kv, g, L)
+        keys, values = self.store.read(length)  # (B, H_kv, L, D) each
+        logits = torch.matmul(q, keys.transpose(-1, -2))  # (B, H_kv, g, L)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scaling
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         probs = torch.softmax(logits, dim=-1)  # (B, H_kv, g, L)
-        ctx = torch.matmul(probs.to(self.values.dtype), self.values[:, :, :length])  # (B, H_kv, g, D_v)
+        ctx = torch.matmul(probs.to(values.dtype), values)  # (B, H_kv, g, D_v)
         if self.policy.tracks_attention:
             if self.importance.form == "sum":
                 contrib = probs.sum(dim=2)  # (B, H_kv, L)
@@ -377,7 +384,7 @@ class ScissorhandsLayer(CacheLayerMixin):
             n = e - a
             limit = base[:, None] + cum[:, a:e]  # (B, n) slots each query sees
             length = int(limit.max())
-            keys = self.keys[:, :, :length]  # (B, H_kv, L, D)
+            keys, values = self.store.read(length)  # (B, H_kv, L, D) each
             qt = q[:, :, :, a:e].reshape(b, h, g * n, d)  # (B, H_kv, g*n, D)
             logits = torch.matmul(qt, keys.transpose(-1, -2)).view(b, h, g, n, length)  # (B, H_kv, g, n, L)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scaling
@@ -391,7 +398,7 @@ class ScissorhandsLayer(CacheLayerMixin):
             probs = torch.softmax(logits, dim=-1)  # (B, H_kv, g, n, L)
             if valid is not None:
                 probs = probs * valid[:, a:e].to(device=self.device, dtype=probs.dtype)[:, None, None, :, None]
-            ctx = torch.matmul(probs.to(self.values.dtype).view(b, h, g * n, length), self.values[:, :, :length])
+            ctx = torch.matmul(probs.to(values.dtype).view(b, h, g * n, length), values)
             out[:, :, :, a:e] = ctx.view(b, h, g, n, -1)
             if track:
                 attended = limit.to(device=self.device, dtype=probs.dtype)[:, None, None, :, None]  # (B, 1, 1, n, 1)
@@ -414,15 +421,15 @@ class ScissorhandsLayer(CacheLayerMixin):
         if not self.is_initialized:
             return {"budget": self.budget, "stored": 0, "peak": 0, "capacity": 0, "seen": 0, "kv_bytes": 0,
                     "importance_bytes": 0, "position_bytes": 0, "full_kv_bytes": 0}
-        b, h, cap, d = self.keys.shape
-        per_token_head = d * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        b, h, cap, _ = self.keys.shape
+        per_token_head = self.store.bytes_per_token_head()
         return {
             "budget": self.budget,
             "stored": self.length,
             "peak": self.peak,
             "capacity": cap,
             "seen": int(self.row_seen.max()),
-            "kv_bytes": self.keys.nbytes + self.values.nbytes,
+            "kv_bytes": self.store.nbytes(),
             "importance_bytes": self.importance.nbytes(),
             "position_bytes": self.positions.nbytes,
             "full_kv_bytes": int(self.row_seen.sum()) * h * per_token_head,

@@ -55,7 +55,7 @@ class ImportanceState:
         self.acc = old.new_zeros(nb, b, h, capacity)
         self.acc[..., :cap] = old
 
-    def clear_rows(self, rows, start: int, end: int) -> None:
+    def clear(self, start: int, end: int) -> None:
         """Zero slots ``[start, end)`` of every row: freshly appended tokens have no history."""
         if self.acc is not None:
             self.acc[..., start:end] = 0
