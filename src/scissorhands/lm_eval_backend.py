@@ -253,9 +253,10 @@ class ScissorhandsLM(LM):
             prefix_token_id = self.tokenizer.bos_token_id
             if prefix_token_id is None:
                 prefix_token_id = self.tokenizer.eos_token_id
+            if prefix_token_id is None:
+                raise ValueError("prefix_token_id: the tokenizer has neither a BOS nor an EOS token; give one")
         if isinstance(prefix_token_id, bool) or not isinstance(prefix_token_id, int) or prefix_token_id < 0:
-            raise ValueError(f"prefix_token_id: must be a token id (the tokenizer has no BOS or EOS), "
-                             f"got {prefix_token_id!r}")
+            raise ValueError(f"prefix_token_id: must be a token id (an integer >= 0), got {prefix_token_id!r}")
         self._prefix_token_id = prefix_token_id
         bos = self.tokenizer.bos_token
         self._bos_text = bos if isinstance(bos, str) and bos else None
@@ -266,6 +267,8 @@ class ScissorhandsLM(LM):
     @staticmethod
     def _build(model, tokenizer, dtype, device):
         """Load (or accept) the model and tokenizer."""
+        if isinstance(tokenizer, (str, os.PathLike)):
+            raise ValueError("tokenizer: must be a tokenizer object (a model name or folder brings its own)")
         if isinstance(model, (tuple, list)):
             if len(model) != 2 or tokenizer is not None:
                 raise ValueError("model: a built model is given as (model, tokenizer), or model= plus tokenizer=")
