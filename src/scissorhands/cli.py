@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", type=Path, default=Path("eval-out"))
     ev.add_argument("--no-resume", action="store_true", help="recompute results already in OUT/results.jsonl")
 
+    from .analysis.command import add_parser as add_analyze_parser
+
+    add_analyze_parser(sub)
+
     demo = sub.add_parser("demo", help="generate from the opening of Hamlet on the default model")
     _add_model_args(demo)
     _add_cache_args(demo, budget_default=400)
@@ -226,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run_generate(args, _read_prompt(args), str(args.budget))
         if args.command == "eval":
             return _run_eval(args)
+        if args.command == "analyze":
+            from .analysis.command import run as run_analyze
+
+            return run_analyze(args)
         if args.command == "demo":
             from .generation import demo_prompt
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from .config import ScissorhandsConfig
 
 
-def _round_to_total(weights: list[float], total: int, floor: int) -> list[int]:
+def round_to_total(weights: list[float], total: int, floor: int) -> list[int]:
     """Integer budgets proportional to ``weights`` that add up to ``total`` exactly.
 
     Largest-remainder rounding, with every layer at least ``floor``.
@@ -68,8 +68,8 @@ def layer_budgets(config: ScissorhandsConfig, n_layers: int) -> list[int]:
             return [config.budget]
         a = config.increasing_slope
         weights = [1 - a + 2 * a * i / (n_layers - 1) for i in range(n_layers)]
-        return _round_to_total(weights, total, floor)
+        return round_to_total(weights, total, floor)
     budgets = load_schedule(sched)
     if len(budgets) != n_layers:
         raise ValueError(f"schedule: {sched!r} has {len(budgets)} budgets for {n_layers} full-attention layers")
-    return _round_to_total([float(b) for b in budgets], total, floor)
+    return round_to_total([float(b) for b in budgets], total, floor)

@@ -52,6 +52,26 @@ def kl_per_position(logits_p: torch.Tensor, logits_q: torch.Tensor, chunk: int =
     return torch.cat(out)
 
 
+def fit_through_origin(x, y) -> tuple[float, float]:
+    """Least-squares ``y = slope * x`` and its R² (against the mean of ``y``).
+
+    Parameters
+    ----------
+    x, y : sequence of float, same length
+
+    Returns
+    -------
+    slope, r2 : float
+    """
+    xs = torch.tensor(x, dtype=torch.float64)
+    ys = torch.tensor(y, dtype=torch.float64)
+    denom = float((xs * xs).sum())
+    slope = float((xs * ys).sum()) / denom if denom > 0 else 0.0
+    total = float(((ys - ys.mean()) ** 2).sum())
+    resid = float(((ys - slope * xs) ** 2).sum())
+    return slope, (1.0 - resid / total) if total > 0 else 1.0
+
+
 def budget_for(ratio: float, length: int, recent: int) -> int:
     """Token budget for ``B/T = ratio`` (never below ``recent + 1``)."""
     if not 0.0 < ratio <= 1.0:

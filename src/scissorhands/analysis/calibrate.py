@@ -16,7 +16,7 @@ from pathlib import Path
 
 # The rounding the library uses to rescale a loaded schedule; sharing it keeps
 # a calibrated schedule unchanged when it is loaded back at the same total.
-from ..schedule import _round_to_total
+from ..schedule import round_to_total
 
 METHOD = "weight = (1 - persistence) + weight_floor, normalised to budget * n_layers, floor recent + 1"
 
@@ -52,7 +52,7 @@ def calibrated_budgets(persistence: list[float], budget: int, recent: int = 10,
     weights = [(1.0 - p) + weight_floor for p in persistence]
     if sum(weights) <= 0:
         weights = [1.0] * len(persistence)
-    return _round_to_total(weights, budget * len(persistence), floor)
+    return round_to_total(weights, budget * len(persistence), floor)
 
 
 def save_schedule(path: str | Path, budgets: list[int], source: str, **extra) -> Path:

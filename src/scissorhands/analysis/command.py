@@ -39,9 +39,12 @@ def add_parser(subparsers):
                    help="share of the corpus tokens (from the start) used for calibration; the rest evaluates")
     p.add_argument("--rank-lo", default="2", help="first rank of the power-law fit (the last is T/2)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    p.add_argument("--bos", action="store_true", help="start every window with the tokenizer's BOS token")
     p.add_argument("--seed", default="0", help="seed of the randomly initialised control model")
     p.add_argument("--out", default="analysis-out", help="output folder for JSON and PNG files")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--from-json", default=None,
+                   help="measure nothing: redraw plots and tables into --out from an earlier analysis.json")
     return p
 
 
@@ -86,6 +89,7 @@ def settings_from_args(args) -> AnalysisSettings:
         calib_fraction=_number(args.calib_fraction, "calib-fraction"),
         rank_lo=_number(args.rank_lo, "rank-lo", int),
         seed=_number(args.seed, "seed", int),
+        bos=bool(args.bos),
         parts=tuple(p.strip() for p in str(args.parts).split(",") if p.strip()),
     )
 
@@ -95,24 +99,51 @@ def run(args) -> int:
     from ..models import load_model
     from ..text import load_texts
     from .pipeline import analyze
-    from .report import save_json, summary, write_plots
+    from .report import save_json
 
-    settings = settings_from_args(args)  # check every option before the slow model load
-    if args.text is not None and args.text != "shakespeare" and not Path(args.text).expanduser().exists():
-        raise ValueError(f"text: no such file or folder {args.text!r}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out: {str(out)!r} exists and is not a folder")
+    if args.from_json is not None:
+        return _redraw(Path(args.from_json), out)
+    settings = settings_from_args(args)  # check every option before the slow model load
+    if args.text is not None and args.text != "shakespeare" and not Path(args.text).expanduser().exists():
+        raise ValueError(f"text: no such file or folder {args.text!r}")
     texts = load_texts(args.text)
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
     result = analyze(model, tokenizer, texts, settings, out, model_name=args.model,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, checkpoint=lambda r: save_json(r, out / "analysis.json"))
     result["seconds"]["total"] = round(time.perf_counter() - start, 1)
     result["text"] = args.text or "shakespeare"
     save_json(result, out / "analysis.json")
+    _write_reports(result, out)
+    print(f"results: {out / 'analysis.json'}", file=sys.stderr)
+    return 0
+
+
+def _write_reports(result: dict, out: Path) -> None:
+    from .report import summary, write_plots
+    from .tables import markdown
+
     print(summary(result))
+    (out / "tables.md").write_text(markdown(result))
     for path in write_plots(result, out):
         print(f"plot: {path}", file=sys.stderr)
-    print(f"results: {out / 'analysis.json'}", file=sys.stderr)
+    print(f"tables: {out / 'tables.md'}", file=sys.stderr)
+
+
+def _redraw(path: Path, out: Path) -> int:
+    import json
+
+    if not path.is_file():
+        raise ValueError(f"from-json: no such file {str(path)!r}")
+    try:
+        result = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"from-json: {str(path)!r} is not valid JSON ({e.msg})") from None
+    if not isinstance(result, dict) or "settings" not in result:
+        raise ValueError(f"from-json: {str(path)!r} is not an analysis result")
+    out.mkdir(parents=True, exist_ok=True)
+    _write_reports(result, out)
     return 0

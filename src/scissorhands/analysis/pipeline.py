@@ -115,8 +115,16 @@ def measure_model(model, batches: list[list[int]], settings: AnalysisSettings, w
     return out
 
 
+def with_bos(batches: list[list[int]], tokenizer) -> list[list[int]]:
+    """Each window as BOS followed by its first ``T - 1`` tokens (same length T)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        raise ValueError("bos: the tokenizer has no BOS token")
+    return [[bos] + ids[:-1] for ids in batches]
+
+
 def analyze(model, tokenizer, texts: list[tuple[str, str]], settings: AnalysisSettings, out_dir: str | Path,
-            model_name: str = "", progress: bool = True) -> dict:
+            model_name: str = "", progress: bool = True, checkpoint=None) -> dict:
     """Run the requested parts of the analysis on one model.
 
     The corpus tokens are split once: the first ``calib_fraction`` feeds
@@ -133,6 +141,9 @@ def analyze(model, tokenizer, texts: list[tuple[str, str]], settings: AnalysisSe
     settings : AnalysisSettings
     out_dir : path
         Where the calibrated schedule JSON is written.
+    checkpoint : callable, optional
+        Called with the partial result after each part, so a long run that
+        fails late keeps what it measured.
 
     Returns
     -------
@@ -148,6 +159,9 @@ def analyze(model, tokenizer, texts: list[tuple[str, str]], settings: AnalysisSe
     calib_windows = windows(calib_ids, length, settings.windows) if "persistence" in parts else []
     bound_windows = windows(eval_ids, length, settings.bound_windows) if "bound" in parts else []
     ppl_windows = windows(eval_ids, settings.ppl_seq_len, settings.ppl_windows) if "ppl" in parts else []
+    if settings.bos:
+        calib_windows, bound_windows, ppl_windows = (with_bos(w, tokenizer) for w in
+                                                     (calib_windows, bound_windows, ppl_windows))
     n_sched = 3 if "calibrate" in parts else 2
     total = (2 * len(calib_windows) + len(bound_windows) * (1 + len(settings.ratios))
              + len(ppl_windows) * (1 + len(settings.compressions) * n_sched))
@@ -156,6 +170,11 @@ def analyze(model, tokenizer, texts: list[tuple[str, str]], settings: AnalysisSe
                     "layer_windows": layer_windows(model), "full_attention_layers": full_attention_layers(model),
                     "seconds": {}}
     bar = tqdm(total=total, disable=not progress, desc="analyze", unit="run")
+
+    def done():
+        if checkpoint is not None:
+            checkpoint(result)
+
     try:
         if "persistence" in parts:
             start = time.perf_counter()
@@ -166,6 +185,7 @@ def analyze(model, tokenizer, texts: list[tuple[str, str]], settings: AnalysisSe
                 result["measured"][label] = measure_model(twin, calib_windows, settings, layer_windows(model), bar)
                 del twin
             result["seconds"]["persistence"] = round(time.perf_counter() - start, 1)
+            done()
         if "calibrate" in parts:
             result["calibration"] = calibrate(result, settings, out_dir)
         if "bound" in parts:
@@ -177,6 +197,7 @@ def analyze(model, tokenizer, texts: list[tuple[str, str]], settings: AnalysisSe
                 bar.update(1 + len(settings.ratios))
             result["bound"] = _average_bound(per_window)
             result["seconds"]["bound"] = round(time.perf_counter() - start, 1)
+            done()
         if "ppl" in parts:
             start = time.perf_counter()
             bar.set_description("schedules")

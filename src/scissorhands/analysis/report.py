@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bound import fit_through_origin
 from .persistence import key
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,12 @@ def save_json(result: dict, path: str | Path) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return p
+
+
+def model_label(result: dict) -> str:
+    """Short model name for titles: a file path becomes its stem."""
+    name = str(result.get("model", ""))
+    return Path(name).stem if "/" in name or name.endswith(".gguf") else name
 
 
 def _nan(values):
@@ -58,10 +65,13 @@ def plot_persistence(result: dict, path: Path) -> Path:
             ax.axhline(k, color="0.3", ls=":", lw=1, label=f"chance ({k:g})")
         for i in result["full_attention_layers"] if len(result["full_attention_layers"]) < result["n_layers"] else []:
             ax.axvspan(i - 0.5, i + 0.5, color="0.9", zorder=0)
-        ax.set_ylim(0, 1.05)
+        ax.set_ylim(0, 1.45)
+        ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+        ax.set_xticks(x[:: max(1, len(x) // 30)])
+        ax.set_xlim(-0.7, len(x) - 0.3)
         ax.set_ylabel("persistence")
-        ax.set_title(f"{result['model']}: {title}, T={length}", fontsize=10)
-        ax.legend(fontsize=7, ncol=3, loc="lower right")
+        ax.set_title(f"{model_label(result)}: {title}, T={length}", fontsize=10)
+        ax.legend(fontsize=7, ncol=4, loc="upper center")
     axes[-1].set_xlabel("layer" + (" (shaded: full attention)" if len(result["full_attention_layers"])
                                    < result["n_layers"] else ""))
     fig.tight_layout()
@@ -98,8 +108,8 @@ def plot_powerlaw(result: dict, path: Path) -> Path:
     right.set_ylabel("fitted exponent α")
     right.legend(fontsize=7, loc="upper left")
     twin.legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"{result['model']}: accumulated attention rank-frequency, T={max(result['settings']['seq_lens'])}",
-                 fontsize=10)
+    length = max(result["settings"]["seq_lens"])
+    fig.suptitle(f"{model_label(result)}: accumulated attention rank-frequency, T={length}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -113,21 +123,26 @@ def plot_bound(result: dict, path: Path) -> Path:
     gap = np.array([1 - r["ratio"] for r in rows])
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     per_layer = np.array([r["layer_rel_l2"] for r in rows])  # (ratios, L)
-    n = per_layer.shape[1]
-    for layer in sorted({0, n // 2, n - 1}):
+    full = result["full_attention_layers"]
+    for layer in sorted({full[0], full[len(full) // 2], full[-1]}):
         left.plot(gap, per_layer[:, layer], "o-", ms=3, lw=1, label=f"layer {layer}")
     left.plot(gap, per_layer.mean(1), "ks-", lw=2, label="mean over layers")
+    slope, r2 = fit_through_origin(gap, per_layer.mean(1))
+    line = np.linspace(0, gap.max(), 20)
+    left.plot(line, slope * line, ":", color="0.4", label=f"{slope:.3f}·(1-B/T), R²={r2:.2f}")
     left.plot(gap, [r["mean_rel_l2_evicted"] for r in rows], "k^--", lw=1,
               label="mean over layers, positions t ≥ B only")
     left.set_xlabel("1 - B/T")
     left.set_ylabel("relative L2 of attention output")
     left.legend(fontsize=7)
     right.plot(gap, [r["kl"] for r in rows], "ko-", label="all positions")
+    slope, r2 = fit_through_origin(gap, [r["kl"] for r in rows])
+    right.plot(line, slope * line, ":", color="0.4", label=f"{slope:.3f}·(1-B/T), R²={r2:.2f}")
     right.plot(gap, [r["kl_evicted"] for r in rows], "k^--", label="positions t ≥ B")
     right.set_xlabel("1 - B/T")
     right.set_ylabel("KL(full || compressed), nats")
     right.legend(fontsize=7)
-    fig.suptitle(f"{result['model']}: deviation from the full cache, T={max(result['settings']['seq_lens'])}",
+    fig.suptitle(f"{model_label(result)}: deviation from the full cache, T={max(result['settings']['seq_lens'])}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -153,7 +168,7 @@ def plot_schedule(result: dict, path: Path) -> Path:
     twin.set_ylabel("persistence")
     ax.legend(loc="upper left", fontsize=7)
     twin.legend(loc="upper right", fontsize=7)
-    ax.set_title(f"{result['model']}: calibrated schedule at average budget {cal['average_budget']}", fontsize=10)
+    ax.set_title(f"{model_label(result)}: calibrated schedule at average budget {cal['average_budget']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -183,7 +198,7 @@ def _fmt(v) -> str:
 
 def summary(result: dict) -> str:
     """Plain-text summary: persistence by measure and length, power law, bound, schedules."""
-    lines = [f"model {result['model']}: {result['n_layers']} layers, full attention at "
+    lines = [f"model {model_label(result)}: {result['n_layers']} layers, full attention at "
              f"{result['full_attention_layers']}"]
     measured = result.get("measured")
     if measured:
@@ -217,6 +232,10 @@ def summary(result: dict) -> str:
         for r in result["bound"]:
             lines.append(f"       {1 - r['ratio']:.2f}  {r['mean_rel_l2']:.4f} / {r['mean_rel_l2_evicted']:.4f}"
                          f"   {r['kl']:.4f} / {r['kl_evicted']:.4f}")
+        gap = [1 - r["ratio"] for r in result["bound"]]
+        for name in ("mean_rel_l2", "kl"):
+            slope, r2 = fit_through_origin(gap, [r[name] for r in result["bound"]])
+            lines.append(f"       {name} ~ {slope:.4f} * (1 - B/T): R² {r2:.3f}")
     if "ppl" in result:
         p = result["ppl"]
         lines.append(f"perplexity, {p['windows']} windows of T={p['seq_len']}: full cache {p['full']['ppl']:.3f}")
