@@ -91,3 +91,27 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def paired_between(results, a="scissorhands", task="ppl"):
+    """Mean per-window NLL of method ``a`` minus each other method, same windows (95% CI)."""
+    from scissorhands.eval.tasks import _mean_ci
+
+    recs = {(r["method"], r["budget"]): r for r in results if r["task"] == task}
+    lines = [f"| vs {a} | " + " | ".join(f"budget {b}" for b in sorted({k[1] for k in recs if k[1]}, reverse=True))
+             + " |"]
+    budgets = sorted({k[1] for k in recs if k[1]}, reverse=True)
+    lines.append("|---|" + "---|" * len(budgets))
+    for m in dict.fromkeys(k[0] for k in recs):
+        if m in ("full", a):
+            continue
+        cells = []
+        for b in budgets:
+            if (a, b) not in recs or (m, b) not in recs:
+                cells.append("")
+                continue
+            d = [x["nll"] - y["nll"] for x, y in zip(recs[(a, b)]["item_scores"], recs[(m, b)]["item_scores"])]
+            mean, half = _mean_ci(d)
+            cells.append(f"{mean:+.4f} ±{half:.4f}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
