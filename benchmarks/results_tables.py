@@ -42,8 +42,7 @@ def ppl_table(results):
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     n = full["n_items"] if full else recs[0]["n_items"]
     lines.append("")
-    lines.append(f"{n} windows of {int(recs[0]['mean_length'])} tokens; wall time per run: "
-                 + ", ".join(f"{r['method']}@{r['budget']} {r['wall_s']:.0f}s" for r in recs[:3]) + ", ...")
+    lines.append(f"{n} windows of {int(recs[0]['mean_length'])} tokens, the same windows for every method.")
     return "\n".join(lines)
 
 
@@ -114,4 +113,28 @@ def paired_between(results, a="scissorhands", task="ppl"):
             mean, half = _mean_ci(d)
             cells.append(f"{mean:+.4f} ±{half:.4f}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_table(default_dir, sweep_dir, method="scissorhands", budget=0.2):
+    """Each setting of a defaults sweep against the shipped defaults, paired over the same windows."""
+    from scissorhands.eval.tasks import _mean_ci
+
+    base = next(r for r in load_results(Path(default_dir) / "results.jsonl")
+                if r["method"] == method and r["budget"] == budget and r["task"] == "ppl")
+    lines = ["| setting | w | buckets | m | r | importance | ppl | ΔNLL vs defaults (95% CI) |",
+             "|---|---|---|---|---|---|---|---|"]
+    c = base["config"]
+    lines.append(f"| defaults | {c['window']} | {c['window_buckets']} | {c['drop']} | {c['recent']} | "
+                 f"{c['importance']} | {base['metrics']['ppl']:.2f} | 0 |")
+    for d in sorted(Path(sweep_dir).iterdir()):
+        recs = load_results(d / "results.jsonl")
+        if not recs:
+            continue
+        r = recs[0]
+        c = r["config"]
+        diffs = [x["nll"] - y["nll"] for x, y in zip(r["item_scores"], base["item_scores"])]
+        mean, half = _mean_ci(diffs)
+        lines.append(f"| {d.name} | {c['window']} | {c['window_buckets']} | {c['drop']} | {c['recent']} | "
+                     f"{c['importance']} | {r['metrics']['ppl']:.2f} | {mean:+.4f} ±{half:.4f} |")
     return "\n".join(lines)

@@ -83,3 +83,12 @@ def test_budget_resolution_and_errors():
         resolve_budget(0, 100, 10)
     with pytest.raises(ValueError, match="^methods:"):
         get_method("nope")
+
+
+def test_shared_settings_reach_the_method_unless_it_defines_them():
+    base = ScissorhandsConfig(budget=16, recent=3, window=50, importance="count")
+    assert get_method("scissorhands").config(base, 20).importance == "count"
+    assert get_method("scissorhands").config(base, 20).window == 50
+    assert get_method("h2o").config(base, 20).window is None
+    tova = get_method("tova").config(base, 20)
+    assert (tova.window, tova.recent, tova.importance) == (1, 0, "sum")

@@ -66,7 +66,9 @@ class Method:
     """A named eviction method.
 
     ``settings`` override fields of the base :class:`ScissorhandsConfig`
-    (window, importance, recent); ``policy`` builds a fresh policy per cache.
+    (window, importance, recent): a method's defining choices win over the
+    shared settings, so ``h2o`` always has an unbounded window and ``tova`` a
+    one-step window. ``policy`` builds a fresh policy per cache.
     ``None`` as policy means the full cache (no eviction).
     """
 
@@ -95,8 +97,8 @@ METHODS: dict[str, Method] = {
     m.name: m
     for m in [
         Method("full", "full cache, no eviction", policy=None),
-        Method("scissorhands", "attention summed over the last w steps (the seed's form)",
-               settings=(("importance", "sum"),)),
+        Method("scissorhands", "attention over the last w steps, in the configured importance form "
+               "(default: summed probabilities)"),
         Method("scissorhands-count", "queries over the last w steps where attention exceeded 1/n",
                settings=(("importance", "count"),)),
         Method("h2o", "attention accumulated over the whole history (w = inf) + recent window",

@@ -138,6 +138,7 @@ def paired_vs_full(results: list[dict], task: str = "ppl") -> list[dict]:
 def plot_results(results: list[dict], out_dir: Path) -> list[Path]:
     """One PNG per task: the main metric against compression, one line per method."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -155,8 +156,9 @@ def plot_results(results: list[dict], out_dir: Path) -> list[Path]:
         ax.set_xlabel("KV compression (sequence length / budget)")
         ax.set_ylabel(recs[0]["metric"])
         ax.set_xscale("log")
-        if task == "ppl":
-            ax.set_yscale("log")
+        ticks = sorted({round(r["compression"], 1) for r in recs})
+        ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_title(f"{task} — {recs[0]['model']}")
         ax.legend(fontsize=8)
         fig.tight_layout()
