@@ -138,3 +138,30 @@ def sweep_table(default_dir, sweep_dir, method="scissorhands", budget=0.2):
         lines.append(f"| {d.name} | {c['window']} | {c['window_buckets']} | {c['drop']} | {c['recent']} | "
                      f"{c['importance']} | {r['metrics']['ppl']:.2f} | {mean:+.4f} ±{half:.4f} |")
     return "\n".join(lines)
+
+
+def fewshot_paired(results):
+    """Accuracy change against the full cache, paired over the same questions (95% CI), per task."""
+    from scissorhands.eval.tasks import _mean_ci
+
+    recs = [r for r in results if r["task"] not in ("ppl", "agreement")]
+    tasks = list(dict.fromkeys(r["task"] for r in recs))
+    full = {r["task"]: r for r in recs if r["method"] == "full"}
+    lines = ["| method | budget | " + " | ".join(tasks) + " | all tasks |", "|---|---|" + "---|" * (len(tasks) + 1)]
+    for r0 in recs:
+        if r0["method"] == "full" or r0["task"] != tasks[0]:
+            continue
+        cells, pooled = [], []
+        for t in tasks:
+            r = next((x for x in recs if x["task"] == t and x["method"] == r0["method"] and x["budget"] == r0["budget"]),
+                     None)
+            if r is None or t not in full:
+                cells.append("")
+                continue
+            d = [float(a["correct"]) - float(b["correct"]) for a, b in zip(r["item_scores"], full[t]["item_scores"])]
+            pooled += d
+            m, h = _mean_ci(d)
+            cells.append(f"{m:+.3f} ±{h:.3f}")
+        m, h = _mean_ci(pooled)
+        lines.append(f"| {r0['method']} | {r0['budget']} | " + " | ".join(cells) + f" | {m:+.3f} ±{h:.3f} |")
+    return "\n".join(lines)
