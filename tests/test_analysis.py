@@ -24,7 +24,7 @@ from scissorhands.analysis import (
     topk_persistence,
     union_persistence,
 )
-from scissorhands.analysis.command import add_parser, run
+from scissorhands.analysis.cli import add_parser, run
 from scissorhands.analysis.persistence import layer_persistence
 
 # One head, T = 6 (first half = keys 0, 1, 2). Rows are steps t = 1..6.
@@ -264,7 +264,6 @@ def test_analyze_rejects_bad_arguments_with_one_line(argv, name):
 
 
 def test_pipeline_end_to_end_on_a_tiny_model(tmp_path):
-    pytest.importorskip("matplotlib")
     from scissorhands.analysis.pipeline import analyze
     from scissorhands.analysis.report import summary, write_plots
 

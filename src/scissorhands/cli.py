@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", type=Path, default=Path("eval-out"))
     ev.add_argument("--no-resume", action="store_true", help="recompute results already in OUT/results.jsonl")
 
-    from .analysis.command import add_parser as add_analyze_parser
+    from .analysis.cli import add_parser as add_analyze_parser
 
     add_analyze_parser(sub)
 
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return _run_eval(args)
         if args.command == "analyze":
-            from .analysis.command import run as run_analyze
+            from .analysis.cli import run as run_analyze
 
             return run_analyze(args)
         if args.command == "demo":
