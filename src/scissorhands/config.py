@@ -14,7 +14,7 @@ IMPORTANCE_FORMS = ("sum", "count")
 SCHEDULES = ("uniform", "increasing")
 
 
-def _check_int(name: str, value, low: int) -> None:
+def check_int(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: must be an integer, got {value!r}")
     if value < low:
@@ -71,21 +71,21 @@ class ScissorhandsConfig:
     query_tile: int = 256
 
     def __post_init__(self):
-        _check_int("budget", self.budget, 1)
-        _check_int("recent", self.recent, 0)
+        check_int("budget", self.budget, 1)
+        check_int("recent", self.recent, 0)
         if self.budget <= self.recent:
             raise ValueError(f"budget: must be > recent ({self.recent}), got {self.budget}")
         if self.window is not None:
-            _check_int("window", self.window, 1)
+            check_int("window", self.window, 1)
         if self.window_buckets is not None:
-            _check_int("window_buckets", self.window_buckets, 1)
+            check_int("window_buckets", self.window_buckets, 1)
         if isinstance(self.drop, bool) or not isinstance(self.drop, (int, float)):
             raise ValueError(f"drop: must be a fraction in (0, 1) or a token count, got {self.drop!r}")
         if isinstance(self.drop, float):
             if not 0.0 < self.drop < 1.0:
                 raise ValueError(f"drop: a fractional drop must be in (0, 1), got {self.drop}")
         else:
-            _check_int("drop", self.drop, 1)
+            check_int("drop", self.drop, 1)
             if self.drop >= self.budget:
                 raise ValueError(f"drop: must be < budget ({self.budget}), got {self.drop}")
             if self.drop > self.budget - self.recent:
@@ -100,7 +100,7 @@ class ScissorhandsConfig:
             object.__setattr__(self, "schedule", str(self.schedule))
         if isinstance(self.schedule, tuple):
             for b in self.schedule:
-                _check_int("schedule", b, self.recent + 1)
+                check_int("schedule", b, self.recent + 1)
         elif not isinstance(self.schedule, str):
             raise ValueError(f"schedule: must be a name, a list of budgets or a JSON path, got {self.schedule!r}")
         elif self.schedule not in SCHEDULES and not self.schedule.endswith(".json"):
@@ -109,7 +109,7 @@ class ScissorhandsConfig:
             )
         if not 0.0 <= self.increasing_slope < 1.0:
             raise ValueError(f"increasing_slope: must be in [0, 1), got {self.increasing_slope}")
-        _check_int("query_tile", self.query_tile, 1)
+        check_int("query_tile", self.query_tile, 1)
 
     # -- derived quantities ---------------------------------------------------------------
     def bucket_steps(self) -> int | None:

@@ -8,14 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import check_int
+
 PARTS = ("persistence", "powerlaw", "calibrate", "bound", "ppl")
-
-
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name}: must be >= {low}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -91,8 +86,8 @@ class AnalysisSettings:
             if not getattr(self, name):
                 raise ValueError(f"{name.replace('_', '-')}: is empty")
         for t in self.seq_lens:
-            _check_int("seq-len", t, 16)
-        _check_int("windows", self.windows, 1)
+            check_int("seq-len", t, 16)
+        check_int("windows", self.windows, 1)
         for m in self.thresholds:
             if not m > 0:
                 raise ValueError(f"thresholds: must be > 0, got {m:g}")
@@ -108,18 +103,18 @@ class AnalysisSettings:
         for r in self.ratios:
             if not 0.0 < r <= 1.0:
                 raise ValueError(f"ratios: must be in (0, 1], got {r:g}")
-        _check_int("bound-windows", self.bound_windows, 1)
-        _check_int("ppl-seq-len", self.ppl_seq_len, 16)
-        _check_int("ppl-windows", self.ppl_windows, 1)
+        check_int("bound-windows", self.bound_windows, 1)
+        check_int("ppl-seq-len", self.ppl_seq_len, 16)
+        check_int("ppl-windows", self.ppl_windows, 1)
         for c in self.compressions:
             if not c >= 1.0:
                 raise ValueError(f"compressions: must be >= 1, got {c:g}")
         if not 0.0 < self.calib_fraction < 1.0:
             raise ValueError(f"calib-fraction: must be in (0, 1), got {self.calib_fraction:g}")
-        _check_int("rank-lo", self.rank_lo, 1)
+        check_int("rank-lo", self.rank_lo, 1)
         if self.rank_lo > max(self.seq_lens) // 2 - 2:
             raise ValueError(f"rank-lo: must be <= T/2 - 2 = {max(self.seq_lens) // 2 - 2}, got {self.rank_lo}")
-        _check_int("seed", self.seed, 0)
+        check_int("seed", self.seed, 0)
         unknown = [p for p in self.parts if p not in PARTS]
         if unknown:
             raise ValueError(f"parts: unknown {unknown}; choose from {', '.join(PARTS)}")
