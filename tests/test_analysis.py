@@ -214,7 +214,7 @@ def test_calibrated_json_is_accepted_by_the_cache(tmp_path):
         out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 46)
     assert [layer.budget for layer in cache.budgeted_layers] == budgets
-    assert all(layer.peak <= b for layer, b in zip(cache.budgeted_layers, budgets))
+    assert all(layer.slots.peak <= b for layer, b in zip(cache.budgeted_layers, budgets))
 
 
 # ------------------------------------------------------------------ bound

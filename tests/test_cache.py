@@ -27,7 +27,7 @@ def test_identity_with_budget_above_length(arch):
 
 
 def kept_sets(cache):
-    return [[layer.stored_positions(b).tolist() for b in range(layer.lengths.numel())]
+    return [[layer.stored_positions(b).tolist() for b in range(layer.slots.lengths.numel())]
             for layer in cache.budgeted_layers]
 
 
@@ -61,11 +61,11 @@ class CacheInspector(LogitsProcessor):
     def __call__(self, input_ids, scores):
         self.steps += 1
         for layer in self.cache.budgeted_layers:
-            assert int(layer.lengths.max()) <= layer.budget
+            assert int(layer.slots.lengths.max()) <= layer.budget
             assert layer.keys.shape[-2] <= layer.budget  # storage itself, not a flag
             assert layer.values.shape[-2] <= layer.budget
-            for b in range(layer.lengths.numel()):
-                seen = int(layer.row_seen[b])
+            for b in range(layer.slots.lengths.numel()):
+                seen = int(layer.slots.seen[b])
                 recent = set(range(max(0, seen - self.recent), seen))
                 for head in layer.stored_positions(b).tolist():
                     assert recent <= set(head)
@@ -129,10 +129,10 @@ def test_bf16_runs_and_importance_stays_fp32():
     assert out.shape[1] == 35
     layer = cache.budgeted_layers[0]
     assert layer.keys.dtype == torch.bfloat16
-    assert layer.importance.acc.dtype == torch.float32
+    assert layer.state.acc.dtype == torch.float32
     count = ScissorhandsCache(model, ScissorhandsConfig(budget=12, recent=2, importance="count"))
     greedy(model, ids, mask, count, n=4)
-    assert count.budgeted_layers[0].importance.acc.dtype == torch.int16
+    assert count.budgeted_layers[0].state.acc.dtype == torch.int16
 
 
 def test_gqa_stores_kv_heads_only():
@@ -197,4 +197,4 @@ def test_all_sliding_model_is_rejected():
 
 def test_layer_budget_check():
     with pytest.raises(ValueError, match="^drop:"):
-        ScissorhandsLayer(budget=10, recent=5, drop=6, importance=None, policy=None)
+        ScissorhandsLayer(budget=10, recent=5, drop=6)

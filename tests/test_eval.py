@@ -30,7 +30,8 @@ def test_perplexity_grid_writes_results_tables_and_plots(tmp_path, text_file):
     task = Perplexity(seq_len=96, n_windows=3, data=str(text_file))
     methods = [get_method(m) for m in ("full", "scissorhands", "streaming")]
     out = tmp_path / "out"
-    results = run_grid(model, ByteTokenizer(), "tiny-llama", [task], methods, [0.25, 1.0], BASE, out)
+    results = run_grid(model, ByteTokenizer(), model_name="tiny-llama", tasks=[task], methods=methods,
+                       budgets=[0.25, 1.0], base=BASE, out_dir=out)
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert len(lines) == len(results) == 5
     rec = next(r for r in lines if r["method"] == "scissorhands" and r["budget"] == 0.25)
@@ -45,7 +46,8 @@ def test_perplexity_grid_writes_results_tables_and_plots(tmp_path, text_file):
     assert all(p["delta_nll_ci95"] >= 0 for p in paired_vs_full(results))
     assert plot_results(results, out) == [out / "ppl.png"] and (out / "ppl.png").stat().st_size > 1000
     # Resuming reuses finished results instead of recomputing them.
-    again = run_grid(model, ByteTokenizer(), "tiny-llama", [task], methods, [0.25, 1.0], BASE, out)
+    again = run_grid(model, ByteTokenizer(), model_name="tiny-llama", tasks=[task], methods=methods,
+                       budgets=[0.25, 1.0], base=BASE, out_dir=out)
     assert [r["wall_s"] for r in again] == [r["wall_s"] for r in results]
 
 
@@ -97,7 +99,7 @@ def test_real_task_data_is_read():
     (["--budgets", "-1"], "budgets"),
     (["--methods", "magic"], "methods"),
     (["--data", "/no/such/dir"], "data"),
-    (["--budget", "4"], "budget"),
+    (["--recent", "-1"], "recent"),
     (["--limit", "0"], "limit"),
 ])
 def test_eval_cli_rejects_bad_arguments_in_one_line(capsys, args, param):

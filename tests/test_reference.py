@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from reference import reference_stream
 from scissorhands.cache import ScissorhandsLayer
 from scissorhands.importance import ImportanceState
-from scissorhands.policy import ImportancePolicy
+from scissorhands.methods.scissorhands import Scissorhands
 
 
 def chunk_mask(valid_chunk: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,7 @@ def run_layer(q, k, v, valid, chunks, *, budget, recent, drop, window, bucket_st
     n_buckets = 1 if window is None else math.ceil(window / (bucket_steps or 1))
     steps = None if window is None else (bucket_steps or 1)
     layer = ScissorhandsLayer(budget, recent, drop, ImportanceState(importance, steps, n_buckets),
-                              ImportancePolicy(), query_tile=query_tile)
+                              Scissorhands(), query_tile=query_tile)
     outs, i = [], 0
     for c in chunks:
         kwargs = {}
@@ -35,7 +35,7 @@ def run_layer(q, k, v, valid, chunks, *, budget, recent, drop, window, bucket_st
         vc = valid[:, i:i + c]
         mask = None if bool(vc.all()) else chunk_mask(vc)
         outs.append(layer.attend(q[:, :, i:i + c], k[:, :, i:i + c], v[:, :, i:i + c], mask, scaling))
-        assert int(layer.lengths.max()) <= budget
+        assert int(layer.slots.lengths.max()) <= budget
         assert layer.keys.shape[-2] <= budget
         i += c
     return torch.cat(outs, dim=2), layer
@@ -89,7 +89,7 @@ def check_case(case):
     torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
     # Padding queries produce zeros and store nothing.
     assert torch.all(out.transpose(1, 2)[~valid] == 0)
-    assert layer.lengths.tolist() == [min(len(ref_kept[r][0]), case["budget"]) for r in range(case["b"])]
+    assert layer.slots.lengths.tolist() == [min(len(ref_kept[r][0]), case["budget"]) for r in range(case["b"])]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -124,7 +124,7 @@ def test_recent_window_is_always_kept():
     case = dict(b=1, h_kv=2, group=1, t=50, recent=6, budget=10, drop=4, window=3, bucket_steps=None,
                 importance="count", pads=[0], chunks=[1] * 50, tile=4, seed=11)
     q, k, v, valid = make_inputs(case)
-    layer = ScissorhandsLayer(10, 6, 4, ImportanceState("count", 1, 3), ImportancePolicy())
+    layer = ScissorhandsLayer(10, 6, 4, ImportanceState("count", 1, 3), Scissorhands())
     for t in range(50):
         kwargs = {}
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1], kwargs=kwargs)
@@ -140,7 +140,7 @@ def test_ties_keep_the_more_recent_token():
     q = torch.zeros(1, 1, 20, 4, dtype=torch.float64)
     k = torch.randn(1, 1, 20, 4, dtype=torch.float64)
     v = torch.randn(1, 1, 20, 4, dtype=torch.float64)
-    layer = ScissorhandsLayer(8, 2, 3, ImportanceState("count", None, 1), ImportancePolicy())
+    layer = ScissorhandsLayer(8, 2, 3, ImportanceState("count", None, 1), Scissorhands())
     for t in range(9):
         kwargs = {}
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1], kwargs=kwargs)

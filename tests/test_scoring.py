@@ -5,7 +5,8 @@ import torch
 
 from conftest import tiny_model
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
-from scissorhands.methods import METHODS, get_method, resolve_budget
+from scissorhands.budget import resolve_budget
+from scissorhands.methods import METHODS, get_method
 from scissorhands.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 
 BASE = ScissorhandsConfig(budget=16, recent=3, drop=5, window=8, window_buckets=4)
@@ -80,15 +81,15 @@ def test_budget_resolution_and_errors():
     assert resolve_budget(0.05, 100, 10) == 11  # never below recent + 1
     assert resolve_budget(64, 1000, 10) == 64
     with pytest.raises(ValueError, match="^budgets:"):
-        resolve_budget(0, 100, 10)
+        resolve_budget(0, 100, 10, name="budgets")
     with pytest.raises(ValueError, match="^methods:"):
         get_method("nope")
 
 
 def test_shared_settings_reach_the_method_unless_it_defines_them():
     base = ScissorhandsConfig(budget=16, recent=3, window=50, importance="count")
-    assert get_method("scissorhands").config(base, 20).importance == "count"
-    assert get_method("scissorhands").config(base, 20).window == 50
-    assert get_method("h2o").config(base, 20).window is None
-    tova = get_method("tova").config(base, 20)
+    assert get_method("scissorhands").configure(base, 20).importance == "count"
+    assert get_method("scissorhands").configure(base, 20).window == 50
+    assert get_method("h2o").configure(base, 20).window is None
+    tova = get_method("tova").configure(base, 20)
     assert (tova.window, tova.recent, tova.importance) == (1, 0, "sum")

@@ -1,18 +1,27 @@
 """scissorhands: budgeted KV-cache eviction by persistence of importance."""
 
 from .attention import enable
+from .budget import resolve_budget
 from .cache import ScissorhandsCache, ScissorhandsLayer
-from .config import ScissorhandsConfig
-from .policy import EvictionPolicy, ImportancePolicy
+from .config import DEFAULTS, CacheSettings, ScissorhandsConfig
+from .methods import METHODS, EvictionMethod, LayerView, get_method, register
 from .schedule import layer_budgets
+from .state import TokenState
 
 __all__ = [
-    "EvictionPolicy",
-    "ImportancePolicy",
+    "DEFAULTS",
+    "METHODS",
+    "CacheSettings",
+    "EvictionMethod",
+    "LayerView",
     "ScissorhandsCache",
     "ScissorhandsConfig",
     "ScissorhandsLayer",
+    "TokenState",
     "enable",
+    "get_method",
     "layer_budgets",
+    "register",
+    "resolve_budget",
 ]
 __version__ = "0.1.0"

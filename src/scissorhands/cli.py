@@ -7,7 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import ScissorhandsConfig
+from . import __version__
+from .config import DEFAULTS, IMPORTANCE_FORMS, CacheSettings
+from .methods import METHODS, get_method
 
 logger = logging.getLogger("scissorhands")
 
@@ -38,18 +40,33 @@ def _schedule(text: str):
     return text
 
 
-def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None) -> None:
+def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = None, with_budget: bool = True) -> None:
+    """The cache settings; their defaults are the library's (``scissorhands.config.DEFAULTS``)."""
     g = p.add_argument_group("cache")
-    g.add_argument("--budget", type=int, default=budget_default, required=budget_default is None,
-                   help="average tokens stored per full-attention layer (a hard peak per layer)")
-    g.add_argument("--recent", type=int, default=10, help="most recent tokens never evicted (r)")
-    g.add_argument("--window", type=_window, default=400, help="history window w in steps, or 'none'")
-    g.add_argument("--window-buckets", type=_window, default=8, help="buckets representing the window, "
-                   "or 'none' for the exact per-step window")
-    g.add_argument("--drop", type=_drop, default=0.4, help="drop amount m: a fraction of the budget or a count")
-    g.add_argument("--importance", default="sum", help="sum | count")
-    g.add_argument("--schedule", type=_schedule, default="uniform",
+    if with_budget:
+        g.add_argument("--budget", type=int, default=budget_default, required=budget_default is None,
+                       help="average tokens stored per full-attention layer (a hard peak per layer)")
+        g.add_argument("--method", default="scissorhands", help=f"eviction method: {', '.join(METHODS)}")
+    g.add_argument("--recent", type=int, default=DEFAULTS.recent, help="most recent tokens never evicted (r)")
+    g.add_argument("--window", type=_window, default=DEFAULTS.window, help="history window w in steps, or 'none'")
+    g.add_argument("--window-buckets", type=_window, default=DEFAULTS.window_buckets,
+                   help="buckets representing the window, or 'none' for the exact per-step window")
+    g.add_argument("--drop", type=_drop, default=DEFAULTS.drop,
+                   help="drop amount m: a fraction of the budget or a count")
+    g.add_argument("--importance", default=DEFAULTS.importance, help=" | ".join(IMPORTANCE_FORMS))
+    g.add_argument("--schedule", type=_schedule, default=DEFAULTS.schedule,
                    help="uniform | increasing | b1,b2,... | calibrated.json")
+
+
+def _add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, compare_full: bool) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-full", action=argparse.BooleanOptionalAction, default=compare_full,
+                   help="also run the full cache and compare")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -58,43 +75,39 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
 
 
-def _cache_config(args) -> ScissorhandsConfig:
-    return ScissorhandsConfig(budget=args.budget, recent=args.recent, window=args.window,
-                              window_buckets=args.window_buckets, drop=args.drop, importance=args.importance,
-                              schedule=args.schedule)
+def _settings(args) -> CacheSettings:
+    return CacheSettings(recent=args.recent, window=args.window, window_buckets=args.window_buckets,
+                         drop=args.drop, importance=args.importance, schedule=args.schedule)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="scissorhands", description="Budgeted KV-cache eviction (Scissorhands) for transformers")
+    parser = _Parser(prog="scissorhands", description="Budgeted KV-cache eviction (Scissorhands) for transformers",
+                     allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=f"scissorhands {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    gen = sub.add_parser("generate", help="generate under a KV budget")
+    gen = sub.add_parser("generate", allow_abbrev=False, help="generate under a KV budget")
     _add_model_args(gen)
     _add_cache_args(gen, budget_default=None)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--compare-full", action="store_true", help="also run the full cache and compare")
-    gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    _add_generation_args(gen, max_new_tokens=64, compare_full=False)
 
-    ev = sub.add_parser("eval", help="quality of methods x budgets on real data (exact compressed scoring)")
+    ev = sub.add_parser("eval", allow_abbrev=False, help="quality of methods x budgets on real data (exact compressed scoring)")
     _add_model_args(ev)
-    _add_cache_args(ev, budget_default=64)
+    _add_cache_args(ev, with_budget=False)
     ev.add_argument("--methods", default="full,scissorhands,h2o,tova,streaming",
-                    help="comma list: full, scissorhands, scissorhands-count, h2o, tova, streaming, local, random")
+                    help=f"comma list of: {', '.join(METHODS)}")
     ev.add_argument("--budgets", default="0.1,0.2,0.33,0.5",
                     help="comma list: fractions (<= 1) of each sequence's length, or token counts (> 1)")
     ev.add_argument("--tasks", default="ppl", help="comma list: ppl, agreement, lambada, hellaswag, piqa, "
                     "winogrande, arc_easy, arc_challenge, openbookqa, or a .jsonl file")
     ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts)")
     ev.add_argument("--seq-len", type=int, default=2048, help="perplexity window length T")
-    ev.add_argument("--windows", type=int, default=16, help="perplexity windows")
+    ev.add_argument("--num-samples", type=int, default=16,
+                    help="perplexity: number of text samples of --seq-len tokens (not the history --window)")
     ev.add_argument("--data", default=None, help="text file or folder for ppl/agreement (default: Shakespeare)")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", type=Path, default=Path("eval-out"))
@@ -104,10 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_analyze_parser(sub)
 
-    demo = sub.add_parser("demo", help="generate from the opening of Hamlet on the default model")
+    demo = sub.add_parser("demo", allow_abbrev=False, help="generate from the opening of Hamlet on the default model")
     _add_model_args(demo)
     _add_cache_args(demo, budget_default=400)
-    demo.add_argument("--max-new-tokens", type=int, default=64)
+    _add_generation_args(demo, max_new_tokens=64, compare_full=True)
     return parser
 
 
@@ -147,18 +160,21 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
     from .generation import generate
     from .models import load_model
 
-    config = _cache_config(args)  # validate before the slow model load
+    method = get_method(args.method)  # validate before the slow model load
+    if method.is_full:
+        raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method")
+    config = method.configure(_settings(args), args.budget)
     if args.max_new_tokens < 1:
         raise ValueError(f"max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     model, tokenizer = load_model(args.model, dtype=args.dtype)
-    sampling = dict(do_sample=getattr(args, "sample", False), temperature=getattr(args, "temperature", 1.0),
-                    top_p=getattr(args, "top_p", 1.0), seed=getattr(args, "seed", 0),
-                    ignore_eos=getattr(args, "ignore_eos", False))
-    result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True, **sampling)
+    sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                    ignore_eos=args.ignore_eos)
+    result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True,
+                      method=method(seed=args.seed), **sampling)
     print(f"prompt: {result.prompt_tokens[0]} tokens; budget {label_budget}", file=sys.stderr)
     print(result.texts[0])
-    _report("scissorhands", result)
-    if getattr(args, "compare_full", True):
+    _report(method.name, result)
+    if args.compare_full:
         full = generate(model, tokenizer, prompt, None, args.max_new_tokens, progress=True, **sampling)
         _report("full cache", full)
         a, b = result.new_tokens[0], full.new_tokens[0]
@@ -182,26 +198,24 @@ def _floats(text: str, name: str) -> list[float]:
 def _run_eval(args) -> int:
     from .eval import make_task, plot_results, run_grid, summary_table
     from .eval.runner import paired_vs_full
-    from .methods import get_method, resolve_budget
+    from .budget import check_budget_spec
     from .models import load_model
 
-    base = _cache_config(args)
+    base = _settings(args)
     methods = [get_method(m.strip()) for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise ValueError("methods: is empty")
-    budgets = _floats(args.budgets, "budgets")
-    for b in budgets:
-        resolve_budget(b, 1000, base.recent)
+    budgets = [check_budget_spec(b, "budgets") for b in _floats(args.budgets, "budgets")]
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"limit: must be >= 1, got {args.limit}")
     if args.data is not None and not Path(args.data).exists():
         raise ValueError(f"data: no such file or folder {args.data!r}")
-    tasks = [make_task(t.strip(), args.seq_len, args.windows, args.data) for t in args.tasks.split(",") if t.strip()]
+    tasks = [make_task(t.strip(), args.seq_len, args.num_samples, args.data) for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ValueError("tasks: is empty")
     model, tokenizer = load_model(args.model, dtype=args.dtype)
-    results = run_grid(model, tokenizer, args.model, tasks, methods, budgets, base, args.out, args.limit,
-                       args.seed, resume=not args.no_resume)
+    results = run_grid(model, tokenizer, model_name=args.model, tasks=tasks, methods=methods, budgets=budgets,
+                       base=base, out_dir=args.out, limit=args.limit, seed=args.seed, resume=not args.no_resume)
     table = summary_table(results)
     print(table)
     (args.out / "summary.md").write_text(table + "\n")

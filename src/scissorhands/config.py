@@ -1,13 +1,17 @@
 """Frozen, validated configuration for budgeted KV eviction.
 
-Every bad value raises ``ValueError`` whose message starts with the parameter's
-name, so the CLI can print it as a one-line error.
+:class:`CacheSettings` holds everything but the budget: what callers that
+resolve a budget per sequence (the evaluation grid, the lm-eval backend, the
+analysis) carry around. :class:`ScissorhandsConfig` adds the budget. Every bad
+value raises ``ValueError`` whose message starts with the parameter's name, so
+the CLI can print it as a one-line error.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 IMPORTANCE_FORMS = ("sum", "count")
@@ -15,22 +19,19 @@ SCHEDULES = ("uniform", "increasing")
 
 
 def check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an integer >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name}: must be an integer, got {value!r}")
     if value < low:
         raise ValueError(f"{name}: must be >= {low}, got {value}")
 
 
 @dataclass(frozen=True)
-class ScissorhandsConfig:
-    """What a :class:`~scissorhands.cache.ScissorhandsCache` keeps and how it evicts.
+class CacheSettings:
+    """How a budgeted cache evicts, whatever its budget.
 
     Parameters
     ----------
-    budget : int
-        Average number of tokens each full-attention layer may store; the
-        schedule spreads ``budget * n_layers`` over the layers. It is a peak:
-        no layer ever stores more than its own budget.
     recent : int
         The ``r`` most recently appended tokens are never evicted.
     window : int or None
@@ -60,7 +61,6 @@ class ScissorhandsConfig:
         the probability block to ``query_tile x budget`` per head.
     """
 
-    budget: int
     recent: int = 10
     window: int | None = 400
     window_buckets: int | None = 8
@@ -71,27 +71,18 @@ class ScissorhandsConfig:
     query_tile: int = 256
 
     def __post_init__(self):
-        check_int("budget", self.budget, 1)
         check_int("recent", self.recent, 0)
-        if self.budget <= self.recent:
-            raise ValueError(f"budget: must be > recent ({self.recent}), got {self.budget}")
         if self.window is not None:
             check_int("window", self.window, 1)
         if self.window_buckets is not None:
             check_int("window_buckets", self.window_buckets, 1)
-        if isinstance(self.drop, bool) or not isinstance(self.drop, (int, float)):
+        if isinstance(self.drop, bool) or not isinstance(self.drop, (numbers.Integral, float)):
             raise ValueError(f"drop: must be a fraction in (0, 1) or a token count, got {self.drop!r}")
         if isinstance(self.drop, float):
             if not 0.0 < self.drop < 1.0:
                 raise ValueError(f"drop: a fractional drop must be in (0, 1), got {self.drop}")
         else:
             check_int("drop", self.drop, 1)
-            if self.drop >= self.budget:
-                raise ValueError(f"drop: must be < budget ({self.budget}), got {self.drop}")
-            if self.drop > self.budget - self.recent:
-                raise ValueError(
-                    f"drop: must be <= budget - recent ({self.budget - self.recent}), got {self.drop}"
-                )
         if self.importance not in IMPORTANCE_FORMS:
             raise ValueError(f"importance: must be one of {IMPORTANCE_FORMS}, got {self.importance!r}")
         if isinstance(self.schedule, list):
@@ -111,6 +102,14 @@ class ScissorhandsConfig:
             raise ValueError(f"increasing_slope: must be in [0, 1), got {self.increasing_slope}")
         check_int("query_tile", self.query_tile, 1)
 
+    def with_budget(self, budget: int) -> ScissorhandsConfig:
+        """These settings at a token budget."""
+        return ScissorhandsConfig(budget=budget, **self.as_dict())
+
+    def as_dict(self) -> dict:
+        """The settings fields (never the budget), for JSON records and ``replace``."""
+        return {f.name: getattr(self, f.name) for f in fields(CacheSettings)}
+
     # -- derived quantities ---------------------------------------------------------------
     def bucket_steps(self) -> int | None:
         """Steps per importance bucket, or ``None`` for an unbounded window."""
@@ -121,14 +120,51 @@ class ScissorhandsConfig:
 
     def n_buckets(self) -> int:
         """Number of importance accumulators kept per stored token and KV head."""
-        if self.window is None:
-            return 1
-        return math.ceil(self.window / self.bucket_steps())
+        steps = self.bucket_steps()
+        return 1 if steps is None or self.window is None else math.ceil(self.window / steps)
 
     def drop_for(self, layer_budget: int) -> int:
         """Drop amount for a layer with this budget (a fraction is rounded, then clamped)."""
-        if isinstance(self.drop, float):
-            m = max(1, round(self.drop * layer_budget))
-        else:
-            m = self.drop
+        m = max(1, round(self.drop * layer_budget)) if isinstance(self.drop, float) else int(self.drop)
         return max(1, min(m, layer_budget - self.recent))
+
+
+DEFAULTS = CacheSettings()
+"""The shipped defaults: the one definition the CLI and the lm-eval backend read theirs from."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScissorhandsConfig(CacheSettings):
+    """What a :class:`~scissorhands.cache.ScissorhandsCache` keeps and how it evicts.
+
+    The fields of :class:`CacheSettings`, plus:
+
+    Parameters
+    ----------
+    budget : int
+        Average number of tokens each full-attention layer may store; the
+        schedule spreads ``budget * n_layers`` over the layers. It is a peak:
+        no layer ever stores more than its own budget.
+    """
+
+    budget: int
+
+    def __post_init__(self):
+        check_int("budget", self.budget, 1)
+        object.__setattr__(self, "budget", int(self.budget))
+        super().__post_init__()
+        if self.budget <= self.recent:
+            raise ValueError(f"budget: must be > recent ({self.recent}), got {self.budget}")
+        if not isinstance(self.drop, float):
+            if self.drop >= self.budget:
+                raise ValueError(f"drop: must be < budget ({self.budget}), got {self.drop}")
+            if self.drop > self.budget - self.recent:
+                raise ValueError(f"drop: must be <= budget - recent ({self.budget - self.recent}), got {self.drop}")
+
+    @property
+    def settings(self) -> CacheSettings:
+        """Everything but the budget."""
+        return CacheSettings(**self.as_dict())
+
+    def with_budget(self, budget: int) -> ScissorhandsConfig:
+        return replace(self, budget=budget)

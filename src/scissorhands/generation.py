@@ -12,6 +12,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .cache import ScissorhandsCache
 from .config import ScissorhandsConfig
+from .methods import EvictionMethod
 
 
 def demo_prompt() -> str:
@@ -82,7 +83,7 @@ def generate(
     seed: int = 0,
     progress: bool = False,
     ignore_eos: bool = False,
-    policy=None,
+    method: EvictionMethod | None = None,
 ) -> GenerationResult:
     """Generate from ``prompts`` with a budgeted cache (or the full cache if ``config`` is None).
 
@@ -94,7 +95,7 @@ def generate(
         One prompt or a batch.
     config : ScissorhandsConfig or None
         The budget; ``None`` runs transformers' ``DynamicCache`` for comparison.
-    policy : EvictionPolicy, optional
+    method : EvictionMethod, optional
         Another method's scoring rule (see :mod:`scissorhands.methods`); default Scissorhands.
     max_new_tokens : int
         Tokens to generate per prompt (generation also stops at EOS unless ``ignore_eos``).
@@ -111,7 +112,7 @@ def generate(
         raise ValueError(f"max-new-tokens: must be >= 1, got {max_new_tokens}")
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
-    cache = ScissorhandsCache(model, config, policy) if config is not None else DynamicCache(config=model.config)
+    cache = ScissorhandsCache(model, config, method) if config is not None else DynamicCache(config=model.config)
     torch.manual_seed(seed)
     kwargs = dict(do_sample=do_sample, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
     if ignore_eos:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from .state import TokenState
 
-class ImportanceState:
+
+class ImportanceState(TokenState):
     """Per-token importance accumulators, kept beside K/V and compacted with them.
 
     Parameters
@@ -29,13 +31,27 @@ class ImportanceState:
         Number of buckets in the ring.
     """
 
+    wants_attention = True
+
     def __init__(self, form: str, bucket_steps: int | None, n_buckets: int):
         self.form = form
         self.bucket_steps = bucket_steps
         self.n_buckets = n_buckets
         self.acc: torch.Tensor | None = None  # (NB, B, H, cap)
 
+    @classmethod
+    def from_settings(cls, settings) -> ImportanceState:
+        """The state a :class:`~scissorhands.config.CacheSettings` describes."""
+        return cls(settings.importance, settings.bucket_steps(), settings.n_buckets())
+
     # -- storage -------------------------------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        return self.acc is not None
+
+    def reset(self) -> None:
+        self.acc = None
+
     def allocate(self, batch: int, heads: int, capacity: int, group: int, device, dtype=torch.float32) -> None:
         """Allocate zeroed accumulators; counts use int16 when they cannot overflow it.
 
@@ -50,6 +66,8 @@ class ImportanceState:
 
     def grow(self, capacity: int) -> None:
         """Enlarge the token axis to ``capacity``, keeping the stored values."""
+        if self.acc is None:
+            return
         old = self.acc
         nb, b, h, cap = old.shape  # (NB, B, H, cap)
         self.acc = old.new_zeros(nb, b, h, capacity)
@@ -66,6 +84,19 @@ class ImportanceState:
             self.acc[:, rows, :, slots] = 0
 
     # -- updates ---------------------------------------------------------------------------
+    def observe(self, probs: torch.Tensor, attended, steps, valid: torch.Tensor | None) -> None:
+        """Accumulate new queries' attention (see :meth:`TokenState.observe`)."""
+        if isinstance(attended, int):  # decode: one query per row, all attended over the same slots
+            contrib = probs.sum(dim=2) if self.form == "sum" else (probs > 1.0 / attended).sum(
+                dim=2, dtype=torch.float32)  # (B, H_kv, n, L)
+        else:
+            contrib = self.contributions(probs, attended)
+        if isinstance(steps, int):
+            self.add_step(steps, contrib[:, :, 0])
+        else:
+            n = contrib.shape[2]
+            self.add(steps, torch.ones(steps.shape[0], n, dtype=torch.bool) if valid is None else valid, contrib)
+
     def contributions(self, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """What each query adds to each key, summed over the query heads of a group.
 
@@ -149,19 +180,23 @@ class ImportanceState:
         """Importance of the first ``length`` slots, shape (B, H_kv, length), float32."""
         return self.acc[..., :length].sum(dim=0, dtype=torch.float32)
 
-    def compact(self, order: torch.Tensor) -> None:
-        """Reorder the first ``L`` slots by ``order`` (kept slots first, in stored order).
+    def compact(self, keep: torch.Tensor) -> None:
+        """Reorder the first ``L`` slots by ``keep`` (kept slots first, in stored order).
 
         Parameters
         ----------
-        order : LongTensor, shape (B, H_kv, L)
+        keep : LongTensor, shape (B, H_kv, L)
         """
+        if self.acc is None:
+            return
+        order = keep
         k = order.shape[-1]
         idx = order.unsqueeze(0).expand(self.n_buckets, -1, -1, -1)  # (NB, B, H, L)
         self.acc[..., :k] = self.acc.gather(3, idx)
 
     def select_batch(self, index: torch.Tensor) -> None:
-        self.acc = self.acc.index_select(1, index)
+        if self.acc is not None:
+            self.acc = self.acc.index_select(1, index)
 
     def nbytes(self) -> int:
         return 0 if self.acc is None else self.acc.numel() * self.acc.element_size()

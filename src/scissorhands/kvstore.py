@@ -1,8 +1,18 @@
-"""K/V storage behind a small interface, so packed low-bit storage can be added beside it.
+"""Where a budgeted layer keeps K and V: a small interface, so packed low-bit storage fits beside dense.
 
-The cache layer decides *which* slots hold which token; a store only keeps
-the tensors: it appends, scatters, reorders (compaction after an eviction),
-and hands dense K/V back for the attention computation.
+The layer decides *which* slot holds which token; a store only keeps the
+tensors. Its contract:
+
+* slots are addressed per row and KV head; rows may hold different numbers of
+  tokens (the layer tracks the lengths), and every row has the same capacity;
+* ``write``/``write_at`` put new tokens into slots, once each (a packed store
+  quantises a token when it is written and never again);
+* ``reorder`` permutes the first ``L`` slots of every (row, head) by an index
+  (compaction after an eviction); a packed store moves its packed bytes and
+  their per-group scales with that index, without dequantising;
+* ``read(length)`` returns dense K and V of the first ``length`` slots, in the
+  compute dtype, for the attention kernel;
+* ``nbytes`` counts what is really allocated, scales and zero-points included.
 """
 
 from __future__ import annotations
@@ -10,7 +20,54 @@ from __future__ import annotations
 import torch
 
 
-class DenseKVStore:
+class KVStore:
+    """Interface of a K/V store; see the module docstring for the contract."""
+
+    @property
+    def capacity(self) -> int:
+        raise NotImplementedError
+
+    def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Empty storage shaped after a chunk ``key``/``value`` (B, H_kv, T, D)."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def grow(self, capacity: int) -> None:
+        """Enlarge to ``capacity`` slots, keeping what is stored."""
+        raise NotImplementedError
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write a block (B, H_kv, c, D) at slots ``[start, start + c)`` of every row."""
+        raise NotImplementedError
+
+    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write token ``i`` (key[i]: (H_kv, D)) at slot ``slots[i]`` of row ``rows[i]``."""
+        raise NotImplementedError
+
+    def reorder(self, order: torch.Tensor) -> None:
+        """Permute the first ``L`` slots of each (row, head) by ``order`` (B, H_kv, L)."""
+        raise NotImplementedError
+
+    def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K and V of the first ``length`` slots, each (B, H_kv, length, D)."""
+        raise NotImplementedError
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` (any order, repeats allowed)."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes allocated now."""
+        raise NotImplementedError
+
+    def bytes_per_token_head(self) -> int:
+        """Bytes one stored token costs per KV head (K and V together)."""
+        raise NotImplementedError
+
+
+class DenseKVStore(KVStore):
     """K and V in the model's dtype, each of shape (B, H_kv, capacity, D)."""
 
     def __init__(self):
@@ -18,21 +75,18 @@ class DenseKVStore:
         self.values: torch.Tensor | None = None
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Empty storage shaped after a chunk ``key``/``value`` (B, H_kv, T, D)."""
         b, h, _, d = key.shape
         self.keys = key.new_empty(b, h, 0, d)
         self.values = value.new_empty(b, h, 0, value.shape[-1])
+
+    def reset(self) -> None:
+        self.keys = self.values = None
 
     @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.values.dtype
-
     def grow(self, capacity: int) -> None:
-        """Enlarge to ``capacity`` slots, keeping what is stored."""
         def grown(t: torch.Tensor) -> torch.Tensor:
             out = t.new_zeros(*t.shape[:2], capacity, t.shape[-1])  # (B, H_kv, capacity, D)
             out[:, :, : t.shape[-2]] = t
@@ -41,25 +95,21 @@ class DenseKVStore:
         self.keys, self.values = grown(self.keys), grown(self.values)
 
     def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write a block (B, H_kv, c, D) at slots ``[start, start + c)`` of every row."""
         c = key.shape[-2]
         self.keys[:, :, start : start + c] = key
         self.values[:, :, start : start + c] = value
 
     def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write token ``i`` (key[i]: (H_kv, D)) at slot ``slots[i]`` of row ``rows[i]``."""
         self.keys[rows, :, slots] = key
         self.values[rows, :, slots] = value
 
     def reorder(self, order: torch.Tensor) -> None:
-        """Permute the first ``L`` slots of each (row, head) by ``order`` (B, H_kv, L)."""
         length = order.shape[-1]
         for t in (self.keys, self.values):
             idx = order.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])  # (B, H_kv, L, D)
             t[:, :, :length] = t[:, :, :length].gather(2, idx)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K and V of the first ``length`` slots, each (B, H_kv, length, D)."""
         return self.keys[:, :, :length], self.values[:, :, :length]
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -70,4 +120,6 @@ class DenseKVStore:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     def bytes_per_token_head(self) -> int:
+        if self.keys is None:
+            return 0
         return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()

@@ -17,7 +17,7 @@ lm-eval's three request kinds is then computed through the budgeted cache:
 The budget given as ``budget=`` is resolved per sequence: a value up to 1 is a
 fraction of that sequence's own length (context + continuation tokens, a
 rolling window's tokens, or prompt + ``max_gen_toks`` for generation), a
-value above 1 is a token count (see :func:`scissorhands.methods.resolve_budget`).
+value above 1 is a token count (see :func:`scissorhands.budget.resolve_budget`).
 
 Tokenisation follows lm-eval's Hugging Face backend (``--model hf``), so
 ``method=full`` reproduces its numbers: trailing whitespace of a context moves
@@ -47,7 +47,6 @@ From the shell (lm-eval's own command line, with this model type registered)::
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 
@@ -66,8 +65,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "scissorhands.lm_eval_backend needs lm-evaluation-harness: pip install 'scissorhands[lmeval]'"
     ) from exc
 
-from .config import ScissorhandsConfig
-from .methods import METHODS, Method, resolve_budget
+from .budget import check_budget_spec, resolve_budget
+from .config import DEFAULTS, CacheSettings
+from .methods import METHODS, EvictionMethod
 from .models import check_supported, load_model, resolve_dtype
 from .scoring import ScoreSetup, continuation_logprobs, token_logprobs
 
@@ -84,11 +84,7 @@ _DEFAULT_MAX_LENGTH = 2048
 _NO_TOKENIZER_LIMIT = 10**9
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_budget(budget, method: Method) -> float | int | None:
+def _check_budget(budget, method: type[EvictionMethod]) -> float | int | None:
     """Validate the ``budget`` model argument; ``None`` stands for no eviction (``method=full``)."""
     if method.is_full:
         if budget is not None:
@@ -99,13 +95,7 @@ def _check_budget(budget, method: Method) -> float | int | None:
             f"budget: is required for method {method.name!r} "
             "(a fraction of each request's length up to 1, or a token count)"
         )
-    if not _is_number(budget) or not math.isfinite(budget):
-        raise ValueError(f"budget: must be a number, got {budget!r}")
-    if budget <= 0:
-        raise ValueError(f"budget: must be > 0, got {budget}")
-    if budget > 1 and budget != int(budget):
-        raise ValueError(f"budget: a token count (> 1) must be a whole number, got {budget}")
-    return budget
+    return check_budget_spec(budget, "budget")
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> int | None:
@@ -116,18 +106,6 @@ def _check_positive_int(name: str, value, allow_none: bool = False) -> int | Non
     if value < 1:
         raise ValueError(f"{name}: must be >= 1, got {value}")
     return value
-
-
-def _base_config(recent, window, window_buckets, drop, importance, schedule) -> ScissorhandsConfig:
-    """Validate the shared cache settings; the budget is filled in per request.
-
-    The placeholder budget is the smallest one the other settings accept, so
-    that each bad value is reported under its own name.
-    """
-    slack = drop if isinstance(drop, int) and not isinstance(drop, bool) and drop > 0 else 1
-    low = recent + slack + 1 if isinstance(recent, int) and not isinstance(recent, bool) else 1
-    return ScissorhandsConfig(budget=max(low, 1), recent=recent, window=window, window_buckets=window_buckets,
-                              drop=drop, importance=importance, schedule=schedule)
 
 
 def _context_length(model, tokenizer) -> int:
@@ -181,7 +159,7 @@ class ScissorhandsLM(LM):
         sequence's own length; above 1: a token count. Never below
         ``recent + 1``. Required unless ``method=full``.
     recent, window, window_buckets, drop, importance, schedule
-        Shared cache settings, as in :class:`scissorhands.ScissorhandsConfig`
+        Shared cache settings, as in :class:`scissorhands.CacheSettings`
         (methods such as ``h2o`` or ``tova`` override some of them).
     seed : int
         Seed of the ``random`` method.
@@ -214,12 +192,12 @@ class ScissorhandsLM(LM):
         tokenizer=None,
         method: str = "scissorhands",
         budget: float | int | None = None,
-        recent: int = 10,
-        window: int | None = 400,
-        window_buckets: int | None = 8,
-        drop: float | int = 0.4,
-        importance: str = "sum",
-        schedule: str = "uniform",
+        recent: int = DEFAULTS.recent,
+        window: int | None = DEFAULTS.window,
+        window_buckets: int | None = DEFAULTS.window_buckets,
+        drop: float | int = DEFAULTS.drop,
+        importance: str = DEFAULTS.importance,
+        schedule: str | tuple[int, ...] = DEFAULTS.schedule,
         seed: int = 0,
         dtype: str = "float32",
         device: str | None = None,
@@ -238,7 +216,8 @@ class ScissorhandsLM(LM):
             raise ValueError(f"method: unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method = METHODS[method]
         self.budget_spec = _check_budget(budget, self.method)
-        self.base = _base_config(recent, window, window_buckets, drop, importance, schedule)
+        self.base = CacheSettings(recent=recent, window=window, window_buckets=window_buckets, drop=drop,
+                                  importance=importance, schedule=schedule)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed: must be an integer, got {seed!r}")
         self.seed = seed

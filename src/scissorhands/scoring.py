@@ -1,4 +1,4 @@
-"""Exact teacher-forced scoring under a compressed cache (DESIGN section 2).
+"""Exact teacher-forced scoring under a compressed cache.
 
 Scoring a text as if it were streamed token by token through the budgeted
 cache needs no decoding loop: one forward pass with a fresh
@@ -17,24 +17,36 @@ import torch
 from transformers import DynamicCache
 
 from .cache import ScissorhandsCache
-from .config import ScissorhandsConfig
-from .methods import Method
+from .config import CacheSettings
+from .methods import EvictionMethod
 
 
 @dataclass
 class ScoreSetup:
-    """A method at a token budget, on top of shared base settings."""
+    """A method at a token budget, on top of shared settings.
 
-    method: Method
-    budget: int | None  # None: no budget (full cache)
-    base: ScissorhandsConfig
+    Attributes
+    ----------
+    method : type of EvictionMethod
+        A registered method class (see :func:`scissorhands.get_method`).
+    budget : int or None
+        Tokens per layer; None for no budget (the full cache).
+    base : CacheSettings
+        Shared settings; the method's own choices override them.
+    seed : int
+        For methods that draw random numbers.
+    """
+
+    method: type[EvictionMethod]
+    budget: int | None
+    base: CacheSettings
     seed: int = 0
 
     def make_cache(self, model, total_length: int):
         """A fresh cache for a sequence of ``total_length`` tokens; DynamicCache when nothing would be evicted."""
         if self.method.is_full or self.budget is None or self.budget >= total_length:
             return DynamicCache(config=model.config)
-        return ScissorhandsCache(model, self.method.config(self.base, self.budget), self.method.make_policy(self.seed))
+        return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed))
 
 
 def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,12 @@ already differ, as they would in real use.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import torch
 
 from ..cache import ScissorhandsCache
-from ..config import ScissorhandsConfig
+from ..budget import resolve_budget
+from ..config import DEFAULTS, CacheSettings
 from .capture import capture_attention_outputs
 
 logger = logging.getLogger(__name__)
@@ -76,12 +76,12 @@ def budget_for(ratio: float, length: int, recent: int) -> int:
     """Token budget for ``B/T = ratio`` (never below ``recent + 1``)."""
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"ratios: must be in (0, 1], got {ratio}")
-    return max(round(ratio * length), recent + 1)
+    return resolve_budget(float(ratio), length, recent, name="ratios")
 
 
 @torch.no_grad()
 def deviation_vs_budget(model, ids: torch.Tensor, ratios: list[float],
-                        base: ScissorhandsConfig | None = None) -> list[dict]:
+                        base: CacheSettings = DEFAULTS) -> list[dict]:
     """Per-layer attention-output deviation and next-token KL at each budget ratio.
 
     Parameters
@@ -90,8 +90,8 @@ def deviation_vs_budget(model, ids: torch.Tensor, ratios: list[float],
     ids : LongTensor, shape (T,) or (1, T)
     ratios : list of float
         Values of ``B/T`` in (0, 1].
-    base : ScissorhandsConfig, optional
-        Cache settings other than the budget (library defaults if None).
+    base : CacheSettings
+        Cache settings other than the budget (the library defaults if not given).
 
     Returns
     -------
@@ -103,14 +103,14 @@ def deviation_vs_budget(model, ids: torch.Tensor, ratios: list[float],
     """
     ids = ids.reshape(1, -1).to(model.device)  # (1, T)
     length = ids.shape[1]
-    recent = base.recent if base is not None else ScissorhandsConfig(budget=length + 1).recent
+    recent = base.recent
     with capture_attention_outputs(model) as outs:
         full_logits = model(ids, use_cache=False).logits[0]  # (T, V)
     full = [o[-1][0] for o in outs]  # per layer (T, hidden)
     results = []
     for ratio in ratios:
         budget = budget_for(ratio, length, recent)
-        config = ScissorhandsConfig(budget=budget) if base is None else replace(base, budget=budget)
+        config = base.with_budget(budget)
         with capture_attention_outputs(model) as outs:
             logits = model(ids, cache=ScissorhandsCache(model, config)).logits[0]  # (T, V)
         comp = [o[-1][0] for o in outs]

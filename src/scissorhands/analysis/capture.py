@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import torch
 from transformers import AutoModelForCausalLM
 
+from ..modelinfo import model_facts
+
 logger = logging.getLogger(__name__)
 
 
@@ -36,25 +38,14 @@ def random_copy(model, seed: int = 0):
     return twin.to(dtype=next(model.parameters()).dtype).eval()
 
 
-def text_config(model):
-    config = model.config
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
 def layer_windows(model) -> list[int | None]:
     """Per layer: its sliding window, or None for full attention.  Length n_layers."""
-    cfg = text_config(model)
-    n = cfg.num_hidden_layers
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * n
-    window = getattr(cfg, "sliding_window", None)
-    return [window if t == "sliding_attention" and window else None for t in types]
+    return model_facts(model).sliding_windows
 
 
 def full_attention_layers(model) -> list[int]:
     """Indices of the layers a :class:`~scissorhands.ScissorhandsCache` puts a budget on."""
-    cfg = text_config(model)
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    return [i for i, t in enumerate(types) if t == "full_attention"]
+    return model_facts(model).full_layers
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from .settings import PARTS, AnalysisSettings
 
 def add_parser(subparsers):
     """Add the ``analyze`` subcommand to an argparse subparsers object; returns its parser."""
-    p = subparsers.add_parser("analyze", help="persistence of importance, power law, calibrated budgets, "
+    p = subparsers.add_parser("analyze", allow_abbrev=False, help="persistence of importance, power law, calibrated budgets, "
                               "deviation vs budget")
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (embedded default), a Hugging Face id, a folder or a .gguf file")

@@ -6,15 +6,17 @@ import math
 
 import torch
 
-from ..config import ScissorhandsConfig
-from ..methods import get_method, resolve_budget
+from ..budget import resolve_budget
+from ..config import DEFAULTS, CacheSettings
+from ..methods import get_method
 from ..scoring import ScoreSetup, token_logprobs
+from ..stats import paired_difference
 
 
 def window_nll(model, ids: list[int], budget: int | None, schedule="uniform") -> float:
     """Mean negative log-likelihood of one window, streamed through the cache (``budget=None``: full)."""
     method = get_method("full" if budget is None else "scissorhands")
-    base = ScissorhandsConfig(budget=budget if budget is not None else len(ids), schedule=schedule)
+    base = CacheSettings(schedule=schedule)
     logprobs, _ = token_logprobs(model, torch.tensor(ids), ScoreSetup(method, budget, base))
     return float(-logprobs.mean())
 
@@ -48,7 +50,7 @@ def compare_schedules(model, windows: list[list[int]], compressions: list[float]
     if "uniform" not in schedules:
         raise ValueError("schedules: must include 'uniform' to pair against")
     length = len(windows[0])
-    recent = ScissorhandsConfig(budget=length + 1).recent
+    recent = DEFAULTS.recent
 
     def tick():
         if progress is not None:
@@ -69,11 +71,9 @@ def compare_schedules(model, windows: list[list[int]], compressions: list[float]
                 tick()
             per_schedule[name] = nll
         for name, nll in per_schedule.items():
-            diffs = [a - b for a, b in zip(nll, per_schedule["uniform"])]
-            mean = sum(diffs) / len(diffs)
-            var = sum((d - mean) ** 2 for d in diffs) / max(len(diffs) - 1, 1)
+            mean, half = paired_difference(nll, per_schedule["uniform"])
             runs.append({"compression": c, "budget": budget, "schedule": name, "nll": nll,
                          "ppl": math.exp(sum(nll) / len(nll)), "delta_nll": mean,
-                         "delta_nll_ci95": 1.96 * math.sqrt(var / len(diffs))})
+                         "delta_nll_ci95": half if len(nll) > 1 else 0.0})
     return {"full": {"nll": full, "ppl": math.exp(sum(full) / len(full))}, "runs": runs, "seq_len": length,
             "windows": len(windows)}

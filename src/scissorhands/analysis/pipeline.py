@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..config import ScissorhandsConfig
-from ..methods import resolve_budget
+from ..budget import resolve_budget
+from ..config import DEFAULTS
 from ..text import corpus_tokens, windows
 from .bound import deviation_vs_budget
 from .calibrate import METHOD, calibrated_budgets, save_schedule
@@ -217,7 +218,7 @@ def calibrate(result: dict, settings: AnalysisSettings, out_dir: Path) -> dict:
     per_layer = result["measured"]["trained"]["persistence"][str(settings.length)][measure]["mean"]
     full = result["full_attention_layers"]
     persistence = [per_layer[i] for i in full]
-    recent = ScissorhandsConfig.__dataclass_fields__["recent"].default  # every layer budget must exceed it
+    recent = DEFAULTS.recent  # every layer budget must exceed it
     budget = resolve_budget(settings.budget, settings.ppl_seq_len, recent)
     budgets = calibrated_budgets(persistence, budget, recent, settings.weight_floor)
     source = (f"{result['model']}: form (b) top-{settings.calib_topk * 100:g}% persistence, mean over heads, "

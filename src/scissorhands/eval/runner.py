@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..config import ScissorhandsConfig
-from ..methods import Method, resolve_budget
+from ..budget import resolve_budget
+from ..config import CacheSettings
+from ..methods import EvictionMethod
+from ..modelinfo import model_facts
 from ..scoring import ScoreSetup
+from ..stats import paired_difference
 from .tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -20,14 +22,7 @@ logger = logging.getLogger(__name__)
 
 def kv_bytes_per_token(model) -> int:
     """Bytes of K and V per token, summed over the budgeted (full-attention) layers."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    cfg = model.config.get_text_config(decoder=True)
-    types, _ = get_layer_types_and_kwargs(cfg)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    elem = next(model.parameters()).element_size()
-    return sum(1 for t in types if t == "full_attention") * 2 * kv_heads * head_dim * elem
+    return model_facts(model).kv_bytes_per_token(next(model.parameters()).element_size())
 
 
 def _key(rec: dict) -> tuple:
@@ -40,8 +35,8 @@ def load_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_grid(model, tokenizer, model_name: str, tasks: list[Task], methods: list[Method], budgets: list[float],
-             base: ScissorhandsConfig, out_dir: Path, limit: int | None = None, seed: int = 0,
+def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: list[type[EvictionMethod]],
+             budgets: list[float], base: CacheSettings, out_dir: Path, limit: int | None = None, seed: int = 0,
              resume: bool = True) -> list[dict]:
     """Evaluate every method at every budget on every task.
 
@@ -79,7 +74,7 @@ def run_grid(model, tokenizer, model_name: str, tasks: list[Task], methods: list
                     "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
                     "kv_bytes": mean_budget * per_token, "full_kv_bytes": mean_len * per_token,
                     "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
-                    "config": {k: v for k, v in asdict(method.config(base, base.budget)).items() if k != "budget"},
+                    "config": method.resolve(base).as_dict(),
                     "item_scores": scores,
                 }
                 with path.open("a") as f:
@@ -118,8 +113,6 @@ def summary_table(results: list[dict]) -> str:
 
 def paired_vs_full(results: list[dict], task: str = "ppl") -> list[dict]:
     """Per-window mean NLL difference to the full cache, with a 95% interval (paired over windows)."""
-    from .tasks import _mean_ci
-
     full = next((r for r in results if r["task"] == task and r["method"] == "full"), None)
     if full is None:
         return []
@@ -128,8 +121,7 @@ def paired_vs_full(results: list[dict], task: str = "ppl") -> list[dict]:
     for r in results:
         if r["task"] != task or r["method"] == "full":
             continue
-        diffs = [s["nll"] - b for s, b in zip(r["item_scores"], base)]
-        mean, half = _mean_ci(diffs)
+        mean, half = paired_difference([s["nll"] for s in r["item_scores"]], base)
         out.append({"method": r["method"], "budget": r["budget"], "compression": r["compression"],
                     "delta_nll": mean, "delta_nll_ci95": half})
     return out

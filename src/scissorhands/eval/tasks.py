@@ -16,26 +16,11 @@ from pathlib import Path
 import torch
 
 from ..scoring import continuation_logprobs, token_logprobs
+from ..stats import mean_ci, proportion
 from ..text import corpus_tokens, load_texts, windows
 
 MC_TASKS = ("hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 TASKS = ("ppl", "lambada", "agreement") + MC_TASKS
-
-
-def _mean_ci(values: list[float]) -> tuple[float, float]:
-    """Mean and half-width of a normal-approximation 95% interval."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, float("nan")
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, 1.96 * math.sqrt(var / n)
-
-
-def _proportion(hits: list[bool]) -> tuple[float, float]:
-    n = len(hits)
-    p = sum(hits) / n
-    return p, math.sqrt(p * (1 - p) / n) if n > 1 else float("nan")
 
 
 @dataclass
@@ -82,7 +67,7 @@ class Perplexity(Task):
         return {"nll": float(-lp.mean())}
 
     def aggregate(self, scores):
-        mean, half = _mean_ci([s["nll"] for s in scores])
+        mean, half = mean_ci([s["nll"] for s in scores])
         return {"nll": mean, "nll_ci95": half, "ppl": math.exp(mean),
                 "ppl_ci95": [math.exp(mean - half), math.exp(mean + half)], "n": len(scores)}
 
@@ -171,8 +156,8 @@ class MultipleChoice(Task):
         return {"correct": best == label, "correct_norm": best_norm == label}
 
     def aggregate(self, scores):
-        acc, se = _proportion([s["correct"] for s in scores])
-        acc_n, se_n = _proportion([s["correct_norm"] for s in scores])
+        acc, se = proportion([s["correct"] for s in scores])
+        acc_n, se_n = proportion([s["correct_norm"] for s in scores])
         return {"acc": acc, "acc_stderr": se, "acc_norm": acc_n, "acc_norm_stderr": se_n, "n": len(scores)}
 
 
@@ -196,8 +181,8 @@ class Lambada(Task):
         return {"correct": greedy, "logprob": lp}
 
     def aggregate(self, scores):
-        acc, se = _proportion([s["correct"] for s in scores])
-        lp, half = _mean_ci([s["logprob"] for s in scores])
+        acc, se = proportion([s["correct"] for s in scores])
+        lp, half = mean_ci([s["logprob"] for s in scores])
         return {"acc": acc, "acc_stderr": se, "logprob": lp, "logprob_ci95": half, "n": len(scores)}
 
 
@@ -246,8 +231,8 @@ class Agreement(Task):
         return {"first_divergence": first, "agreement": sum(hit) / len(hit)}
 
     def aggregate(self, scores):
-        fd, fd_half = _mean_ci([float(s["first_divergence"]) for s in scores])
-        ag, ag_half = _mean_ci([s["agreement"] for s in scores])
+        fd, fd_half = mean_ci([float(s["first_divergence"]) for s in scores])
+        ag, ag_half = mean_ci([s["agreement"] for s in scores])
         return {"first_divergence": fd, "first_divergence_ci95": fd_half, "agreement": ag,
                 "agreement_ci95": ag_half, "new_tokens": self.new_tokens, "n": len(scores)}
 

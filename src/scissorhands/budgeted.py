@@ -1,0 +1,137 @@
+"""One layer's budgeted K/V: storage, slot bookkeeping, per-token state and eviction, without transformers.
+
+:class:`BudgetedKV` owns four parts and keeps them aligned: the K/V store
+(:mod:`.kvstore`), the slot table (:mod:`.slots`), the method's per-token state
+(:mod:`.state`), and the method that scores tokens (:mod:`.methods`). Appending
+writes all of them; an eviction asks the method for scores, picks the kept
+slots with :func:`~scissorhands.selection.keep_order`, and compacts all of
+them with the same index. The attention that feeds it lives in :mod:`.streaming`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kvstore import DenseKVStore, KVStore
+from .methods.base import EvictionMethod, LayerView
+from .selection import keep_order
+from .slots import SlotTable
+from .state import TokenState
+
+
+class BudgetedKV:
+    """At most ``budget`` tokens per row and KV head, evicted ``drop`` at a time by ``method``.
+
+    Parameters
+    ----------
+    budget : int
+        Most tokens stored per sequence at any instant.
+    recent : int
+        Number of most recently appended tokens that are never evicted.
+    drop : int
+        Least number of tokens evicted at one compression.
+    method : EvictionMethod
+        Scores stored tokens; the selection is done here.
+    state : TokenState, optional
+        The method's per-token state (from ``method.make_state``).
+    layer_idx : int
+        The model layer this is, so methods can tell layers apart.
+    store : KVStore, optional
+        Where K/V live (default: dense, in the model's dtype).
+    """
+
+    def __init__(self, budget: int, recent: int, drop: int, method: EvictionMethod,
+                 state: TokenState | None = None, layer_idx: int = 0, store: KVStore | None = None):
+        if drop > budget - recent:
+            raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
+        self.budget, self.recent, self.drop = budget, recent, drop
+        self.method = method
+        self.state = state if state is not None else TokenState()
+        self.layer_idx = layer_idx
+        self.store: KVStore = store if store is not None else DenseKVStore()
+        self.slots: SlotTable | None = None
+        self.compressions = 0
+
+    def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Empty storage shaped after a first chunk (B, H_kv, T, D)."""
+        b, h = key.shape[:2]
+        self.store.allocate(key, value)
+        self.slots = SlotTable(b, h, key.device)
+        self.compressions = 0
+
+    def reset(self) -> None:
+        self.store.reset()
+        self.state.reset()
+        self.slots = None
+        self.compressions = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.store.capacity
+
+    def reserve(self, needed: int) -> None:
+        """Grow every part (geometrically, never past the budget) to hold ``needed`` slots."""
+        cap = self.capacity
+        if needed <= cap:
+            return
+        new_cap = min(self.budget, max(needed, 2 * cap, 16))
+        self.store.grow(new_cap)
+        self.slots.grow(new_cap)
+        self.state.grow(new_cap)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, cum: torch.Tensor) -> None:
+        """Write each row's real tokens of a block after its stored ones.
+
+        key, value : (B, H_kv, c, D); valid : (B, c) bool or None (all real);
+        cum : (B, c) CPU, real tokens of the block up to and including each index.
+        """
+        slots = self.slots
+        added = cum[:, -1]  # (B,)
+        self.reserve(int((slots.lengths + added).max()))
+        if valid is None and slots.aligned(slots.lengths):
+            start, c = int(slots.lengths[0]), key.shape[-2]
+            self.store.write(start, key, value)
+            slots.place_block(start, c)
+            self.state.clear(start, start + c)
+        else:
+            rows, cols = (valid if valid is not None else torch.ones_like(cum, dtype=torch.bool)).nonzero(as_tuple=True)
+            where = slots.place_tokens(rows, cum, cols)
+            r, sl, cl = rows.to(slots.device), where.to(slots.device), cols.to(slots.device)
+            self.store.write_at(r, sl, key[r, :, cl], value[r, :, cl])  # (N, H_kv, D) each
+            self.state.clear_slots(r, sl)
+        slots.advance(added)
+
+    def append_token(self, key: torch.Tensor, value: torch.Tensor) -> int:
+        """Decode fast path: one token per row, all rows aligned; return the new stored length."""
+        slots = self.slots
+        length, seen = slots.uniform  # type: ignore[misc]
+        self.reserve(length + 1)
+        self.store.write(length, key, value)
+        slots.positions[:, :, length] = seen
+        self.state.clear(length, length + 1)
+        slots.advance_uniform()
+        return length + 1
+
+    def view(self) -> LayerView:
+        """The read-only view a method scores."""
+        return LayerView(self.layer_idx, self.slots.length, self.compressions, self.state, self.slots,
+                         self.store.read)
+
+    def compress(self, rows: torch.Tensor) -> None:
+        """Evict ``drop`` tokens from each KV head of the rows ``rows`` (CPU bool, (B,))."""
+        n_drop = torch.where(rows, self.drop, 0)  # (B,)
+        scores = self.method.score(self.view())  # (B, H_kv, L)
+        keep = keep_order(scores, self.slots.lengths, self.recent, n_drop)
+        self.store.reorder(keep)
+        self.state.compact(keep)
+        self.slots.compact(keep, n_drop)
+        self.compressions += 1
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` (beam reordering, batch expansion)."""
+        if self.slots is None:
+            return
+        dev = index.to(self.slots.device)
+        self.store.select_batch(dev)
+        self.state.select_batch(dev)
+        self.slots.select_batch(index)

@@ -1,0 +1,52 @@
+"""The attention arithmetic shared by the decode path and the block path.
+
+Probabilities are computed explicitly (not through a fused kernel) because
+eviction needs them; logits are taken in at least float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def attention_probs(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+    allowed: torch.Tensor | None = None,
+    shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Softmax of scaled (and optionally soft-capped) ``q @ keys^T``.
+
+    Parameters
+    ----------
+    q : Tensor, shape (B, H_kv, M, D)
+        ``M`` query rows per KV head (the query heads of a group, times queries).
+    keys : Tensor, shape (B, H_kv, L, D)
+    scaling : float
+    softcap : float, optional
+        ``tanh(x / c) * c`` on the logits.
+    allowed : BoolTensor, optional
+        Broadcastable to the logits (after ``shape``); False slots get no attention.
+    shape : tuple of int, optional
+        View the (B, H_kv, M, L) logits as this shape before masking, e.g. (B, H_kv, g, n, L).
+
+    Returns
+    -------
+    Tensor, shape (B, H_kv, M, L) or ``shape``, float32 or wider
+    """
+    logits = torch.matmul(q, keys.transpose(-1, -2))  # (B, H_kv, M, L)
+    if shape is not None:
+        logits = logits.view(shape)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    return torch.softmax(logits, dim=-1)
+
+
+def attention_output(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``probs @ values`` in the values' dtype: (B, H_kv, M, L) x (B, H_kv, L, D_v) -> (B, H_kv, M, D_v)."""
+    return torch.matmul(probs.to(values.dtype), values)

@@ -1,0 +1,12 @@
+"""Eviction methods: one small class per file, registered in :mod:`.registry`.
+
+Adding a method is one new file: subclass :class:`EvictionMethod`, override
+``score`` (and ``make_state`` if it needs per-token memory), decorate with
+:func:`register`, and import the file below. See the README, "Adding a method".
+"""
+
+from . import full, h2o, local, random, scissorhands, streaming, tova  # noqa: F401  (each registers itself)
+from .base import EvictionMethod, LayerView
+from .registry import METHODS, get_method, register, unregister
+
+__all__ = ["METHODS", "EvictionMethod", "LayerView", "get_method", "register", "unregister"]

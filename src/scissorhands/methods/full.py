@@ -1,0 +1,11 @@
+"""The full cache: no eviction, the reference every method is measured against."""
+
+from .base import EvictionMethod
+from .registry import register
+
+
+@register
+class Full(EvictionMethod):
+    name = "full"
+    description = "full cache, no eviction"
+    is_full = True

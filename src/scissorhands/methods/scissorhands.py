@@ -1,0 +1,31 @@
+"""Scissorhands: keep the tokens that received the most attention over the last ``w`` steps."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import CacheSettings
+from ..importance import ImportanceState
+from .base import EvictionMethod, LayerView
+from .registry import register
+
+
+@register
+class Scissorhands(EvictionMethod):
+    name = "scissorhands"
+    description = ("attention over the last w steps, in the configured importance form "
+                   "(default: summed probabilities)")
+
+    def make_state(self, config: CacheSettings) -> ImportanceState:
+        return ImportanceState.from_settings(config)
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        assert isinstance(view.state, ImportanceState)
+        return view.state.scores(view.length)
+
+
+@register
+class ScissorhandsCount(Scissorhands):
+    name = "scissorhands-count"
+    description = "queries over the last w steps where attention exceeded 1/n (the official code's form)"
+    settings = {"importance": "count"}

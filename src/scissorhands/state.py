@@ -1,0 +1,70 @@
+"""Per-token state that lives beside K/V: the extension point for methods that remember something.
+
+A :class:`TokenState` keeps some numbers per stored slot (per row and KV head)
+and is told everything that happens to the slots, so it can stay aligned with
+K/V without the layer knowing what it holds. The layer calls, in order of a
+token's life: :meth:`clear` (appended), :meth:`observe` (attended to),
+:meth:`compact` (survived an eviction), and around them :meth:`allocate`,
+:meth:`grow`, :meth:`select_batch` (beam reordering, batch expansion) and
+:meth:`reset`. Every hook defaults to doing nothing, so a state overrides only
+what it needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenState:
+    """Base class: per-slot state, moved with the same index as K/V."""
+
+    wants_attention = False
+    """Set True to receive attention probabilities in :meth:`observe` (they cost a little to hand over)."""
+
+    def allocate(self, batch: int, heads: int, capacity: int, group: int, device, dtype: torch.dtype) -> None:
+        """First call of a sequence: ``group`` query heads share each of ``heads`` KV heads."""
+
+    @property
+    def allocated(self) -> bool:
+        return True
+
+    def grow(self, capacity: int) -> None:
+        """The slot axis grew to ``capacity``; keep what is stored."""
+
+    def clear(self, start: int, end: int) -> None:
+        """Slots ``[start, end)`` of every row now hold fresh tokens."""
+
+    def clear_slots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Slot ``slots[i]`` of row ``rows[i]`` now holds a fresh token."""
+
+    def observe(self, probs: torch.Tensor, attended, steps, valid: torch.Tensor | None) -> None:
+        """New queries attended over the stored slots.
+
+        Parameters
+        ----------
+        probs : Tensor, shape (B, H_kv, g, n, L)
+            Attention probabilities of ``n`` queries (``g`` query heads per KV
+            head) over the first ``L`` slots; padding queries are all zero.
+        attended : int or Tensor of shape (B|1, 1, 1, n, 1)
+            Number of tokens each query attended over.
+        steps : int or LongTensor of shape (B, n), CPU
+            Each query's step (real tokens its sequence saw before it); an int
+            when every row is at the same step and ``n == 1``.
+        valid : BoolTensor of shape (B, n), CPU, or None
+            False for padding queries; None when all are real.
+        """
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Reorder the first ``L`` slots by ``keep`` (B, H_kv, L): kept slots first, in stored order."""
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` (any order, repeats allowed)."""
+
+    def reset(self) -> None:
+        """Forget everything (a new sequence starts)."""
+
+    def nbytes(self) -> int:
+        return 0
+
+    def bytes_per_token_head(self) -> int:
+        return 0
