@@ -3,7 +3,6 @@
     python benchmarks/results_tables.py docs/results/ppl docs/results/fewshot > docs/results_tables.md
 """
 
-import math
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ def ppl_table(results):
     lines.append("|---|" + "---|" * len(budgets))
     if full:
         lo, hi = full["metrics"]["ppl_ci95"]
-        lines.append(f"| full (1x) | " + " | ".join(f"{full['metrics']['ppl']:.2f} [{lo:.2f}, {hi:.2f}]"
+        lines.append("| full (1x) | " + " | ".join(f"{full['metrics']['ppl']:.2f} [{lo:.2f}, {hi:.2f}]"
                                                     for _ in budgets) + " |")
     for m in methods:
         cells = []
@@ -153,8 +152,8 @@ def fewshot_paired(results):
             continue
         cells, pooled = [], []
         for t in tasks:
-            r = next((x for x in recs if x["task"] == t and x["method"] == r0["method"] and x["budget"] == r0["budget"]),
-                     None)
+            same = (x for x in recs if x["task"] == t and x["method"] == r0["method"] and x["budget"] == r0["budget"])
+            r = next(same, None)
             if r is None or t not in full:
                 cells.append("")
                 continue

@@ -12,9 +12,7 @@ import time
 
 import torch
 
-from scissorhands import ScissorhandsConfig
-from scissorhands.generation import demo_prompt
-from scissorhands.methods import get_method, resolve_budget
+from scissorhands import CacheSettings, get_method, resolve_budget
 from scissorhands.models import load_model
 from scissorhands.scoring import ScoreSetup, token_logprobs
 from scissorhands.text import shakespeare_tokens
@@ -31,7 +29,7 @@ def main():
     args = p.parse_args()
     model, tok = load_model(args.model)
     ids = torch.tensor(shakespeare_tokens(tok, max_tokens=args.seq_len)[: args.seq_len])
-    base = ScissorhandsConfig(budget=64)
+    base = CacheSettings()
     budget = resolve_budget(args.budget, len(ids), base.recent)
     setup = ScoreSetup(get_method(args.method), budget, base)
 

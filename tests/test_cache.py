@@ -163,7 +163,7 @@ def test_memory_report_matches_tensor_storage():
     greedy(model, ids, mask, cache, n=10)
     report = cache.memory_report()
     layer = cache.budgeted_layers[0]
-    assert report["kv_bytes"] == sum(l.keys.nbytes + l.values.nbytes for l in cache.budgeted_layers)
+    assert report["kv_bytes"] == sum(x.keys.nbytes + x.values.nbytes for x in cache.budgeted_layers)
     m = report["layers"][0]
     assert m["kv_bytes_per_token_head"] == 2 * 16 * 4
     assert m["importance_bytes_per_token_head"] == 8 * 4  # 8 fp32 buckets

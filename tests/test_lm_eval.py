@@ -12,15 +12,15 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-import lm_eval  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.api.registry import get_model  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+import lm_eval
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import get_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-from scissorhands.lm_eval_backend import ScissorhandsLM  # noqa: E402
-from scissorhands.models import load_model  # noqa: E402
+from scissorhands.lm_eval_backend import ScissorhandsLM
+from scissorhands.models import load_model
 
 pytestmark = pytest.mark.slow  # the tokenizer comes from the embedded default model
 

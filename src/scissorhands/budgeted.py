@@ -49,8 +49,7 @@ class BudgetedKV:
         self.state = state if state is not None else TokenState()
         self.layer_idx = layer_idx
         self.store: KVStore = store if store is not None else DenseKVStore()
-        self.slots: SlotTable | None = None
-        self.compressions = 0
+        self.reset()
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Empty storage shaped after a first chunk (B, H_kv, T, D)."""
@@ -58,12 +57,15 @@ class BudgetedKV:
         self.store.allocate(key, value)
         self.slots = SlotTable(b, h, key.device)
         self.compressions = 0
+        self.allocated = True
 
     def reset(self) -> None:
+        """Forget the sequence: storage, state and slots start empty (nothing allocated)."""
         self.store.reset()
         self.state.reset()
-        self.slots = None
+        self.slots = SlotTable(0, 0, None)
         self.compressions = 0
+        self.allocated = False
 
     @property
     def capacity(self) -> int:
@@ -104,7 +106,7 @@ class BudgetedKV:
     def append_token(self, key: torch.Tensor, value: torch.Tensor) -> int:
         """Decode fast path: one token per row, all rows aligned; return the new stored length."""
         slots = self.slots
-        length, seen = slots.uniform  # type: ignore[misc]
+        length, seen = slots.uniform_state()
         self.reserve(length + 1)
         self.store.write(length, key, value)
         slots.positions[:, :, length] = seen
@@ -129,7 +131,7 @@ class BudgetedKV:
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (beam reordering, batch expansion)."""
-        if self.slots is None:
+        if not self.allocated:
             return
         dev = index.to(self.slots.device)
         self.store.select_batch(dev)

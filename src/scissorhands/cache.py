@@ -52,12 +52,13 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.kv = BudgetedKV(budget, recent, drop, method or Scissorhands(), state, layer_idx)
         super().__init__()
         self.query_tile = query_tile
+        self._pending: int | None = None
         self.reset()
 
     # transformers' base class and callers read `keys`/`values`; they are the store's buffers.
     @property
     def keys(self) -> torch.Tensor | None:
-        return getattr(self.kv.store, "keys", None)
+        return getattr(self.kv.store, "keys", None) if self.kv.allocated else None
 
     @keys.setter
     def keys(self, value) -> None:  # the base __init__ assigns None; storage belongs to the store
@@ -65,7 +66,7 @@ class ScissorhandsLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return getattr(self.kv.store, "values", None)
+        return getattr(self.kv.store, "values", None) if self.kv.allocated else None
 
     @values.setter
     def values(self, value) -> None:
@@ -135,7 +136,7 @@ class ScissorhandsLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.kv.reset()
         self.seen = 0
-        self._pending: int | None = None
+        self._pending = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -202,7 +203,7 @@ class ScissorhandsCache(Cache):
         self.method = method or Scissorhands()
         self.facts = facts
         budgets = iter(layer_budgets(config, len(facts.full_layers)))
-        layers: list[CacheLayerMixin] = []
+        layers: list = []
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
             if layer_type != FULL:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
@@ -224,5 +225,8 @@ class ScissorhandsCache(Cache):
         return layers[0].seen if layers else super().get_seq_length(layer_idx)
 
     def memory_report(self) -> dict:
-        """K/V, per-token state and position bytes, and tokens stored; see :func:`scissorhands.report.cache_memory_report`."""
+        """K/V, per-token state and position bytes, and tokens stored.
+
+        See :func:`scissorhands.report.cache_memory_report`.
+        """
         return cache_memory_report(self)

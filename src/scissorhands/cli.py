@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt")
     _add_generation_args(gen, max_new_tokens=64, compare_full=False)
 
-    ev = sub.add_parser("eval", allow_abbrev=False, help="quality of methods x budgets on real data (exact compressed scoring)")
+    ev = sub.add_parser("eval", allow_abbrev=False,
+                        help="quality of methods x budgets on real data (exact compressed scoring)")
     _add_model_args(ev)
     _add_cache_args(ev, with_budget=False)
     ev.add_argument("--methods", default="full,scissorhands,h2o,tova,streaming",
@@ -196,9 +197,9 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 def _run_eval(args) -> int:
+    from .budget import check_budget_spec
     from .eval import make_task, plot_results, run_grid, summary_table
     from .eval.runner import paired_vs_full
-    from .budget import check_budget_spec
     from .models import load_model
 
     base = _settings(args)
@@ -210,7 +211,8 @@ def _run_eval(args) -> int:
         raise ValueError(f"limit: must be >= 1, got {args.limit}")
     if args.data is not None and not Path(args.data).exists():
         raise ValueError(f"data: no such file or folder {args.data!r}")
-    tasks = [make_task(t.strip(), args.seq_len, args.num_samples, args.data) for t in args.tasks.split(",") if t.strip()]
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    tasks = [make_task(t, args.seq_len, args.num_samples, args.data) for t in names]
     if not tasks:
         raise ValueError("tasks: is empty")
     model, tokenizer = load_model(args.model, dtype=args.dtype)

@@ -112,9 +112,12 @@ def generate(
         raise ValueError(f"max-new-tokens: must be >= 1, got {max_new_tokens}")
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
-    cache = ScissorhandsCache(model, config, method) if config is not None else DynamicCache(config=model.config)
+    cache: ScissorhandsCache | DynamicCache = (ScissorhandsCache(model, config, method) if config is not None
+                                               else DynamicCache(config=model.config))
     torch.manual_seed(seed)
-    kwargs = dict(do_sample=do_sample, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
+    kwargs: dict = {"do_sample": do_sample}
+    if do_sample:
+        kwargs.update(temperature=temperature, top_p=top_p)
     if ignore_eos:
         kwargs["min_new_tokens"] = max_new_tokens
     streamer = _Clock(max_new_tokens, progress) if len(prompts) == 1 else None
@@ -130,5 +133,5 @@ def generate(
         prompt_tokens=enc["attention_mask"].sum(dim=1).tolist(),
         seconds=seconds,
         prefill_seconds=(streamer.first_token - start) if streamer and streamer.first_token else float("nan"),
-        memory=cache.memory_report() if config is not None else None,
+        memory=cache.memory_report() if isinstance(cache, ScissorhandsCache) else None,
     )

@@ -37,7 +37,7 @@ class ImportanceState(TokenState):
         self.form = form
         self.bucket_steps = bucket_steps
         self.n_buckets = n_buckets
-        self.acc: torch.Tensor | None = None  # (NB, B, H, cap)
+        self.reset()  # acc: (NB, B, H, cap) once allocated
 
     @classmethod
     def from_settings(cls, settings) -> ImportanceState:
@@ -47,10 +47,11 @@ class ImportanceState(TokenState):
     # -- storage -------------------------------------------------------------------------
     @property
     def allocated(self) -> bool:
-        return self.acc is not None
+        return self._allocated
 
     def reset(self) -> None:
-        self.acc = None
+        self.acc = torch.empty(0, 0, 0, 0)
+        self._allocated = False
 
     def allocate(self, batch: int, heads: int, capacity: int, group: int, device, dtype=torch.float32) -> None:
         """Allocate zeroed accumulators; counts use int16 when they cannot overflow it.
@@ -63,11 +64,10 @@ class ImportanceState(TokenState):
             per_bucket = (self.bucket_steps or 2**31) * group
             dtype = torch.int16 if per_bucket < 2**15 else torch.int32
         self.acc = torch.zeros(self.n_buckets, batch, heads, capacity, dtype=dtype, device=device)
+        self._allocated = True
 
     def grow(self, capacity: int) -> None:
         """Enlarge the token axis to ``capacity``, keeping the stored values."""
-        if self.acc is None:
-            return
         old = self.acc
         nb, b, h, cap = old.shape  # (NB, B, H, cap)
         self.acc = old.new_zeros(nb, b, h, capacity)
@@ -75,13 +75,11 @@ class ImportanceState(TokenState):
 
     def clear(self, start: int, end: int) -> None:
         """Zero slots ``[start, end)`` of every row: freshly appended tokens have no history."""
-        if self.acc is not None:
-            self.acc[..., start:end] = 0
+        self.acc[..., start:end] = 0
 
     def clear_slots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Zero the slots ``(rows[i], :, slots[i])`` (freshly appended tokens)."""
-        if self.acc is not None:
-            self.acc[:, rows, :, slots] = 0
+        self.acc[:, rows, :, slots] = 0
 
     # -- updates ---------------------------------------------------------------------------
     def observe(self, probs: torch.Tensor, attended, steps, valid: torch.Tensor | None) -> None:
@@ -187,22 +185,17 @@ class ImportanceState(TokenState):
         ----------
         keep : LongTensor, shape (B, H_kv, L)
         """
-        if self.acc is None:
-            return
         order = keep
         k = order.shape[-1]
         idx = order.unsqueeze(0).expand(self.n_buckets, -1, -1, -1)  # (NB, B, H, L)
         self.acc[..., :k] = self.acc.gather(3, idx)
 
     def select_batch(self, index: torch.Tensor) -> None:
-        if self.acc is not None:
-            self.acc = self.acc.index_select(1, index)
+        self.acc = self.acc.index_select(1, index)
 
     def nbytes(self) -> int:
-        return 0 if self.acc is None else self.acc.numel() * self.acc.element_size()
+        return self.acc.numel() * self.acc.element_size()
 
     def bytes_per_token_head(self) -> int:
         """Bytes this state costs per stored token and KV head."""
-        if self.acc is None:
-            return 0
-        return self.n_buckets * self.acc.element_size()
+        return self.n_buckets * self.acc.element_size() if self.allocated else 0

@@ -71,8 +71,7 @@ class DenseKVStore(KVStore):
     """K and V in the model's dtype, each of shape (B, H_kv, capacity, D)."""
 
     def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.reset()
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         b, h, _, d = key.shape
@@ -80,11 +79,12 @@ class DenseKVStore(KVStore):
         self.values = value.new_empty(b, h, 0, value.shape[-1])
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.keys = torch.empty(0, 0, 0, 0)  # (B, H_kv, capacity, D) once allocated
+        self.values = torch.empty(0, 0, 0, 0)
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return self.keys.shape[-2]
 
     def grow(self, capacity: int) -> None:
         def grown(t: torch.Tensor) -> torch.Tensor:
@@ -117,9 +117,7 @@ class DenseKVStore(KVStore):
         self.values = self.values.index_select(0, index)
 
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return self.keys.nbytes + self.values.nbytes
 
     def bytes_per_token_head(self) -> int:
-        if self.keys is None:
-            return 0
         return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()

@@ -98,9 +98,7 @@ def _check_budget(budget, method: type[EvictionMethod]) -> float | int | None:
     return check_budget_spec(budget, "budget")
 
 
-def _check_positive_int(name: str, value, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
+def _check_positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: must be an integer, got {value!r}")
     if value < 1:
@@ -222,7 +220,7 @@ class ScissorhandsLM(LM):
             raise ValueError(f"seed: must be an integer, got {seed!r}")
         self.seed = seed
         self._max_gen_toks = _check_positive_int("max_gen_toks", max_gen_toks)
-        max_length = _check_positive_int("max_length", max_length, allow_none=True)
+        max_length = None if max_length is None else _check_positive_int("max_length", max_length)
         if batch_size not in (None, 1, "1"):
             logger.info("batch_size=%s: requests are scored one context at a time", batch_size)
 
@@ -396,7 +394,7 @@ class ScissorhandsLM(LM):
             for i, score in zip(members, continuation_logprobs(self._model, list(ctx), conts, setup)):
                 results[i] = score
                 self.cache_hook.add_partial("loglikelihood", requests[i].args, score)
-        return results
+        return [r for r in results if r is not None]
 
     def rolling_windows(self, text: str) -> list[tuple[list[int], list[int]]]:
         """lm-eval's disjoint rolling windows of ``text``: (conditioning ids, predicted ids) pairs.

@@ -22,7 +22,7 @@ def layer_memory(kv: BudgetedKV) -> dict:
         head: ``kv_bytes_per_token_head``, ``importance_bytes_per_token_head``.
     """
     slots = kv.slots
-    if slots is None:
+    if not kv.allocated:
         return {"budget": kv.budget, "stored": 0, "peak": 0, "capacity": 0, "seen": 0, "kv_bytes": 0,
                 "importance_bytes": 0, "position_bytes": 0, "full_kv_bytes": 0}
     heads = slots.positions.shape[1]
@@ -59,8 +59,9 @@ def cache_memory_report(cache: ScissorhandsCache) -> dict:
         if hasattr(layer, "kv"):
             per_layer.append(layer_memory(layer.kv))
         else:
-            kv = 0 if layer.keys is None else layer.keys.nbytes + layer.values.nbytes
-            stored = 0 if layer.keys is None or layer.keys.numel() == 0 else layer.keys.shape[-2]
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            kv = 0 if keys is None or values is None else keys.nbytes + values.nbytes
+            stored = 0 if keys is None or keys.numel() == 0 else keys.shape[-2]
             per_layer.append({"sliding_window": getattr(layer, "sliding_window", None), "stored": stored,
                               "kv_bytes": kv})
     budgeted = [m for m in per_layer if "budget" in m]

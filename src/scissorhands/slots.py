@@ -30,7 +30,7 @@ class SlotTable:
         Most tokens any row ever stored; the budget bounds this.
     """
 
-    def __init__(self, batch: int, heads: int, device):
+    def __init__(self, batch: int, heads: int, device: torch.device | str | None):
         self.device = device
         self.positions = torch.empty(batch, heads, 0, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long)
@@ -50,6 +50,12 @@ class SlotTable:
     def aligned(self, lengths: torch.Tensor) -> bool:
         """Do all rows store ``lengths`` alike and sit at the same step? Then scalar fast paths apply."""
         return bool((lengths == lengths[0]).all()) and bool((self.seen == self.seen[0]).all())
+
+    def uniform_state(self) -> tuple[int, int]:
+        """``(stored, seen)`` shared by every row; only valid when rows are aligned."""
+        if self.uniform is None:
+            raise RuntimeError("rows are not aligned: the per-token fast path does not apply")
+        return self.uniform
 
     def sync_uniform(self) -> None:
         aligned = self.lengths.numel() > 0 and self.aligned(self.lengths)
@@ -87,7 +93,7 @@ class SlotTable:
 
     def advance_uniform(self) -> None:
         """Decode fast path: one token per row, every row aligned."""
-        length, seen = self.uniform  # type: ignore[misc]
+        length, seen = self.uniform_state()
         self.lengths += 1
         self.seen += 1
         self.uniform = (length + 1, seen + 1)

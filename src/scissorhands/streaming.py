@@ -87,9 +87,9 @@ def _decode_step(kv: BudgetedKV, query, key, value, scaling, softcap) -> torch.T
     """One new token per row, all rows in step: the per-token path, kept to a few tensor ops."""
     b, h_q, _, d = query.shape  # (B, H_q, 1, D)
     h = key.shape[1]
-    if kv.slots.uniform[0] >= kv.budget:
+    if kv.slots.uniform_state()[0] >= kv.budget:
         kv.compress(torch.ones(b, dtype=torch.bool))
-    seen = kv.slots.uniform[1]
+    seen = kv.slots.uniform_state()[1]
     length = kv.append_token(key, value)
     q = query.view(b, h, h_q // h, d)  # (B, H_kv, g, D)
     keys, values = kv.store.read(length)  # (B, H_kv, L, D) each

@@ -17,8 +17,8 @@ import logging
 
 import torch
 
-from ..cache import ScissorhandsCache
 from ..budget import resolve_budget
+from ..cache import ScissorhandsCache
 from ..config import DEFAULTS, CacheSettings
 from .capture import capture_attention_outputs
 

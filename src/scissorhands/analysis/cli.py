@@ -15,8 +15,8 @@ from .settings import PARTS, AnalysisSettings
 
 def add_parser(subparsers):
     """Add the ``analyze`` subcommand to an argparse subparsers object; returns its parser."""
-    p = subparsers.add_parser("analyze", allow_abbrev=False, help="persistence of importance, power law, calibrated budgets, "
-                              "deviation vs budget")
+    p = subparsers.add_parser("analyze", allow_abbrev=False,
+                              help="persistence of importance, power law, calibrated budgets, deviation vs budget")
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (embedded default), a Hugging Face id, a folder or a .gguf file")
     p.add_argument("--text", default=None, help="text file or folder (default: Shakespeare's plays)")

@@ -104,7 +104,7 @@ def measure_model(model, batches: list[list[int]], settings: AnalysisSettings, w
         del maps
         if progress is not None:
             progress.update(1)
-    out = {"persistence": {str(t): {name: summarise(v) for name, v in collected[t].items()}
+    out: dict = {"persistence": {str(t): {name: summarise(v) for name, v in collected[t].items()}
                            for t in settings.seq_lens}}
     if alphas:
         a, r, c = np.array(alphas), np.array(r2s), np.array(curves).mean(0)  # (W, L, H), (W, L, H), (L, T)
@@ -166,7 +166,7 @@ def analyze(model, tokenizer, texts: list[tuple[str, str]], settings: AnalysisSe
     n_sched = 3 if "calibrate" in parts else 2
     total = (2 * len(calib_windows) + len(bound_windows) * (1 + len(settings.ratios))
              + len(ppl_windows) * (1 + len(settings.compressions) * n_sched))
-    result: dict = {"model": model_name, "settings": {k: getattr(settings, k) for k in settings.__dataclass_fields__},
+    result: dict = {"model": model_name, "settings": asdict(settings),
                     "corpus_tokens": len(ids), "calibration_tokens": split, "n_layers": len(layer_windows(model)),
                     "layer_windows": layer_windows(model), "full_attention_layers": full_attention_layers(model),
                     "seconds": {}}

@@ -36,11 +36,11 @@ def persistence_overview(result: dict) -> str:
 def layer_table(result: dict, length: int | None = None) -> str:
     """Per-layer persistence (at ``length``, default the longest) and power law (longest), trained vs random."""
     s = result["settings"]
-    length = str(length or max(s["seq_lens"]))
+    at = str(length or max(s["seq_lens"]))
     k = s["calib_topk"]
     tr = result["measured"]["trained"]
     rd = result["measured"]["random"]
-    pt, pr = tr["persistence"][length], rd["persistence"][length]
+    pt, pr = tr["persistence"][at], rd["persistence"][at]
     a1, cov1, a5 = key("a", s["thresholds"][0]), key("a_coverage", s["thresholds"][0]), None
     if len(s["thresholds"]) > 2:
         a5 = key("a", s["thresholds"][2])

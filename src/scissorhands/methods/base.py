@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -100,7 +100,8 @@ class EvictionMethod:
     @classmethod
     def resolve(cls, base: CacheSettings) -> CacheSettings:
         """The shared settings with this method's own choices applied."""
-        return replace(base, **cls.settings) if cls.settings else base
+        overrides: dict[str, Any] = dict(cls.settings)
+        return replace(base, **overrides) if overrides else base
 
     @classmethod
     def configure(cls, base: CacheSettings, budget: int) -> ScissorhandsConfig:
