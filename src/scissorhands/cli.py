@@ -11,8 +11,6 @@ from . import __version__
 from .config import DEFAULTS, IMPORTANCE_FORMS, CacheSettings
 from .methods import METHODS, get_method
 
-logger = logging.getLogger("scissorhands")
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line on stderr and exit code 2."""

@@ -32,14 +32,13 @@ class ModelFacts:
         One per decoder layer, as transformers names them.
     layer_kwargs : tuple of dict
         Per layer, what transformers' own cache layer for that type takes.
-    num_heads, num_kv_heads, head_dim : int
+    num_kv_heads, head_dim : int
     max_positions : int or None
     """
 
     model_type: str
     layer_types: tuple[str, ...]
     layer_kwargs: tuple[dict, ...]
-    num_heads: int
     num_kv_heads: int
     head_dim: int
     max_positions: int | None
@@ -101,7 +100,6 @@ def model_facts(model_or_config) -> ModelFacts:
         model_type=getattr(config, "model_type", "unknown"),
         layer_types=tuple(types),
         layer_kwargs=tuple(kwargs),
-        num_heads=heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         max_positions=getattr(cfg, "max_position_embeddings", None),

@@ -8,15 +8,12 @@ outputs are captured with forward hooks on the attention modules.
 from __future__ import annotations
 
 import copy
-import logging
 from contextlib import contextmanager
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from ..modelinfo import model_facts
-
-logger = logging.getLogger(__name__)
 
 
 def eager_copy(model):

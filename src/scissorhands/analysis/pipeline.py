@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import asdict
@@ -22,8 +21,6 @@ from .compare import compare_schedules
 from .persistence import key, layer_persistence
 from .powerlaw import layer_power_law
 from .settings import AnalysisSettings
-
-logger = logging.getLogger(__name__)
 
 SCHEDULE_FILE = "calibrated_schedule.json"
 

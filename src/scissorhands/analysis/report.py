@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
 
 from .bound import fit_through_origin
 from .persistence import key
-
-logger = logging.getLogger(__name__)
 
 
 def _pyplot():

@@ -35,7 +35,6 @@ class Item:
 class Task:
     name = "task"
     main_metric = "acc"
-    higher_is_better = True
 
     def items(self, tokenizer, limit: int | None) -> list[Item]:
         raise NotImplementedError
@@ -52,7 +51,6 @@ class Perplexity(Task):
 
     name = "ppl"
     main_metric = "ppl"
-    higher_is_better = False
 
     def __init__(self, seq_len: int = 2048, n_windows: int = 16, data: str | None = None):
         self.seq_len, self.n_windows, self.data = seq_len, n_windows, data
@@ -237,8 +235,7 @@ class Agreement(Task):
                 "agreement_ci95": ag_half, "new_tokens": self.new_tokens, "n": len(scores)}
 
 
-def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | None = None,
-              task_file: str | None = None) -> Task:
+def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | None = None) -> Task:
     if name == "ppl":
         return Perplexity(seq_len, n_windows, data)
     if name == "lambada":

@@ -7,6 +7,6 @@ Adding a method is one new file: subclass :class:`EvictionMethod`, override
 
 from . import full, h2o, local, random, scissorhands, streaming, tova  # noqa: F401  (each registers itself)
 from .base import EvictionMethod, LayerView
-from .registry import METHODS, get_method, register, unregister
+from .registry import METHODS, get_method, methods_table, register, unregister
 
-__all__ = ["METHODS", "EvictionMethod", "LayerView", "get_method", "register", "unregister"]
+__all__ = ["METHODS", "EvictionMethod", "LayerView", "get_method", "methods_table", "register", "unregister"]

@@ -30,3 +30,10 @@ def get_method(name: str) -> type[EvictionMethod]:
         return METHODS[name]
     except KeyError:
         raise ValueError(f"methods: unknown method {name!r}; choose from {', '.join(METHODS)}") from None
+
+
+def methods_table() -> str:
+    """Markdown table of the registered methods (the README's list is checked against it)."""
+    lines = ["| method | keeps |", "|---|---|"]
+    lines += [f"| `{name}` | {cls.description} |" for name, cls in METHODS.items()]
+    return "\n".join(lines)
