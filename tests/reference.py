@@ -1,4 +1,4 @@
-"""A deliberately naive reference of the eviction semantics (DESIGN section 1).
+"""A deliberately naive reference of the eviction semantics (README, "Semantics").
 
 One token at a time, one sequence and one KV head at a time, Python lists of
 kept positions, and a dict of per-step contributions. Slow on purpose: it is
@@ -24,7 +24,8 @@ def in_window(step: int, now: int, window: int | None, bucket_steps: int | None)
     return step // s >= (now - 1) // s - n_buckets + 1
 
 
-def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_steps, importance, scaling):
+def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_steps, importance, scaling,
+                     sinks=0, value_weighted=False):
     """Stream a whole sequence batch through a budgeted cache, token by token.
 
     Parameters
@@ -35,8 +36,12 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
     budget, recent, drop : int
     window : int or None
     bucket_steps : int or None (None: exact window)
-    importance : "sum" or "count"
+    importance : "sum", "count" or "mean" (the sum over the window divided by the queries in it)
     scaling : float
+    sinks : int
+        Positions below ``sinks`` are never evicted.
+    value_weighted : bool
+        Importance times the norm of the token's value.
 
     Returns
     -------
@@ -62,11 +67,17 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
                 if len(stored) + 1 > budget:
                     n_drop = max(drop, len(stored) + 1 - budget)
                     scored = []
-                    for idx, (p, _) in enumerate(stored):
-                        if idx >= len(stored) - recent:
+                    for idx, (p, col) in enumerate(stored):
+                        if idx >= len(stored) - recent or p < sinks:
                             score = math.inf
                         else:
-                            score = sum(val for u, val in history.get(p, []) if in_window(u, pos, window, bucket_steps))
+                            seen = [(u, val) for u, val in history.get(p, [])
+                                    if in_window(u, pos, window, bucket_steps)]
+                            score = sum(val for _, val in seen)
+                            if importance == "mean":
+                                score /= max(1, len({u for u, _ in seen}))
+                            if value_weighted:
+                                score *= math.sqrt(sum(x * x for x in vl[b][h][col]))
                         scored.append((score, idx))
                     # Lowest score goes first; among equals the older (smaller index) goes first.
                     scored.sort()
@@ -85,7 +96,7 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
                         row = out[b][head][t]
                         for i, val in enumerate(vl[b][h][col]):
                             row[i] += pr * val
-                        add = pr if importance == "sum" else (1.0 if pr > 1.0 / n else 0.0)
+                        add = (1.0 if pr > 1.0 / n else 0.0) if importance == "count" else pr
                         history.setdefault(p, []).append((pos, add))
                 pos += 1
             kept_b.append([p for p, _ in stored])

@@ -47,10 +47,11 @@ class PeakState(TokenState):
     def allocate(self, batch, heads, capacity, group, device, dtype):
         self.peak = torch.zeros(batch, heads, capacity, device=device)
 
-    def grow(self, capacity):
-        grown = self.peak.new_zeros(*self.peak.shape[:2], capacity)
-        grown[..., : self.peak.shape[-1]] = self.peak
-        self.peak = grown
+    def resize(self, capacity):
+        resized = self.peak.new_zeros(*self.peak.shape[:2], capacity)
+        keep = min(capacity, self.peak.shape[-1])
+        resized[..., :keep] = self.peak[..., :keep]
+        self.peak = resized
 
     def clear(self, start, end):
         self.peak[..., start:end] = 0

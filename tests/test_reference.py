@@ -21,12 +21,13 @@ def chunk_mask(valid_chunk: torch.Tensor) -> torch.Tensor:
 
 
 def run_layer(q, k, v, valid, chunks, *, budget, recent, drop, window, bucket_steps, importance, scaling,
-              query_tile=256):
+              query_tile=256, sinks=0, value_weighted=False):
     """Feed the tensors through one ScissorhandsLayer in the given chunks."""
     n_buckets = 1 if window is None else math.ceil(window / (bucket_steps or 1))
     steps = None if window is None else (bucket_steps or 1)
-    layer = ScissorhandsLayer(budget, recent, drop, ImportanceState(importance, steps, n_buckets),
+    layer = ScissorhandsLayer(budget, recent, drop, ImportanceState(importance, steps, n_buckets, value_weighted),
                               Scissorhands(), query_tile=query_tile)
+    layer.kv.sinks = sinks
     outs, i = [], 0
     for c in chunks:
         kwargs = {}
@@ -82,7 +83,8 @@ def make_inputs(case, d=4):
 def check_case(case):
     q, k, v, valid = make_inputs(case)
     params = dict(budget=case["budget"], recent=case["recent"], drop=case["drop"], window=case["window"],
-                  bucket_steps=case["bucket_steps"], importance=case["importance"], scaling=0.5)
+                  bucket_steps=case["bucket_steps"], importance=case["importance"], scaling=0.5,
+                  sinks=case.get("sinks", 0), value_weighted=case.get("value_weighted", False))
     ref_out, ref_kept = reference_stream(q, k, v, valid, **params)
     out, layer = run_layer(q, k, v, valid, case["chunks"], query_tile=case["tile"], **params)
     assert kept_of(layer, case["b"], case["h_kv"]) == ref_kept

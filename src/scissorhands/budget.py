@@ -37,8 +37,9 @@ def resolve_budget(spec, length: int, recent: int, name: str = "budget") -> int:
     """Token budget for a sequence of ``length`` tokens.
 
     A fraction is rounded to tokens of this sequence; a count is used as is.
-    The result never goes below ``recent + 1``, the smallest budget that leaves
-    room for one token beside the recent window (short sequences at a small
+    ``recent`` is the number of tokens a layer always keeps (the recent window
+    and the sinks, ``CacheSettings.protected``). The result never goes below
+    ``recent + 1``, the smallest budget that leaves room for one token beside them (short sequences at a small
     fraction hit this floor; their compression is then below the nominal one,
     and the evaluation records the budget actually used).
     """

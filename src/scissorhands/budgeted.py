@@ -45,6 +45,8 @@ class BudgetedKV:
         if drop > budget - recent:
             raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
         self.budget, self.recent, self.drop = budget, recent, drop
+        self.sinks = 0  # the first `sinks` positions are never evicted
+        self.prefill, self.observe = "stream", 32  # prompt-aware: hold the prompt, score it by its last queries
         self.method = method
         self.state = state if state is not None else TokenState()
         self.layer_idx = layer_idx
@@ -71,15 +73,18 @@ class BudgetedKV:
     def capacity(self) -> int:
         return self.store.capacity
 
-    def reserve(self, needed: int) -> None:
-        """Grow every part (geometrically, never past the budget) to hold ``needed`` slots."""
+    def reserve(self, needed: int, limit: int | None = None) -> None:
+        """Grow every part (geometrically, never past ``limit``, by default the budget) to hold ``needed`` slots."""
         cap = self.capacity
         if needed <= cap:
             return
-        new_cap = min(self.budget, max(needed, 2 * cap, 16))
-        self.store.grow(new_cap)
-        self.slots.grow(new_cap)
-        self.state.grow(new_cap)
+        self.resize(min(limit or self.budget, max(needed, 2 * cap, 16)))
+
+    def resize(self, capacity: int) -> None:
+        """Set every part's slot axis to ``capacity``."""
+        self.store.resize(capacity)
+        self.slots.resize(capacity)
+        self.state.resize(capacity)
 
     def append(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, cum: torch.Tensor) -> None:
         """Write each row's real tokens of a block after its stored ones.
@@ -122,8 +127,15 @@ class BudgetedKV:
     def compress(self, rows: torch.Tensor) -> None:
         """Evict ``drop`` tokens from each KV head of the rows ``rows`` (CPU bool, (B,))."""
         n_drop = torch.where(rows, self.drop, 0)  # (B,)
-        scores = self.method.score(self.view())  # (B, H_kv, L)
-        keep = keep_order(scores, self.slots.lengths, self.recent, n_drop)
+        self.evict(self.method.score(self.view()), n_drop)
+
+    def evict(self, scores: torch.Tensor, n_drop: torch.Tensor) -> None:
+        """Drop the ``n_drop`` (B,) lowest ``scores`` (B, H_kv, L) of each row and KV head, and compact."""
+        length = scores.shape[-1]
+        shield = None
+        if self.sinks:
+            shield = self.slots.positions[:, :, :length] < self.sinks  # (B, H_kv, L)
+        keep = keep_order(scores, self.slots.lengths, self.recent, n_drop, shield)
         self.store.reorder(keep)
         self.state.compact(keep)
         self.slots.compact(keep, n_drop)

@@ -209,10 +209,14 @@ class ScissorhandsCache(Cache):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
                 continue
             budget = next(budgets)
-            if budget <= config.recent:
-                raise ValueError(f"schedule: a layer budget ({budget}) must be > recent ({config.recent})")
-            layers.append(ScissorhandsLayer(budget, config.recent, config.drop_for(budget),
-                                            self.method.make_state(config), self.method, config.query_tile, idx))
+            if budget <= config.protected:
+                raise ValueError(f"schedule: a layer budget ({budget}) must be > the protected tokens "
+                                 f"(recent + sinks = {config.protected})")
+            layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
+                                      self.method.make_state(config), self.method, config.query_tile, idx)
+            layer.kv.sinks = config.sinks
+            layer.kv.prefill, layer.kv.observe = config.prefill, config.observe
+            layers.append(layer)
         super().__init__(layers=layers)
 
     @property

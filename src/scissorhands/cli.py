@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
-from .config import DEFAULTS, IMPORTANCE_FORMS, CacheSettings
+from .config import DEFAULTS, IMPORTANCE_FORMS, PREFILL_MODES, PRESETS, CacheSettings
 from .methods import METHODS, get_method
 
 
@@ -19,13 +20,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _window(text: str) -> int | None:
+def _window(text: str) -> int | str:
     if text.lower() in ("none", "inf", "all"):
-        return None
+        return "none"  # an explicit 'no window', told apart from 'flag not given'
     return int(text)
 
 
-def _drop(text: str) -> float | int:
+def _count_or_fraction(text: str) -> float | int:
     return float(text) if any(c in text for c in ".eE") else int(text)
 
 
@@ -45,15 +46,29 @@ def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = Non
         g.add_argument("--budget", type=int, default=budget_default, required=budget_default is None,
                        help="average tokens stored per full-attention layer (a hard peak per layer)")
         g.add_argument("--method", default="scissorhands", help=f"eviction method: {', '.join(METHODS)}")
-    g.add_argument("--recent", type=int, default=DEFAULTS.recent, help="most recent tokens never evicted (r)")
-    g.add_argument("--window", type=_window, default=DEFAULTS.window, help="history window w in steps, or 'none'")
-    g.add_argument("--window-buckets", type=_window, default=DEFAULTS.window_buckets,
-                   help="buckets representing the window, or 'none' for the exact per-step window")
-    g.add_argument("--drop", type=_drop, default=DEFAULTS.drop,
-                   help="drop amount m: a fraction of the budget or a count")
-    g.add_argument("--importance", default=DEFAULTS.importance, help=" | ".join(IMPORTANCE_FORMS))
-    g.add_argument("--schedule", type=_schedule, default=DEFAULTS.schedule,
-                   help="uniform | increasing | b1,b2,... | calibrated.json")
+    # Flags default to None: only what is given overrides the preset (or the library defaults).
+    g.add_argument("--preset", default=None, help=f"start from a named setting: {', '.join(PRESETS)}")
+    g.add_argument("--recent", type=_count_or_fraction, default=None,
+                   help=f"most recent tokens never evicted (r): a count, or a fraction of the budget "
+                   f"(default {DEFAULTS.recent})")
+    g.add_argument("--sinks", type=int, default=None, help=f"first tokens never evicted (default {DEFAULTS.sinks})")
+    g.add_argument("--window", type=_window, default=None,
+                   help=f"history window w in steps, or 'none' (default {DEFAULTS.window})")
+    g.add_argument("--window-buckets", type=_window, default=None,
+                   help=f"buckets representing the window, or 'none' for the exact per-step window "
+                   f"(default {DEFAULTS.window_buckets})")
+    g.add_argument("--drop", type=_count_or_fraction, default=None,
+                   help=f"drop amount m: a fraction of the budget or a count (default {DEFAULTS.drop})")
+    g.add_argument("--importance", default=None,
+                   help=f"{' | '.join(IMPORTANCE_FORMS)} (default {DEFAULTS.importance})")
+    g.add_argument("--value-weighted", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"weigh importance by the value norm (default {DEFAULTS.value_weighted})")
+    g.add_argument("--prefill", default=None,
+                   help=f"{' | '.join(PREFILL_MODES)} (default {DEFAULTS.prefill})")
+    g.add_argument("--observe", type=int, default=None,
+                   help=f"prompt-aware prefill: the prompt's last queries that score it (default {DEFAULTS.observe})")
+    g.add_argument("--schedule", type=_schedule, default=None,
+                   help=f"uniform | increasing | b1,b2,... | calibrated.json (default {DEFAULTS.schedule})")
 
 
 def _add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, compare_full: bool) -> None:
@@ -73,9 +88,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
 
 
+_CACHE_FLAGS = ("recent", "sinks", "window", "window_buckets", "drop", "importance", "value_weighted", "prefill",
+                "observe", "schedule")
+_UNSET = object()
+
+
 def _settings(args) -> CacheSettings:
-    return CacheSettings(recent=args.recent, window=args.window, window_buckets=args.window_buckets,
-                         drop=args.drop, importance=args.importance, schedule=args.schedule)
+    """The preset (or the defaults), then every cache flag that was given."""
+    given = {name: getattr(args, name) for name in _CACHE_FLAGS if getattr(args, name, _UNSET) not in (None, _UNSET)}
+    if "window" in given and given["window"] == "none":
+        given["window"] = None
+    if "window_buckets" in given and given["window_buckets"] == "none":
+        given["window_buckets"] = None
+    base = CacheSettings(preset=args.preset)
+    return replace(base, preset=None, **given) if given else base
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,8 +14,9 @@ import numbers
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-IMPORTANCE_FORMS = ("sum", "count")
+IMPORTANCE_FORMS = ("sum", "count", "mean")
 SCHEDULES = ("uniform", "increasing")
+PREFILL_MODES = ("stream", "prompt-aware")
 
 
 def check_int(name: str, value, low: int) -> None:
@@ -32,8 +33,11 @@ class CacheSettings:
 
     Parameters
     ----------
-    recent : int
-        The ``r`` most recently appended tokens are never evicted.
+    recent : int or float
+        The ``r`` most recently appended tokens are never evicted. A float in
+        [0, 1) is a fraction of each layer's budget (rounded down).
+    sinks : int
+        The first ``k`` tokens of every sequence are never evicted (attention sinks).
     window : int or None
         History window ``w``: importance counts the queries of the last ``w``
         steps. ``None`` means the whole history (the H2O end of the family).
@@ -47,9 +51,15 @@ class CacheSettings:
         Drop amount ``m``. A float in (0, 1) is a fraction of each layer's
         budget; an int is a token count. At least ``m`` tokens go at each
         compression, so compression runs once every ``m`` decode steps.
-    importance : {"sum", "count"}
+    importance : {"sum", "count", "mean"}
         ``sum`` adds attention probabilities; ``count`` counts the queries
-        in which a token's probability exceeded ``1/n`` (n = tokens attended).
+        in which a token's probability exceeded ``1/n`` (n = tokens attended);
+        ``mean`` is ``sum`` divided by the number of queries that scored the
+        token inside the window, so a token that arrived late is not judged
+        by fewer queries than an old one.
+    value_weighted : bool
+        Multiply importance by the norm of the token's value vector (attention
+        that moves a large value matters more).
     schedule : str, sequence of int, or path
         ``"uniform"``, ``"increasing"`` (later layers get more, same total),
         an explicit list of per-layer budgets, or a path to a JSON schedule.
@@ -59,9 +69,22 @@ class CacheSettings:
     query_tile : int
         Most query rows scored at once while prefilling; bounds the size of
         the probability block to ``query_tile x budget`` per head.
+    prefill : {"stream", "prompt-aware"}
+        ``stream`` feeds a long prompt through the budget (peak memory = the
+        budget; the prompt's tokens are judged by the prompt's own attention).
+        ``prompt-aware`` holds the whole first chunk (the prompt) once, scores
+        its tokens by the attention of its last ``observe`` queries (usually the
+        question), and evicts down to the budget before decoding (peak memory =
+        the prompt's length).
+    observe : int
+        For ``prompt-aware``: how many of the prompt's last queries score it.
+    preset : str or None
+        ``"paper"`` reproduces the published algorithm (see :data:`PRESETS`):
+        its values replace the library defaults; any field set to a
+        non-default value is kept as given.
     """
 
-    recent: int = 10
+    recent: int | float = 10
     window: int | None = 400
     window_buckets: int | None = 8
     drop: float | int = 0.4
@@ -69,9 +92,26 @@ class CacheSettings:
     schedule: str | tuple[int, ...] = "uniform"
     increasing_slope: float = 0.5
     query_tile: int = 256
+    sinks: int = 0
+    value_weighted: bool = False
+    prefill: str = "stream"
+    observe: int = 32
+    preset: str | None = None
 
     def __post_init__(self):
-        check_int("recent", self.recent, 0)
+        if self.preset is not None:
+            self._apply_preset()
+        if isinstance(self.recent, float):
+            if not 0.0 <= self.recent < 1.0:
+                raise ValueError(f"recent: a fractional recent window must be in [0, 1), got {self.recent}")
+        else:
+            check_int("recent", self.recent, 0)
+        check_int("sinks", self.sinks, 0)
+        if not isinstance(self.value_weighted, bool):
+            raise ValueError(f"value_weighted: must be True or False, got {self.value_weighted!r}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill: must be one of {PREFILL_MODES}, got {self.prefill!r}")
+        check_int("observe", self.observe, 1)
         if self.window is not None:
             check_int("window", self.window, 1)
         if self.window_buckets is not None:
@@ -91,7 +131,7 @@ class CacheSettings:
             object.__setattr__(self, "schedule", str(self.schedule))
         if isinstance(self.schedule, tuple):
             for b in self.schedule:
-                check_int("schedule", b, self.recent + 1)
+                check_int("schedule", b, self.protected + 1)
         elif not isinstance(self.schedule, str):
             raise ValueError(f"schedule: must be a name, a list of budgets or a JSON path, got {self.schedule!r}")
         elif self.schedule not in SCHEDULES and not self.schedule.endswith(".json"):
@@ -101,6 +141,22 @@ class CacheSettings:
         if not 0.0 <= self.increasing_slope < 1.0:
             raise ValueError(f"increasing_slope: must be in [0, 1), got {self.increasing_slope}")
         check_int("query_tile", self.query_tile, 1)
+
+    def _apply_preset(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset: must be one of {tuple(PRESETS)}, got {self.preset!r}")
+        for name, value in PRESETS[self.preset].items():
+            if getattr(self, name) == getattr(_LIBRARY_DEFAULTS, name):
+                object.__setattr__(self, name, value)
+
+    @property
+    def protected(self) -> int:
+        """Tokens every layer must be able to keep whatever its budget: the sinks and a whole-token recent window."""
+        return (self.recent if isinstance(self.recent, int) else 0) + self.sinks
+
+    def recent_for(self, layer_budget: int) -> int:
+        """The recent window of a layer with this budget."""
+        return int(self.recent * layer_budget) if isinstance(self.recent, float) else int(self.recent)
 
     def with_budget(self, budget: int) -> ScissorhandsConfig:
         """These settings at a token budget."""
@@ -126,8 +182,17 @@ class CacheSettings:
     def drop_for(self, layer_budget: int) -> int:
         """Drop amount for a layer with this budget (a fraction is rounded, then clamped)."""
         m = max(1, round(self.drop * layer_budget)) if isinstance(self.drop, float) else int(self.drop)
-        return max(1, min(m, layer_budget - self.recent))
+        return max(1, min(m, layer_budget - self.recent_for(layer_budget) - self.sinks))
 
+
+_LIBRARY_DEFAULTS = CacheSettings()
+
+PRESETS: dict[str, dict] = {
+    # The published algorithm: importance summed over an exact 400-step window, 10 recent tokens, drop 0.4 B,
+    # no sinks, streamed prefill.
+    "paper": {"recent": 10, "window": 400, "window_buckets": None, "drop": 0.4, "importance": "sum", "sinks": 0,
+              "value_weighted": False, "prefill": "stream"},
+}
 
 DEFAULTS = CacheSettings()
 """The shipped defaults: the one definition the CLI and the lm-eval backend read theirs from."""
@@ -153,13 +218,15 @@ class ScissorhandsConfig(CacheSettings):
         check_int("budget", self.budget, 1)
         object.__setattr__(self, "budget", int(self.budget))
         super().__post_init__()
-        if self.budget <= self.recent:
-            raise ValueError(f"budget: must be > recent ({self.recent}), got {self.budget}")
+        if self.budget <= self.protected:
+            what = f"recent ({self.recent})" if not self.sinks else f"recent + sinks ({self.protected})"
+            raise ValueError(f"budget: must be > {what}, got {self.budget}")
         if not isinstance(self.drop, float):
             if self.drop >= self.budget:
                 raise ValueError(f"drop: must be < budget ({self.budget}), got {self.drop}")
-            if self.drop > self.budget - self.recent:
-                raise ValueError(f"drop: must be <= budget - recent ({self.budget - self.recent}), got {self.drop}")
+            room = self.budget - self.recent_for(self.budget) - self.sinks
+            if self.drop > room:
+                raise ValueError(f"drop: must be <= budget - recent - sinks ({room}), got {self.drop}")
 
     @property
     def settings(self) -> CacheSettings:

@@ -17,24 +17,73 @@ import torch
 from .state import TokenState
 
 
+def tile_buckets(steps: torch.Tensor, valid: torch.Tensor, bucket_steps: int | None,
+                 n_buckets: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Which ring slot each query of a tile adds to, and which ring slots restart.
+
+    A tile may cross bucket boundaries, and even wrap the ring. Only the
+    queries inside the window that ends at the tile's last query can still
+    matter: they add to the slot of their bucket, and the slots of buckets
+    that start inside the tile are zeroed first.
+
+    Parameters
+    ----------
+    steps, valid : (B, n) CPU
+        Each query's step, and False for padding queries.
+    bucket_steps : int or None
+        Steps per bucket; None for one bucket that never restarts.
+    n_buckets : int
+
+    Returns
+    -------
+    weight : Tensor, shape (B, n, NB), float32
+        1 where query ``i`` of row ``b`` adds to ring slot ``k``.
+    restart : BoolTensor, shape (B, NB), or None
+        Ring slots to zero before adding.
+    """
+    nb = n_buckets
+    b = steps.shape[0]
+    if bucket_steps is None:
+        return valid.to(torch.float32).unsqueeze(-1), None  # (B, n, 1)
+    s = bucket_steps
+    big = torch.iinfo(torch.int64).max
+    beta = steps // s  # (B, n) bucket ids
+    last = torch.where(valid, steps, -1).amax(dim=1)  # (B,)
+    first = torch.where(valid, steps, big).amin(dim=1)  # (B,)
+    beta_last = last.div(s, rounding_mode="floor")  # (B,); -1 where a row has no valid query
+    live = valid & (beta > (beta_last - nb)[:, None])  # (B, n)
+    weight = torch.zeros(b, steps.shape[1], nb)
+    weight.scatter_(2, (beta % nb).unsqueeze(-1), live.to(torch.float32).unsqueeze(-1))  # (B, n, NB)
+    cand = beta_last[:, None] - torch.arange(nb)  # (B, NB) the window's bucket ids
+    starts = cand * s
+    fresh = (cand >= 0) & (starts >= first[:, None]) & (starts <= last[:, None])  # (B, NB)
+    restart = torch.zeros(b, nb, dtype=torch.bool)
+    restart.scatter_(1, cand % nb, fresh)  # (B, NB)
+    return weight, restart
+
+
 class ImportanceState(TokenState):
     """Per-token importance accumulators, kept beside K/V and compacted with them.
 
     Parameters
     ----------
-    form : {"sum", "count"}
-        What a query contributes to a key: its probability, or 1 if the
-        probability exceeded ``1/n``.
+    form : {"sum", "count", "mean"}
+        What a query contributes to a key: its probability (``sum``, and
+        ``mean``, which divides by the number of queries when scoring), or 1
+        if the probability exceeded ``1/n`` (``count``).
     bucket_steps : int or None
         Steps per bucket ``s``; ``None`` for an unbounded window.
     n_buckets : int
         Number of buckets in the ring.
+    value_weighted : bool
+        Read by the scoring method: weigh importance by the value norm.
     """
 
     wants_attention = True
 
-    def __init__(self, form: str, bucket_steps: int | None, n_buckets: int):
+    def __init__(self, form: str, bucket_steps: int | None, n_buckets: int, value_weighted: bool = False):
         self.form = form
+        self.value_weighted = value_weighted
         self.bucket_steps = bucket_steps
         self.n_buckets = n_buckets
         self.reset()  # acc: (NB, B, H, cap) once allocated
@@ -42,7 +91,7 @@ class ImportanceState(TokenState):
     @classmethod
     def from_settings(cls, settings) -> ImportanceState:
         """The state a :class:`~scissorhands.config.CacheSettings` describes."""
-        return cls(settings.importance, settings.bucket_steps(), settings.n_buckets())
+        return cls(settings.importance, settings.bucket_steps(), settings.n_buckets(), settings.value_weighted)
 
     # -- storage -------------------------------------------------------------------------
     @property
@@ -58,7 +107,7 @@ class ImportanceState(TokenState):
 
         ``sum`` accumulates in ``dtype`` promoted to at least float32.
         """
-        if self.form == "sum":
+        if self.form != "count":
             dtype = torch.promote_types(dtype, torch.float32)
         else:
             per_bucket = (self.bucket_steps or 2**31) * group
@@ -66,12 +115,13 @@ class ImportanceState(TokenState):
         self.acc = torch.zeros(self.n_buckets, batch, heads, capacity, dtype=dtype, device=device)
         self._allocated = True
 
-    def grow(self, capacity: int) -> None:
-        """Enlarge the token axis to ``capacity``, keeping the stored values."""
+    def resize(self, capacity: int) -> None:
+        """Set the token axis to ``capacity``, keeping the values of the slots that remain."""
         old = self.acc
         nb, b, h, cap = old.shape  # (NB, B, H, cap)
+        keep = min(cap, capacity)
         self.acc = old.new_zeros(nb, b, h, capacity)
-        self.acc[..., :cap] = old
+        self.acc[..., :keep] = old[..., :keep]
 
     def clear(self, start: int, end: int) -> None:
         """Zero slots ``[start, end)`` of every row: freshly appended tokens have no history."""
@@ -85,7 +135,7 @@ class ImportanceState(TokenState):
     def observe(self, probs: torch.Tensor, attended, steps, valid: torch.Tensor | None) -> None:
         """Accumulate new queries' attention (see :meth:`TokenState.observe`)."""
         if isinstance(attended, int):  # decode: one query per row, all attended over the same slots
-            contrib = probs.sum(dim=2) if self.form == "sum" else (probs > 1.0 / attended).sum(
+            contrib = probs.sum(dim=2) if self.form != "count" else (probs > 1.0 / attended).sum(
                 dim=2, dtype=torch.float32)  # (B, H_kv, n, L)
         else:
             contrib = self.contributions(probs, attended)
@@ -109,7 +159,7 @@ class ImportanceState(TokenState):
         -------
         Tensor, shape (B, H_kv, n, L), in the accumulator's compute dtype
         """
-        if self.form == "sum":
+        if self.form != "count":
             return probs.sum(dim=2)  # (B, H_kv, n, L)
         return (probs > 1.0 / attended.clamp(min=1)).sum(dim=2, dtype=torch.float32)  # (B, H_kv, n, L)
 
@@ -136,32 +186,10 @@ class ImportanceState(TokenState):
 
         Notes
         -----
-        A tile may cross bucket boundaries, and even wrap the ring. Only the
-        queries inside the window that ends at the tile's last query can still
-        matter, so each row's update is: zero the ring slots of the buckets that
-        start inside the tile, then add those queries' contributions to their
-        slots. One einsum does the adding for all buckets at once.
+        Each row's ring slots that restart inside the tile are zeroed, then one
+        einsum adds every query to its bucket (see :func:`tile_buckets`).
         """
-        nb = self.n_buckets
-        b = steps.shape[0]
-        if self.bucket_steps is None:
-            weight = valid.to(torch.float32).unsqueeze(-1)  # (B, n, 1)
-            restart = None
-        else:
-            s = self.bucket_steps
-            big = torch.iinfo(torch.int64).max
-            beta = steps // s  # (B, n) bucket ids
-            last = torch.where(valid, steps, -1).amax(dim=1)  # (B,)
-            first = torch.where(valid, steps, big).amin(dim=1)  # (B,)
-            beta_last = last.div(s, rounding_mode="floor")  # (B,); -1 where a row has no valid query
-            live = valid & (beta > (beta_last - nb)[:, None])  # (B, n)
-            weight = torch.zeros(b, steps.shape[1], nb)
-            weight.scatter_(2, (beta % nb).unsqueeze(-1), live.to(torch.float32).unsqueeze(-1))  # (B, n, NB)
-            cand = beta_last[:, None] - torch.arange(nb)  # (B, NB) the window's bucket ids
-            starts = cand * s
-            fresh = (cand >= 0) & (starts >= first[:, None]) & (starts <= last[:, None])  # (B, NB)
-            restart = torch.zeros(b, nb, dtype=torch.bool)
-            restart.scatter_(1, cand % nb, fresh)  # (B, NB)
+        weight, restart = tile_buckets(steps, valid, self.bucket_steps, self.n_buckets)
         device = self.acc.device
         length = contrib.shape[-1]
         if restart is not None and bool(restart.any()):
@@ -175,8 +203,23 @@ class ImportanceState(TokenState):
 
     # -- reads -----------------------------------------------------------------------------
     def scores(self, length: int) -> torch.Tensor:
-        """Importance of the first ``length`` slots, shape (B, H_kv, length), float32."""
-        return self.acc[..., :length].sum(dim=0, dtype=torch.float32)
+        """Accumulated importance of the first ``length`` slots, shape (B, H_kv, length), float32 or wider."""
+        return self.acc[..., :length].sum(dim=0, dtype=torch.promote_types(self.acc.dtype, torch.float32))
+
+    def queries_in_window(self, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """How many queries inside the window each stored token has been scored by.
+
+        A token at position ``a`` was attended by the queries of steps ``a`` to
+        ``now = seen - 1``; the ring holds the steps from the start of its
+        oldest bucket. Returns float32 of the shape of ``positions`` (B, H_kv, L), at least 1.
+        """
+        now = (seen - 1).to(positions.device)[:, None, None]  # (B, 1, 1)
+        if self.bucket_steps is None:
+            start = torch.zeros_like(now)
+        else:
+            s = self.bucket_steps
+            start = ((now // s - self.n_buckets + 1) * s).clamp(min=0)
+        return (now - torch.maximum(positions.long(), start) + 1).clamp(min=1).to(torch.float32)
 
     def compact(self, keep: torch.Tensor) -> None:
         """Reorder the first ``L`` slots by ``keep`` (kept slots first, in stored order).

@@ -12,6 +12,8 @@ tensors. Its contract:
   their per-group scales with that index, without dequantising;
 * ``read(length)`` returns dense K and V of the first ``length`` slots, in the
   compute dtype, for the attention kernel;
+* ``resize`` grows the slots (geometrically, up to the budget), or shrinks
+  them back to the budget after a prompt-aware prefill held a whole prompt;
 * ``nbytes`` counts what is really allocated, scales and zero-points included.
 """
 
@@ -34,8 +36,8 @@ class KVStore:
     def reset(self) -> None:
         raise NotImplementedError
 
-    def grow(self, capacity: int) -> None:
-        """Enlarge to ``capacity`` slots, keeping what is stored."""
+    def resize(self, capacity: int) -> None:
+        """Set the number of slots per row to ``capacity``, keeping what the remaining slots hold."""
         raise NotImplementedError
 
     def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -86,13 +88,14 @@ class DenseKVStore(KVStore):
     def capacity(self) -> int:
         return self.keys.shape[-2]
 
-    def grow(self, capacity: int) -> None:
-        def grown(t: torch.Tensor) -> torch.Tensor:
+    def resize(self, capacity: int) -> None:
+        def resized(t: torch.Tensor) -> torch.Tensor:
             out = t.new_zeros(*t.shape[:2], capacity, t.shape[-1])  # (B, H_kv, capacity, D)
-            out[:, :, : t.shape[-2]] = t
+            keep = min(capacity, t.shape[-2])
+            out[:, :, :keep] = t[:, :, :keep]
             return out
 
-        self.keys, self.values = grown(self.keys), grown(self.values)
+        self.keys, self.values = resized(self.keys), resized(self.values)
 
     def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         c = key.shape[-2]

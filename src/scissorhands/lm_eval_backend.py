@@ -150,13 +150,12 @@ class ScissorhandsLM(LM):
     tokenizer : PreTrainedTokenizerBase, optional
         The tokenizer for an already-built model.
     method : str
-        One of :data:`scissorhands.methods.METHODS`: ``full``, ``scissorhands``,
-        ``scissorhands-count``, ``h2o``, ``tova``, ``streaming``, ``local``, ``random``.
+        A registered method (:data:`scissorhands.METHODS`).
     budget : float or int
         Tokens each budgeted layer may store. Up to 1: a fraction of each
         sequence's own length; above 1: a token count. Never below
         ``recent + 1``. Required unless ``method=full``.
-    recent, window, window_buckets, drop, importance, schedule
+    recent, window, window_buckets, drop, importance, schedule, sinks, value_weighted, prefill, observe, preset
         Shared cache settings, as in :class:`scissorhands.CacheSettings`
         (methods such as ``h2o`` or ``tova`` override some of them).
     seed : int
@@ -190,12 +189,17 @@ class ScissorhandsLM(LM):
         tokenizer=None,
         method: str = "scissorhands",
         budget: float | int | None = None,
-        recent: int = DEFAULTS.recent,
+        recent: int | float = DEFAULTS.recent,
         window: int | None = DEFAULTS.window,
         window_buckets: int | None = DEFAULTS.window_buckets,
         drop: float | int = DEFAULTS.drop,
         importance: str = DEFAULTS.importance,
         schedule: str | tuple[int, ...] = DEFAULTS.schedule,
+        sinks: int = DEFAULTS.sinks,
+        value_weighted: bool = DEFAULTS.value_weighted,
+        prefill: str = DEFAULTS.prefill,
+        observe: int = DEFAULTS.observe,
+        preset: str | None = None,
         seed: int = 0,
         dtype: str = "float32",
         device: str | None = None,
@@ -215,7 +219,8 @@ class ScissorhandsLM(LM):
         self.method = METHODS[method]
         self.budget_spec = _check_budget(budget, self.method)
         self.base = CacheSettings(recent=recent, window=window, window_buckets=window_buckets, drop=drop,
-                                  importance=importance, schedule=schedule)
+                                  importance=importance, schedule=schedule, sinks=sinks,
+                                  value_weighted=value_weighted, prefill=prefill, observe=observe, preset=preset)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed: must be an integer, got {seed!r}")
         self.seed = seed
@@ -308,7 +313,7 @@ class ScissorhandsLM(LM):
     # -- budgets -----------------------------------------------------------------------------
     def setup_for(self, length: int) -> ScoreSetup:
         """The scoring setup for one sequence of ``length`` tokens (the budget is resolved against it)."""
-        budget = None if self.budget_spec is None else resolve_budget(self.budget_spec, length, self.base.recent)
+        budget = None if self.budget_spec is None else resolve_budget(self.budget_spec, length, self.base.protected)
         return ScoreSetup(self.method, budget, self.base, self.seed)
 
     # -- tokenisation (lm-eval's hf conventions) --------------------------------------------

@@ -53,7 +53,7 @@ def layer_budgets(config: ScissorhandsConfig, n_layers: int) -> list[int]:
     """
     if n_layers < 1:
         raise ValueError("model: no full-attention layer to put a budget on")
-    floor = config.recent + 1
+    floor = config.protected + 1
     total = config.budget * n_layers
     sched = config.schedule
     if isinstance(sched, tuple):

@@ -61,11 +61,11 @@ class SlotTable:
         aligned = self.lengths.numel() > 0 and self.aligned(self.lengths)
         self.uniform = (int(self.lengths[0]), int(self.seen[0])) if aligned else None
 
-    def grow(self, capacity: int) -> None:
-        """Enlarge the slot axis to ``capacity``; new slots are empty."""
-        cap = self.capacity
+    def resize(self, capacity: int) -> None:
+        """Set the slot axis to ``capacity``; new slots are empty."""
+        keep = min(self.capacity, capacity)
         positions = self.positions.new_full((*self.positions.shape[:2], capacity), -1)  # (B, H_kv, capacity)
-        positions[:, :, :cap] = self.positions
+        positions[:, :, :keep] = self.positions[:, :, :keep]
         self.positions = positions
 
     def place_block(self, start: int, count: int) -> None:

@@ -5,7 +5,7 @@ and is told everything that happens to the slots, so it can stay aligned with
 K/V without the layer knowing what it holds. The layer calls, in order of a
 token's life: :meth:`clear` (appended), :meth:`observe` (attended to),
 :meth:`compact` (survived an eviction), and around them :meth:`allocate`,
-:meth:`grow`, :meth:`select_batch` (beam reordering, batch expansion) and
+:meth:`resize`, :meth:`select_batch` (beam reordering, batch expansion) and
 :meth:`reset`. Every hook defaults to doing nothing, so a state overrides only
 what it needs.
 """
@@ -28,8 +28,8 @@ class TokenState:
     def allocated(self) -> bool:
         return True
 
-    def grow(self, capacity: int) -> None:
-        """The slot axis grew to ``capacity``; keep what is stored."""
+    def resize(self, capacity: int) -> None:
+        """The slot axis now has ``capacity`` slots (more, or fewer after a prompt-aware prefill); keep the rest."""
 
     def clear(self, start: int, end: int) -> None:
         """Slots ``[start, end)`` of every row now hold fresh tokens."""

@@ -59,6 +59,9 @@ def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.
 
     q = query.reshape(b, h, g, total, d)  # (B, H_kv, g, T, D)
     out = query.new_empty(b, h, g, total, value.shape[-1])  # (B, H_kv, g, T, D_v)
+    if kv.prefill == "prompt-aware" and kv.slots.length == 0 and int(cum[:, -1].max()) > kv.budget:
+        _prompt_aware_prefill(kv, q, out, key, value, valid, cum, scaling, softcap, query_tile)
+        return out.view(b, h_q, total, -1)
     lengths = kv.slots.lengths
     i = 0
     while i < total:
@@ -100,11 +103,44 @@ def _decode_step(kv: BudgetedKV, query, key, value, scaling, softcap) -> torch.T
     return ctx.view(b, h_q, 1, -1)
 
 
-def _attend_block(kv: BudgetedKV, q, out, base, cum, valid, scaling, softcap, query_tile) -> None:
+def _prompt_aware_prefill(kv: BudgetedKV, q, out, key, value, valid, cum, scaling, softcap, query_tile) -> None:
+    """Hold the whole prompt, attend over it exactly, then evict down to the budget in one step.
+
+    For methods that score by attention, the prompt's tokens are scored by the
+    attention the prompt's last ``kv.observe`` queries pay them (summed over
+    the query heads of a group), max-pooled over neighbouring slots so that a
+    fact spanning several tokens stays whole; those last queries themselves are
+    kept. Other methods (position or random based) score the held prompt their
+    own way. Peak memory is the prompt's length; from the next token on the
+    budget holds as usual.
+    """
+    b = q.shape[0]
+    real = cum[:, -1]  # (B,) real tokens per row
+    kv.reserve(int(real.max()), limit=int(real.max()))
+    kv.append(key, value, valid, cum)
+    watch = (cum > (real - kv.observe)[:, None]) & (valid if valid is not None else True)  # (B, T): last queries
+    snap = torch.zeros(b, key.shape[1], kv.capacity, device=q.device)
+    _attend_block(kv, q, out, torch.zeros(b, dtype=torch.long), cum, valid, scaling, softcap, query_tile, (watch, snap))
+    length = kv.slots.length
+    if kv.state.wants_attention:
+        scores = snap[:, :, :length]  # (B, H_kv, L)
+        pooled = torch.nn.functional.max_pool1d(scores.reshape(-1, 1, length), kernel_size=7, stride=1, padding=3)
+        scores = pooled.view_as(scores).clone()
+        last = kv.slots.positions[:, :, :length] >= (real - kv.observe).to(q.device)[:, None, None]  # (B, H_kv, L)
+        scores.masked_fill_(last, float("inf"))
+    else:
+        scores = kv.method.score(kv.view())
+    kv.evict(scores, (real - kv.budget).clamp(min=0))
+    kv.compressions += 1
+    kv.resize(kv.budget)
+
+
+def _attend_block(kv: BudgetedKV, q, out, base, cum, valid, scaling, softcap, query_tile, snap=None) -> None:
     """Queries of one block over each row's old slots plus the block's real tokens (causal).
 
     q : (B, H_kv, g, c, D); out : (B, H_kv, g, c, D_v), written in place;
-    base : (B,) CPU stored lengths before the block; cum, valid : (B, c) CPU.
+    base : (B,) CPU stored lengths before the block; cum, valid : (B, c) CPU;
+    snap : optional ((B, c) bool, (B, H_kv, capacity) float): add the marked queries' probabilities to the tensor.
     """
     b, h, g, c, d = q.shape
     track = kv.state.wants_attention
@@ -127,6 +163,9 @@ def _attend_block(kv: BudgetedKV, q, out, base, cum, valid, scaling, softcap, qu
             probs = probs * valid[:, a:e].to(device=device, dtype=probs.dtype)[:, None, None, :, None]
         ctx = attention_output(probs.view(b, h, g * n, length), values)  # (B, H_kv, g*n, D_v)
         out[:, :, :, a:e] = ctx.view(b, h, g, n, -1)
+        if snap is not None:
+            marked = snap[0][:, a:e].to(device=device, dtype=probs.dtype)[:, None, None, :, None]  # (B, 1, 1, n, 1)
+            snap[1][:, :, :length] += (probs * marked).sum(dim=(2, 3))
         if track:
             attended = limit.to(device=device, dtype=probs.dtype)[:, None, None, :, None]  # (B, 1, 1, n, 1)
             steps = kv.slots.seen[:, None] - (cum[:, -1:] - cum[:, a:e]) - 1  # (B, n) CPU

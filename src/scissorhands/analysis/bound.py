@@ -103,7 +103,7 @@ def deviation_vs_budget(model, ids: torch.Tensor, ratios: list[float],
     """
     ids = ids.reshape(1, -1).to(model.device)  # (1, T)
     length = ids.shape[1]
-    recent = base.recent
+    recent = base.protected
     with capture_attention_outputs(model) as outs:
         full_logits = model(ids, use_cache=False).logits[0]  # (T, V)
     full = [o[-1][0] for o in outs]  # per layer (T, hidden)

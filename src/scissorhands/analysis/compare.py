@@ -50,7 +50,7 @@ def compare_schedules(model, windows: list[list[int]], compressions: list[float]
     if "uniform" not in schedules:
         raise ValueError("schedules: must include 'uniform' to pair against")
     length = len(windows[0])
-    recent = DEFAULTS.recent
+    recent = DEFAULTS.protected
 
     def tick():
         if progress is not None:

@@ -215,7 +215,7 @@ def calibrate(result: dict, settings: AnalysisSettings, out_dir: Path) -> dict:
     per_layer = result["measured"]["trained"]["persistence"][str(settings.length)][measure]["mean"]
     full = result["full_attention_layers"]
     persistence = [per_layer[i] for i in full]
-    recent = DEFAULTS.recent  # every layer budget must exceed it
+    recent = DEFAULTS.protected  # every layer budget must exceed it
     budget = resolve_budget(settings.budget, settings.ppl_seq_len, recent)
     budgets = calibrated_budgets(persistence, budget, recent, settings.weight_floor)
     source = (f"{result['model']}: form (b) top-{settings.calib_topk * 100:g}% persistence, mean over heads, "

@@ -62,7 +62,7 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                 scores, budgets_used = [], []
                 desc = f"{task.name} {method.name} {'full' if spec is None else spec}"
                 for item in tqdm(items, desc=desc, leave=False):
-                    budget = None if spec is None else resolve_budget(spec, item.length, base.recent)
+                    budget = None if spec is None else resolve_budget(spec, item.length, base.protected)
                     budgets_used.append(item.length if budget is None else min(budget, item.length))
                     scores.append(task.score(model, item, ScoreSetup(method, budget, base, seed)))
                 metrics = task.aggregate(scores)

@@ -55,6 +55,11 @@ class LayerView:
         return self._slots.lengths
 
     @property
+    def seen(self) -> torch.Tensor:
+        """Real tokens each row has seen, LongTensor of shape (B,), CPU; the last query's step is ``seen - 1``."""
+        return self._slots.seen
+
+    @property
     def positions(self) -> torch.Tensor:
         """Position of the token in each slot, IntTensor of shape (B, H_kv, length); -1 for empty slots."""
         return self._slots.positions[:, :, : self.length]

@@ -20,8 +20,14 @@ class Scissorhands(EvictionMethod):
         return ImportanceState.from_settings(config)
 
     def score(self, view: LayerView) -> torch.Tensor:
-        assert isinstance(view.state, ImportanceState)
-        return view.state.scores(view.length)
+        state = view.state
+        assert isinstance(state, ImportanceState)
+        scores = state.scores(view.length)  # (B, H_kv, L)
+        if state.form == "mean":
+            scores = scores / state.queries_in_window(view.positions, view.seen).to(scores.dtype)
+        if state.value_weighted:
+            scores = scores * view.values().to(scores.dtype).norm(dim=-1)
+        return scores
 
 
 @register

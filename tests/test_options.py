@@ -1,0 +1,146 @@
+"""Scoring and prefill options beyond the paper: each against the naive reference or against decoding.
+
+Sinks, the ``mean`` importance, value weighting and a fractional recent window
+are checked against the naive reference (kept sets and outputs); every option is
+checked for exactness of the compressed scorer; the prompt-aware prefill for
+its invariants, batch = alone, and exact continuation scoring; the paper preset
+for reproducing the published settings.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import left_padded, tiny_model
+from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig, get_method
+from scissorhands.config import PRESETS
+from scissorhands.scoring import ScoreSetup, continuation_logprobs, token_logprobs
+from test_reference import cases, check_case
+from test_scoring import decode_logprobs
+
+
+@st.composite
+def option_cases(draw):
+    case = draw(cases())
+    room = case["budget"] - case["recent"] - case["drop"]
+    case["sinks"] = draw(st.integers(0, max(room, 0)))
+    case["importance"] = draw(st.sampled_from(["sum", "count", "mean"]))
+    case["value_weighted"] = draw(st.booleans())
+    return case
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(option_cases())
+def test_options_match_reference(case):
+    check_case(case)
+
+
+OPTIONS = {
+    "sinks": dict(sinks=4),
+    "mean": dict(importance="mean"),
+    "value-weighted": dict(value_weighted=True),
+    "recent-fraction": dict(recent=0.25),
+    "all": dict(sinks=2, importance="mean", value_weighted=True, recent=0.3, drop=2),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_options_keep_the_scorer_exact(arch, option):
+    base = CacheSettings(**{**dict(window=8, window_buckets=4, drop=5, recent=3), **OPTIONS[option]})
+    model = tiny_model(arch)
+    ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(1))
+    setup = ScoreSetup(get_method("scissorhands"), 16, base)
+    fast, _ = token_logprobs(model, ids, setup)
+    slow, cache = decode_logprobs(model, ids, setup)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
+    assert cache.memory_report()["peak_stored"] <= 16
+    if base.sinks:
+        for layer in cache.budgeted_layers:
+            assert set(range(base.sinks)) <= set(layer.stored_positions(0).flatten().tolist())
+
+
+def test_sinks_survive_any_pressure():
+    model = tiny_model("qwen2")
+    ids, mask = left_padded([40, 23], seed=2)
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=10, recent=2, drop=1, sinks=3))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    for layer in cache.budgeted_layers:
+        for row in range(2):
+            for head in layer.stored_positions(row).tolist():
+                assert {0, 1, 2} <= set(head) and len(head) <= 10
+
+
+PROMPT_AWARE = CacheSettings(recent=3, drop=4, window=8, window_buckets=4, prefill="prompt-aware", observe=6)
+
+
+@pytest.mark.parametrize("name", ["scissorhands", "h2o", "tova", "streaming", "local", "random"])
+def test_prompt_aware_continuations_equal_decoding_after_the_prompt(name):
+    """Prompt as one chunk, then the continuation at once = the continuation token by token."""
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(5)
+    context = torch.randint(3, 256, (40,), generator=gen).tolist()
+    cont = torch.randint(3, 256, (12,), generator=gen).tolist()
+    setup = ScoreSetup(get_method(name), 16, PROMPT_AWARE, seed=1)
+    (total, _), = continuation_logprobs(model, context, [cont], setup)
+    cache = setup.make_cache(model, len(context) + len(cont))
+    with torch.no_grad():
+        logits = model(torch.tensor([context]), cache=cache).logits[0, -1]
+        lp = [torch.log_softmax(logits.float(), -1)[cont[0]]]
+        for a, b in zip(cont[:-1], cont[1:]):
+            logits = model(torch.tensor([[a]]), cache=cache).logits[0, -1]
+            lp.append(torch.log_softmax(logits.float(), -1)[b])
+    assert total == pytest.approx(float(sum(lp)), abs=1e-4)
+    report = cache.memory_report()
+    assert report["max_stored"] <= 16 and report["peak_stored"] == len(context)  # the prompt was held once
+
+
+def test_prompt_aware_batch_equals_each_sequence_alone_and_keeps_the_last_queries():
+    model = tiny_model("gemma3", torch.float64)
+    ids, mask = left_padded([36, 21, 9], seed=6)
+    cfg = PROMPT_AWARE.with_budget(12)
+
+    def run(rows):
+        cache = ScissorhandsCache(model, cfg)
+        with torch.no_grad():
+            out = model.generate(ids[rows], attention_mask=mask[rows], cache=cache, max_new_tokens=1,
+                                 do_sample=False, pad_token_id=0)
+        return out[:, -1], cache
+
+    together, cache = run([0, 1, 2])
+    for row, n in enumerate([36, 21, 9]):
+        alone, single = run([row])
+        assert torch.equal(together[row], alone[0])
+        for a, b in zip(cache.budgeted_layers, single.budgeted_layers):
+            kept = a.stored_positions(row)
+            assert torch.equal(kept, b.stored_positions(0))
+            assert kept.shape[-1] == min(n, 12)
+            if n > 12:  # the observation window (the prompt's last 6 tokens) is kept whole
+                for head in kept.tolist():
+                    assert set(range(n - 6, n)) <= set(head)
+
+
+def test_paper_preset_is_the_published_setting_and_user_values_win():
+    paper = ScissorhandsConfig(budget=100, preset="paper")
+    for name, value in PRESETS["paper"].items():
+        assert getattr(paper, name) == value
+    assert (paper.window, paper.recent, paper.window_buckets) == (400, 10, None)
+    assert ScissorhandsConfig(budget=100, preset="paper", recent=32).recent == 32
+    with pytest.raises(ValueError, match="^preset:"):
+        ScissorhandsConfig(budget=100, preset="nope")
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(sinks=-1), "sinks"),
+    (dict(recent=1.5), "recent"),
+    (dict(importance="max"), "importance"),
+    (dict(value_weighted="yes"), "value_weighted"),
+    (dict(prefill="snap"), "prefill"),
+    (dict(observe=0), "observe"),
+    (dict(budget=8, recent=4, sinks=4), "budget"),
+])
+def test_new_options_are_validated_in_one_line(kwargs, param):
+    with pytest.raises(ValueError, match=f"^{param}:"):
+        ScissorhandsConfig(**{"budget": 64, **kwargs})
