@@ -10,17 +10,23 @@ import gzip
 import importlib.util
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from ..scoring import continuation_logprobs, token_logprobs
+from ..scoring import ScoreSetup, continuation_logprobs, token_logprobs
 from ..stats import mean_ci, proportion
 from ..text import corpus_tokens, load_texts, windows
 
 MC_TASKS = ("hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
-TASKS = ("ppl", "lambada", "agreement") + MC_TASKS
+TASKS = ("ppl", "lambada", "agreement", "passkey") + MC_TASKS
+
+
+def streamed(setup: ScoreSetup) -> ScoreSetup:
+    """The setup with a streamed prefill: a text scored whole has no prompt to hold (a prompt-aware
+    prefill of the whole text would hold all of it and measure the full cache)."""
+    return replace(setup, base=replace(setup.base, prefill="stream"))
 
 
 @dataclass
@@ -61,7 +67,7 @@ class Perplexity(Task):
         return [Item(f"w{i}", len(w), {"ids": w}) for i, w in enumerate(windows(ids, self.seq_len, count))]
 
     def score(self, model, item, setup):
-        lp, _ = token_logprobs(model, torch.tensor(item.data["ids"]), setup)
+        lp, _ = token_logprobs(model, torch.tensor(item.data["ids"]), streamed(setup))
         return {"nll": float(-lp.mean())}
 
     def aggregate(self, scores):
@@ -223,7 +229,7 @@ class Agreement(Task):
     def score(self, model, item, setup):
         cont = self._continuation(model, item)
         ids = torch.tensor(item.data["prompt"] + cont)
-        _, hit = token_logprobs(model, ids, setup)
+        _, hit = token_logprobs(model, ids, streamed(setup))
         hit = hit[-len(cont):].tolist()
         first = next((i for i, h in enumerate(hit) if not h), len(hit))
         return {"first_divergence": first, "agreement": sum(hit) / len(hit)}
@@ -242,6 +248,10 @@ def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | N
         return Lambada()
     if name == "agreement":
         return Agreement(data=data)
+    if name == "passkey":
+        from .passkey import Passkey
+
+        return Passkey(data=data)
     if name in MC_TASKS:
         return MultipleChoice(name)
     if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):

@@ -1,0 +1,77 @@
+"""Sweep cache settings with the exact scorer and report paired NLL changes against the full cache.
+
+The model is loaded once and the same text windows are scored for every
+setting, so differences are paired. Each setting is a JSON object of
+``CacheSettings`` fields; results append to a JSONL file (one line per setting
+and budget) and a setting already there is not recomputed.
+
+    python benchmarks/defaults_sweep.py --settings benchmarks/sweep_stage1.json --budgets 0.2,0.1 \
+        --seq-len 2048 --num-samples 8 --out docs/results/sweep2/stage1.jsonl
+"""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from scissorhands import CacheSettings, get_method, resolve_budget
+from scissorhands.eval.tasks import Perplexity
+from scissorhands.models import load_model
+from scissorhands.scoring import ScoreSetup, token_logprobs
+from scissorhands.stats import paired_difference
+
+
+def window_nll(model, ids, method, budget, settings) -> float:
+    lp, _ = token_logprobs(model, torch.tensor(ids), ScoreSetup(get_method(method), budget, settings))
+    return float(-lp.mean())
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--settings", required=True, help="JSON file: {name: {field: value, ...}, ...}")
+    p.add_argument("--budgets", default="0.2,0.1")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--num-samples", type=int, default=8)
+    p.add_argument("--method", default="scissorhands")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    grid = json.loads(Path(args.settings).read_text())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["name"], r["budget"], r["method"]) for r in map(json.loads, out.read_text().splitlines())} \
+        if out.is_file() else set()
+    model, tok = load_model(args.model, dtype=args.dtype)
+    items = Perplexity(args.seq_len, args.num_samples).items(tok, None)
+    full_path = out.with_suffix(".full.json")
+    if full_path.is_file():
+        full = json.loads(full_path.read_text())["nll"]
+    else:
+        full = [window_nll(model, it.data["ids"], "full", None, CacheSettings()) for it in items]
+        full_path.write_text(json.dumps({"nll": full, "seq_len": args.seq_len, "num_samples": args.num_samples}))
+    for name, fields in grid.items():
+        method = fields.pop("method", args.method)
+        settings = get_method(method).resolve(CacheSettings(**fields))
+        for spec in [float(b) for b in args.budgets.split(",")]:
+            if (name, spec, method) in done:
+                continue
+            start = time.perf_counter()
+            nll = [window_nll(model, it.data["ids"], method, resolve_budget(spec, it.length, settings.protected),
+                              settings) for it in items]
+            delta, half = paired_difference(nll, full)
+            rec = {"name": name, "method": method, "budget": spec, "settings": settings.as_dict(),
+                   "delta_nll": delta, "delta_nll_ci95": half, "ppl": math.exp(sum(nll) / len(nll)),
+                   "ppl_full": math.exp(sum(full) / len(full)), "nll": nll, "seq_len": args.seq_len,
+                   "num_samples": len(items), "dtype": args.dtype, "wall_s": time.perf_counter() - start}
+            with out.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"{name:<40} {method:<14} budget {spec:<5} dNLL {delta:+.4f} ±{half:.4f} "
+                  f"({rec['wall_s']:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
