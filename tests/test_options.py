@@ -41,7 +41,8 @@ OPTIONS = {
     "mean": dict(importance="mean"),
     "value-weighted": dict(value_weighted=True),
     "recent-fraction": dict(recent=0.25),
-    "all": dict(sinks=2, importance="mean", value_weighted=True, recent=0.3, drop=2),
+    "merge": dict(merge=True),
+    "all": dict(sinks=2, importance="mean", value_weighted=True, recent=0.3, drop=2, merge=True),
 }
 
 
@@ -137,6 +138,7 @@ def test_paper_preset_is_the_published_setting_and_user_values_win():
     (dict(recent=1.5), "recent"),
     (dict(importance="max"), "importance"),
     (dict(value_weighted="yes"), "value_weighted"),
+    (dict(merge=1), "merge"),
     (dict(prefill="snap"), "prefill"),
     (dict(observe=0), "observe"),
     (dict(budget=8, recent=4, sinks=4), "budget"),
@@ -144,3 +146,20 @@ def test_paper_preset_is_the_published_setting_and_user_values_win():
 def test_new_options_are_validated_in_one_line(kwargs, param):
     with pytest.raises(ValueError, match=f"^{param}:"):
         ScissorhandsConfig(**{"budget": 64, **kwargs})
+
+
+def test_merging_keeps_the_mass_and_changes_nothing_without_eviction():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(4))
+    merged = CacheSettings(recent=3, drop=5, merge=True)
+    plain = ScoreSetup(get_method("scissorhands"), 64, CacheSettings(recent=3, drop=5))
+    same = ScoreSetup(get_method("scissorhands"), 64, merged)
+    torch.testing.assert_close(token_logprobs(model, ids, same)[0], token_logprobs(model, ids, plain)[0])
+    cache = ScissorhandsCache(model, merged.with_budget(16))
+    with torch.no_grad():
+        model(ids[None], cache=cache)
+    for layer in cache.budgeted_layers:
+        mass = layer.kv.merge.mass[0, :, : int(layer.slots.lengths[0])]
+        # every token seen is accounted for: kept ones plus what was folded into them
+        torch.testing.assert_close(mass.sum(dim=-1), torch.full((mass.shape[0],), 48.0))
+        assert bool((mass >= 1).all())

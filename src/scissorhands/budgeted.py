@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .kvstore import DenseKVStore, KVStore
+from .merging import MergeState
 from .methods.base import EvictionMethod, LayerView
 from .selection import keep_order
 from .slots import SlotTable
@@ -51,6 +52,7 @@ class BudgetedKV:
         self.state = state if state is not None else TokenState()
         self.layer_idx = layer_idx
         self.store: KVStore = store if store is not None else DenseKVStore()
+        self.merge: MergeState | None = None  # set to fold evicted tokens into kept ones
         self.reset()
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -64,10 +66,16 @@ class BudgetedKV:
     def reset(self) -> None:
         """Forget the sequence: storage, state and slots start empty (nothing allocated)."""
         self.store.reset()
-        self.state.reset()
+        for state in self.states:
+            state.reset()
         self.slots = SlotTable(0, 0, None)
         self.compressions = 0
         self.allocated = False
+
+    @property
+    def states(self) -> list[TokenState]:
+        """Every per-token state kept beside K/V: the method's, and the merge masses if merging."""
+        return [self.state] if self.merge is None else [self.state, self.merge]
 
     @property
     def capacity(self) -> int:
@@ -84,7 +92,8 @@ class BudgetedKV:
         """Set every part's slot axis to ``capacity``."""
         self.store.resize(capacity)
         self.slots.resize(capacity)
-        self.state.resize(capacity)
+        for state in self.states:
+            state.resize(capacity)
 
     def append(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, cum: torch.Tensor) -> None:
         """Write each row's real tokens of a block after its stored ones.
@@ -99,13 +108,15 @@ class BudgetedKV:
             start, c = int(slots.lengths[0]), key.shape[-2]
             self.store.write(start, key, value)
             slots.place_block(start, c)
-            self.state.clear(start, start + c)
+            for state in self.states:
+                state.clear(start, start + c)
         else:
             rows, cols = (valid if valid is not None else torch.ones_like(cum, dtype=torch.bool)).nonzero(as_tuple=True)
             where = slots.place_tokens(rows, cum, cols)
             r, sl, cl = rows.to(slots.device), where.to(slots.device), cols.to(slots.device)
             self.store.write_at(r, sl, key[r, :, cl], value[r, :, cl])  # (N, H_kv, D) each
-            self.state.clear_slots(r, sl)
+            for state in self.states:
+                state.clear_slots(r, sl)
         slots.advance(added)
 
     def append_token(self, key: torch.Tensor, value: torch.Tensor) -> int:
@@ -115,7 +126,8 @@ class BudgetedKV:
         self.reserve(length + 1)
         self.store.write(length, key, value)
         slots.positions[:, :, length] = seen
-        self.state.clear(length, length + 1)
+        for state in self.states:
+            state.clear(length, length + 1)
         slots.advance_uniform()
         return length + 1
 
@@ -136,8 +148,12 @@ class BudgetedKV:
         if self.sinks:
             shield = self.slots.positions[:, :, :length] < self.sinks  # (B, H_kv, L)
         keep = keep_order(scores, self.slots.lengths, self.recent, n_drop, shield)
+        if self.merge is not None:
+            keys, values = self.store.read(length)
+            self.store.write(0, keys, self.merge.fold(keys, values, keep, self.slots.lengths, n_drop))
         self.store.reorder(keep)
-        self.state.compact(keep)
+        for state in self.states:
+            state.compact(keep)
         self.slots.compact(keep, n_drop)
         self.compressions += 1
 
@@ -147,5 +163,6 @@ class BudgetedKV:
             return
         dev = index.to(self.slots.device)
         self.store.select_batch(dev)
-        self.state.select_batch(dev)
+        for state in self.states:
+            state.select_batch(dev)
         self.slots.select_batch(index)

@@ -15,6 +15,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 from .budgeted import BudgetedKV
 from .config import ScissorhandsConfig
+from .merging import MergeState
 from .methods import EvictionMethod
 from .methods.scissorhands import Scissorhands
 from .modelinfo import FULL, model_facts
@@ -216,6 +217,8 @@ class ScissorhandsCache(Cache):
                                       self.method.make_state(config), self.method, config.query_tile, idx)
             layer.kv.sinks = config.sinks
             layer.kv.prefill, layer.kv.observe = config.prefill, config.observe
+            if config.merge:
+                layer.kv.merge = MergeState()
             layers.append(layer)
         super().__init__(layers=layers)
 

@@ -63,6 +63,8 @@ def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = Non
                    help=f"{' | '.join(IMPORTANCE_FORMS)} (default {DEFAULTS.importance})")
     g.add_argument("--value-weighted", action=argparse.BooleanOptionalAction, default=None,
                    help=f"weigh importance by the value norm (default {DEFAULTS.value_weighted})")
+    g.add_argument("--merge", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"fold evicted tokens into their most similar kept token (default {DEFAULTS.merge})")
     g.add_argument("--prefill", default=None,
                    help=f"{' | '.join(PREFILL_MODES)} (default {DEFAULTS.prefill})")
     g.add_argument("--observe", type=int, default=None,
@@ -88,8 +90,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
 
 
-_CACHE_FLAGS = ("recent", "sinks", "window", "window_buckets", "drop", "importance", "value_weighted", "prefill",
-                "observe", "schedule")
+_CACHE_FLAGS = ("recent", "sinks", "window", "window_buckets", "drop", "importance", "value_weighted", "merge",
+                "prefill", "observe", "schedule")
 _UNSET = object()
 
 

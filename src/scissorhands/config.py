@@ -60,6 +60,10 @@ class CacheSettings:
     value_weighted : bool
         Multiply importance by the norm of the token's value vector (attention
         that moves a large value matters more).
+    merge : bool
+        Fold each evicted token's value into the kept token with the most
+        similar key, carrying its weight as a logit bias (see :mod:`.merging`),
+        instead of dropping it.
     schedule : str, sequence of int, or path
         ``"uniform"``, ``"increasing"`` (later layers get more, same total),
         an explicit list of per-layer budgets, or a path to a JSON schedule.
@@ -94,6 +98,7 @@ class CacheSettings:
     query_tile: int = 256
     sinks: int = 0
     value_weighted: bool = False
+    merge: bool = False
     prefill: str = "stream"
     observe: int = 32
     preset: str | None = None
@@ -107,8 +112,9 @@ class CacheSettings:
         else:
             check_int("recent", self.recent, 0)
         check_int("sinks", self.sinks, 0)
-        if not isinstance(self.value_weighted, bool):
-            raise ValueError(f"value_weighted: must be True or False, got {self.value_weighted!r}")
+        for flag in ("value_weighted", "merge"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag}: must be True or False, got {getattr(self, flag)!r}")
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill: must be one of {PREFILL_MODES}, got {self.prefill!r}")
         check_int("observe", self.observe, 1)
@@ -191,7 +197,7 @@ PRESETS: dict[str, dict] = {
     # The published algorithm: importance summed over an exact 400-step window, 10 recent tokens, drop 0.4 B,
     # no sinks, streamed prefill.
     "paper": {"recent": 10, "window": 400, "window_buckets": None, "drop": 0.4, "importance": "sum", "sinks": 0,
-              "value_weighted": False, "prefill": "stream"},
+              "value_weighted": False, "merge": False, "prefill": "stream"},
 }
 
 DEFAULTS = CacheSettings()

@@ -16,6 +16,7 @@ def attention_probs(
     softcap: float | None = None,
     allowed: torch.Tensor | None = None,
     shape: tuple[int, ...] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax of scaled (and optionally soft-capped) ``q @ keys^T``.
 
@@ -31,6 +32,8 @@ def attention_probs(
         Broadcastable to the logits (after ``shape``); False slots get no attention.
     shape : tuple of int, optional
         View the (B, H_kv, M, L) logits as this shape before masking, e.g. (B, H_kv, g, n, L).
+    bias : Tensor, optional
+        Added to the scaled logits (broadcastable), e.g. the log-mass of merged slots.
 
     Returns
     -------
@@ -42,6 +45,8 @@ def attention_probs(
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scaling
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
+    if bias is not None:
+        logits = logits + bias
     if allowed is not None:
         logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
     return torch.softmax(logits, dim=-1)

@@ -43,9 +43,10 @@ def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.
     if h_q % h:
         raise ValueError(f"model: {h_q} query heads cannot share {h} KV heads")
     g = h_q // h
-    if not kv.state.allocated:
-        # Allocated here: a count state's dtype depends on the group size, a sum's on the compute dtype.
-        kv.state.allocate(b, h, kv.capacity, group=g, device=query.device, dtype=query.dtype)
+    for state in kv.states:
+        if not state.allocated:
+            # Allocated here: a count state's dtype depends on the group size, a sum's on the compute dtype.
+            state.allocate(b, h, kv.capacity, group=g, device=query.device, dtype=query.dtype)
     if total == 1 and mask is None and kv.slots.uniform is not None:
         return _decode_step(kv, query, key, value, scaling, softcap)
 
@@ -96,7 +97,8 @@ def _decode_step(kv: BudgetedKV, query, key, value, scaling, softcap) -> torch.T
     length = kv.append_token(key, value)
     q = query.view(b, h, h_q // h, d)  # (B, H_kv, g, D)
     keys, values = kv.store.read(length)  # (B, H_kv, L, D) each
-    probs = attention_probs(q, keys, scaling, softcap)  # (B, H_kv, g, L)
+    bias = None if kv.merge is None else kv.merge.bias(length)[:, :, None, :]  # (B, H_kv, 1, L)
+    probs = attention_probs(q, keys, scaling, softcap, bias=bias)  # (B, H_kv, g, L)
     ctx = attention_output(probs, values)  # (B, H_kv, g, D_v)
     if kv.state.wants_attention:
         kv.state.observe(probs.unsqueeze(3), length, seen, None)  # (B, H_kv, g, 1, L)
@@ -131,7 +133,6 @@ def _prompt_aware_prefill(kv: BudgetedKV, q, out, key, value, valid, cum, scalin
     else:
         scores = kv.method.score(kv.view())
     kv.evict(scores, (real - kv.budget).clamp(min=0))
-    kv.compressions += 1
     kv.resize(kv.budget)
 
 
@@ -158,7 +159,9 @@ def _attend_block(kv: BudgetedKV, q, out, base, cum, valid, scaling, softcap, qu
         if not (aligned and n == 1):
             slot = torch.arange(length, device=device)
             allowed = (slot < limit.to(device)[:, :, None])[:, None, None]  # (B, 1, 1, n, L)
-        probs = attention_probs(qt, keys, scaling, softcap, allowed, shape=(b, h, g, n, length))  # (B, H_kv, g, n, L)
+        bias = None if kv.merge is None else kv.merge.bias(length)[:, :, None, None, :]  # (B, H_kv, 1, 1, L)
+        probs = attention_probs(qt, keys, scaling, softcap, allowed, shape=(b, h, g, n, length),
+                                bias=bias)  # (B, H_kv, g, n, L)
         if valid is not None:
             probs = probs * valid[:, a:e].to(device=device, dtype=probs.dtype)[:, None, None, :, None]
         ctx = attention_output(probs.view(b, h, g * n, length), values)  # (B, H_kv, g*n, D_v)
