@@ -217,8 +217,10 @@ def _read_prompt(args) -> str:
             raise ValueError("prompt: is empty")
         return text
     path = args.prompt_file
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"prompt-file: no such file {str(path)!r}")
+    if not path.is_file():
+        raise ValueError(f"prompt-file: {str(path)!r} is not a file")
     text = read_text_file(path, "prompt-file")
     if not text.strip():
         raise ValueError(f"prompt-file: {str(path)!r} is empty")
@@ -259,7 +261,10 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
     from .generation import generate
     from .models import load_model
 
-    method = get_method(args.method)  # validate before the slow model load
+    try:
+        method = get_method(args.method)  # validate before the slow model load
+    except ValueError as e:  # the registry names its 'methods'; this command's option is --method
+        raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
     if method.is_full:
         raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method")
     config = method.configure(_settings(args), args.budget)

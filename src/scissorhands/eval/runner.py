@@ -236,10 +236,9 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
         tokens on every item, a task with no items or items longer than the
         model's positions, a foreign results file.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULTS_FILE
-    existing = _open_for_append(path, "out")
-    done = {r["key_id"]: r for r in existing if "key_id" in r} if resume else {}
+    if path.is_file():
+        _read_records(path, "out")  # a foreign file is refused before anything is computed or written
     per_token = kv_bytes_per_token(model)
     model_id = model_identity(model, model_name)
     limit_positions = model_id["max_positions"]
@@ -257,6 +256,9 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
             if not method.is_full:
                 _check_distinct_budgets(task, items, method, budgets, base)
         all_items.append(items)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    existing = _open_for_append(path, "out")
+    done = {r["key_id"]: r for r in existing if "key_id" in r} if resume else {}
     results = []
     for task, items in zip(tasks, all_items):
         task_id = task_identity(task)
