@@ -31,15 +31,13 @@ def strip_gutenberg(text: str) -> str:
 def decode_text(data: bytes, name: str, label: str) -> str:
     """Decode the bytes of a text file, refusing files that are not text.
 
-    UTF-8 (with or without a byte-order mark) is read as is. Otherwise:
-
-    * a file holding a NUL byte is binary and refused;
-    * UTF-8 text with a few undecodable bytes (at most :data:`MAX_UNDECODABLE`
-      of its bytes, 1%) is read with those bytes replaced by U+FFFD, and a
-      warning says how many;
-    * anything else is read as Latin-1 (ISO 8859-1), with a warning, unless
-      more than 1% of its bytes are control characters other than tab, line
-      feed, carriage return, form feed and vertical tab: then it is refused.
+    UTF-8 (with or without a byte-order mark) is read as is. Otherwise UTF-8
+    text with a few undecodable bytes (at most :data:`MAX_UNDECODABLE` of its
+    bytes, 1%) is read with those bytes replaced by U+FFFD, and anything else
+    is read as Latin-1 (ISO 8859-1); either way a warning says so. A file
+    holding a NUL byte, or whose decoded text has control characters (other
+    than tab, line feed, carriage return, form feed and vertical tab) in more
+    than 1% of its bytes, is binary and refused.
 
     Parameters
     ----------
@@ -56,22 +54,23 @@ def decode_text(data: bytes, name: str, label: str) -> str:
     """
     if b"\0" in data:
         raise ValueError(f"{name}: {label!r} is not a text file (it holds NUL bytes)")
+    note = None
     try:
-        return data.decode("utf-8-sig")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
-        pass
-    escaped = data.decode("utf-8", errors="surrogateescape")
-    bad = sum(1 for c in escaped if "\udc80" <= c <= "\udcff")
-    has_utf8 = any(ord(c) > 127 and not "\udc80" <= c <= "\udcff" for c in escaped)
-    if has_utf8 and bad <= MAX_UNDECODABLE * len(data):
-        logger.warning("%s: %r: %d bytes are not UTF-8; replaced by U+FFFD", name, label, bad)
-        return data.decode("utf-8", errors="replace")
-    text = data.decode("latin-1")
+        escaped = data.decode("utf-8", errors="surrogateescape")
+        bad = sum(1 for c in escaped if "\udc80" <= c <= "\udcff")
+        has_utf8 = any(ord(c) > 127 and not "\udc80" <= c <= "\udcff" for c in escaped)
+        if has_utf8 and bad <= MAX_UNDECODABLE * len(data):
+            text, note = data.decode("utf-8", errors="replace"), f"{bad} bytes are not UTF-8; replaced by U+FFFD"
+        else:
+            text, note = data.decode("latin-1"), f"not UTF-8 ({bad} bytes); read as Latin-1"
     controls = sum(1 for c in text if (ord(c) < 32 or 127 <= ord(c) < 160) and c not in _ALLOWED_CONTROLS)
     if controls > MAX_UNDECODABLE * len(data):
-        raise ValueError(f"{name}: {label!r} is not a text file ({controls / len(data):.0%} of its bytes are neither "
-                         f"UTF-8 nor printable Latin-1; at most {MAX_UNDECODABLE:.0%} is accepted)")
-    logger.warning("%s: %r is not UTF-8 (%d bytes); read as Latin-1", name, label, bad)
+        raise ValueError(f"{name}: {label!r} is not a text file ({controls / len(data):.0%} of its bytes are "
+                         f"control characters or undecodable; at most {MAX_UNDECODABLE:.0%} is accepted)")
+    if note is not None:
+        logger.warning("%s: %r: %s", name, label, note)
     return text
 
 
