@@ -81,3 +81,34 @@ class ByteTokenizer:
 
     def __call__(self, text, add_special_tokens=False):
         return self._Enc([3 + b % (VOCAB - 3) for b in text.encode()])
+
+
+def byte_tokenizer_fast():
+    """A real Hugging Face tokenizer for the tiny models: byte-level, one token per byte, EOS = 256."""
+    from tokenizers import Tokenizer
+    from tokenizers import decoders as tk_decoders
+    from tokenizers.models import BPE
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    backend = Tokenizer(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    backend.decoder = tk_decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>")
+
+
+def save_tiny_model(folder, arch: str = "llama", max_positions: int = 1024):
+    """Write a tiny random model with a byte-level tokenizer to ``folder`` (loadable by ``load_model``)."""
+    tokenizer = byte_tokenizer_fast()
+    config = tiny_config(arch)
+    config.vocab_size = len(tokenizer)
+    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    config.bos_token_id = None
+    config.max_position_embeddings = max_positions
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

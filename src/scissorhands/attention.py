@@ -51,6 +51,7 @@ def scissorhands_attention(
     if scissorhands_layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
+    scissorhands_layer.check_model(module)  # a cache built for another model is a one-line error
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = scissorhands_layer.attend(query, key, value, attention_mask, scaling, softcap=kwargs.get("softcap"))

@@ -11,6 +11,7 @@ the budgeted storage (:mod:`scissorhands.streaming`).
 from __future__ import annotations
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
 from .budgeted import BudgetedKV
@@ -18,12 +19,29 @@ from .config import ScissorhandsConfig
 from .merging import MergeState
 from .methods import EvictionMethod
 from .methods.scissorhands import Scissorhands
-from .modelinfo import FULL, model_facts
+from .modelinfo import FULL, ModelFacts, model_facts
 from .report import cache_memory_report, layer_memory
 from .schedule import layer_budgets
 from .slots import SlotTable
 from .state import TokenState
 from .streaming import attend
+
+
+def model_signature(facts: ModelFacts) -> dict:
+    """What a cache must match in the model it is used with: layer types (so their count), K/V heads,
+    head size and sliding windows."""
+    return {**facts.signature, "sliding_windows": facts.sliding_windows}
+
+
+def _describe(sig: dict) -> str:
+    types = sig["layer_types"]
+    counts = ", ".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types))
+    return f"{len(types)} layers ({counts}), {sig['num_kv_heads']} KV heads of size {sig['head_dim']}"
+
+
+def _mismatch(expected: dict, got: dict, what: str = "") -> ValueError:
+    return ValueError(f"model: this ScissorhandsCache was built for a model with {_describe(expected)}, but is used "
+                      f"with {what or 'one with ' + _describe(got)}; build one cache per model")
 
 
 class ScissorhandsLayer(CacheLayerMixin):
@@ -53,7 +71,12 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.kv = BudgetedKV(budget, recent, drop, method or Scissorhands(), state, layer_idx)
         super().__init__()
         self.query_tile = query_tile
+        self.layer_idx = layer_idx
         self._pending: int | None = None
+        # What the owning cache was built for (set by ScissorhandsCache), and the config last checked against it.
+        self.expected: dict | None = None
+        self._signatures: dict[int, tuple[object, dict]] = {}
+        self._checked_config: object = None
         self.reset()
 
     # transformers' base class and callers read `keys`/`values`; they are the store's buffers.
@@ -91,6 +114,10 @@ class ScissorhandsLayer(CacheLayerMixin):
 
     # -- transformers layer API ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.expected is not None and (key_states.shape[1] != self.expected["num_kv_heads"]
+                                          or key_states.shape[-1] != self.expected["head_dim"]):
+            raise _mismatch(self.expected, {}, f"keys of {key_states.shape[1]} KV heads of size "
+                            f"{key_states.shape[-1]} in layer {self.layer_idx}")
         self.device = key_states.device
         self.kv.allocate(key_states, value_states)
         self.is_initialized = True
@@ -104,6 +131,7 @@ class ScissorhandsLayer(CacheLayerMixin):
                 "model: unsupported architecture: its attention does not pass its kwargs to the cache, "
                 "so the scissorhands attention cannot be routed"
             )
+        self._check_continues(key_states, kwargs.get("position_ids"))
         if self._pending is not None:
             raise RuntimeError(
                 "attention was not routed through scissorhands: call scissorhands.enable(model) "
@@ -114,6 +142,51 @@ class ScissorhandsLayer(CacheLayerMixin):
         kwargs["scissorhands_layer"] = self
         return key_states, value_states
 
+    def check_model(self, module) -> None:
+        """Raise a one-line ``ValueError`` naming ``model`` if ``module`` (an attention module, with its
+        ``config`` and ``layer_idx``) belongs to another model than the one this cache was built for.
+
+        Checked once per model config; the attention function calls it before :meth:`attend`.
+        """
+        config = getattr(module, "config", None)
+        if self.expected is None or config is None or config is self._checked_config:
+            return
+        entry = self._signatures.get(id(config))
+        if entry is None or entry[0] is not config:
+            entry = (config, model_signature(model_facts(config)))
+            self._signatures[id(config)] = entry
+        got = entry[1]
+        if got != self.expected:
+            raise _mismatch(self.expected, got)
+        layer_idx = getattr(module, "layer_idx", None)
+        if isinstance(layer_idx, int) and layer_idx != self.layer_idx:
+            raise ValueError(f"model: attention layer {layer_idx} reached the cache's layer {self.layer_idx}; "
+                             "the cache does not belong to this model")
+        self._checked_config = config
+
+    def _check_continues(self, key_states: torch.Tensor, position_ids) -> None:
+        """A used cache takes only input that continues it: positions at or after the tokens it has seen.
+
+        An independent prompt given to a used cache starts again at position 0
+        (or, when generate() feeds it whole, at positions the cache already
+        holds); that is a one-line ``ValueError`` naming ``cache``. Decoding
+        steps on an accelerator are not checked (one token, and reading the
+        positions would synchronise the device).
+        """
+        if not self.kv.allocated or not isinstance(position_ids, torch.Tensor) or position_ids.numel() == 0:
+            return
+        if key_states.shape[-2] == 1 and position_ids.device.type != "cpu":
+            return
+        seen = int(self.kv.slots.seen.max())
+        if seen > 0 and int(position_ids.max()) < seen:
+            raise ValueError(self._reuse_message())
+
+    def _reuse_message(self) -> str:
+        seen = int(self.kv.slots.seen.max()) if self.kv.allocated else self.seen
+        return (f"cache: this ScissorhandsCache has already seen {seen} tokens; it is continued only by input that "
+                "goes on from them (the whole conversation so far, then new tokens); for an independent prompt "
+                "call cache.reset() or build a new cache")
+
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
         """Stream the chunk handed to :meth:`update` through the budget; see :func:`scissorhands.streaming.attend`."""
@@ -123,6 +196,8 @@ class ScissorhandsLayer(CacheLayerMixin):
         return attend(self.kv, query, key, value, mask, scaling, softcap, self.query_tile)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if query_length == 0 and self.seen > 0:
+            raise ValueError(self._reuse_message())
         # The model's mask covers the new chunk only (causal + padding); stored
         # tokens are masked by the layer itself, since slots are not positions.
         return query_length, self.seen
@@ -196,6 +271,8 @@ class ScissorhandsCache(Cache):
             raise ValueError(f"config: must be a ScissorhandsConfig, got {type(config).__name__}")
         if method is not None and not isinstance(method, EvictionMethod):
             raise ValueError(f"method: must be an EvictionMethod instance, got {method!r}")
+        if not isinstance(getattr(model, "config", model), PretrainedConfig):
+            raise ValueError(f"model: must be a transformers model or its config, got {type(model).__name__}")
         facts = model_facts(model)
         facts.check_supported()
         if hasattr(model, "set_attn_implementation"):
@@ -203,7 +280,9 @@ class ScissorhandsCache(Cache):
         self.config = config
         self.method = method or Scissorhands()
         self.facts = facts
+        self.model_signature = model_signature(facts)
         budgets = iter(layer_budgets(config, len(facts.full_layers)))
+        shared: dict[int, tuple[object, dict]] = {}  # config id -> (config, signature), one per cache
         layers: list = []
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
             if layer_type != FULL:
@@ -219,8 +298,17 @@ class ScissorhandsCache(Cache):
             layer.kv.prefill, layer.kv.observe = config.prefill, config.observe
             if config.merge:
                 layer.kv.merge = MergeState()
+            layer.expected = self.model_signature
+            layer._signatures = shared
             layers.append(layer)
         super().__init__(layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' per-layer update; a layer index this cache does not have is a one-line ``ValueError``."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"model: this ScissorhandsCache was built for a model with {len(self.layers)} layers, "
+                             f"but is used with one that has a layer {layer_idx}; build one cache per model")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def budgeted_layers(self) -> list[ScissorhandsLayer]:

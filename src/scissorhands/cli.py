@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,22 +23,42 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _window(text: str) -> int | str:
-    if text.lower() in ("none", "inf", "all"):
+    if text.strip().lower() in ("none", "inf", "all"):
         return "none"  # an explicit 'no window', told apart from 'flag not given'
-    return int(text)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps or 'none', got {text!r}") from None
 
 
 def _count_or_fraction(text: str) -> float | int:
-    return float(text) if any(c in text for c in ".eE") else int(text)
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a token count or a fraction, got {text!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def _schedule(text: str):
-    if "," in text or text.isdigit():
+    if "," in text or text.strip().isdigit():
         try:
             return tuple(int(x) for x in text.split(","))
         except ValueError:
             raise argparse.ArgumentTypeError(f"bad budget list {text!r}") from None
     return text
+
+
+def _finite(text: str) -> float:
+    """argparse type: a finite float (nan and inf are refused here, naming the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = None, with_budget: bool = True) -> None:
@@ -76,8 +98,8 @@ def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = Non
 def _add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, compare_full: bool) -> None:
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=_finite, default=1.0, help="sampling temperature, > 0")
+    p.add_argument("--top-p", type=_finite, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-full", action=argparse.BooleanOptionalAction, default=compare_full,
                    help="also run the full cache and compare")
@@ -151,16 +173,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_MAX_SEED = 2**63 - 1
+
+
+def _check_range(name: str, value, low, high=None, low_open: bool = False) -> None:
+    """One-line ``ValueError`` naming ``name`` unless ``value`` is finite and within [low, high] (or (low, high])."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value}")
+    if (value <= low) if low_open else (value < low):
+        raise ValueError(f"{name}: must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")
+
+
+def _check_generation_args(args) -> None:
+    """The generation options of ``generate`` and ``demo``, before anything is loaded."""
+    _check_range("max-new-tokens", args.max_new_tokens, 1)
+    _check_range("temperature", args.temperature, 0, low_open=True)
+    _check_range("top-p", args.top_p, 0, 1, low_open=True)
+    _check_range("seed", args.seed, 0, _MAX_SEED)
+
+
+def _check_model_args(args) -> None:
+    from .models import resolve_dtype
+
+    resolve_dtype(args.dtype)
+    if not str(args.model).strip():
+        raise ValueError("model: is empty")
+
+
+def _check_schedule_file(settings: CacheSettings) -> None:
+    """A JSON schedule is read now, so a bad file is reported before the model loads."""
+    if isinstance(settings.schedule, str) and settings.schedule.endswith(".json"):
+        from .schedule import load_schedule
+
+        load_schedule(settings.schedule)
+
+
 def _read_prompt(args) -> str:
+    from .text import read_text_file
+
     if args.prompt is not None:
         text = args.prompt
         if not text.strip():
             raise ValueError("prompt: is empty")
         return text
     path = args.prompt_file
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"prompt-file: no such file {str(path)!r}")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    if not path.is_file():
+        raise ValueError(f"prompt-file: {str(path)!r} is not a file")
+    text = read_text_file(path, "prompt-file")
     if not text.strip():
         raise ValueError(f"prompt-file: {str(path)!r} is empty")
     return text
@@ -176,28 +239,46 @@ def _report(label: str, result, out=sys.stderr) -> None:
           f"{result.decode_tokens_per_second:.2f} tokens/s decoding", file=out)
     mem = result.memory
     if mem is not None:
-        held = mem["budgeted_kv_bytes"]
-        full = mem["full_kv_bytes"]
-        print(f"[{label}] KV held {_mib(held)} (+ importance state {_mib(mem['importance_bytes'])}) "
-              f"vs full cache {_mib(full)}: {full / max(held, 1):.2f}x smaller; "
-              f"peak tokens stored in any layer {mem['peak_stored']}", file=out)
+        print(f"[{label}] {memory_line(mem)}", file=out)
+
+
+def memory_line(mem: dict) -> str:
+    """One line on what the cache held against a full cache (see ``ScissorhandsCache.memory_report``).
+
+    When the sequence fits within the budget nothing is evicted, and the line says
+    so instead of quoting a ratio below 1.
+    """
+    held, full = mem["budgeted_kv_bytes"], mem["full_kv_bytes"]
+    extra = f"(+ importance state {_mib(mem['importance_bytes'])})"
+    peak = f"peak tokens stored in any layer {mem['peak_stored']}"
+    seen = max((m.get("seen", 0) for m in mem["layers"] if "budget" in m), default=0)
+    budget = min((m["budget"] for m in mem["layers"] if "budget" in m), default=0)
+    if full <= held or seen <= budget:
+        return (f"KV held {_mib(held)} {extra} vs full cache {_mib(full)}: no saving, the {seen} tokens seen fit "
+                f"within the budget, nothing was evicted; {peak}")
+    return f"KV held {_mib(held)} {extra} vs full cache {_mib(full)}: {full / held:.2f}x smaller; {peak}"
 
 
 def _run_generate(args, prompt: str, label_budget: str) -> int:
     from .generation import generate
     from .models import load_model
 
-    method = get_method(args.method)  # validate before the slow model load
+    try:
+        method = get_method(args.method)  # validate before the slow model load
+    except ValueError as e:  # the registry names its 'methods'; this command's option is --method
+        raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
     if method.is_full:
         raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method")
     config = method.configure(_settings(args), args.budget)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    _check_schedule_file(config)
+    _check_generation_args(args)
+    _check_model_args(args)
     model, tokenizer = load_model(args.model, dtype=args.dtype)
+    prompt_name = "prompt-file" if getattr(args, "prompt_file", None) is not None else "prompt"
     sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                     ignore_eos=args.ignore_eos)
     result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True,
-                      method=method(seed=args.seed), **sampling)
+                      method=method(seed=args.seed), prompt_name=prompt_name, **sampling)
     print(f"prompt: {result.prompt_tokens[0]} tokens; budget {label_budget}", file=sys.stderr)
     print(result.texts[0])
     _report(method.name, result)
@@ -222,40 +303,98 @@ def _floats(text: str, name: str) -> list[float]:
     return values
 
 
-def _run_eval(args) -> int:
+def _names(text: str, name: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"{name}: is empty")
+    twice = next((x for i, x in enumerate(items) if x in items[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{name}: {twice!r} is given twice")
+    return items
+
+
+def _eval_budgets(args, base: CacheSettings, methods) -> list[float | int]:
+    """``--budgets`` checked against the settings: finite, distinct, and token counts above the protected tokens."""
     from .budget import check_budget_spec
+
+    budgets = [check_budget_spec(b, "budgets") for b in _floats(args.budgets, "budgets")]
+    twice = next((b for i, b in enumerate(budgets) if b in budgets[:i]), None)
+    if twice is not None:
+        raise ValueError(f"budgets: {twice} is given twice")
+    if any(not m.is_full for m in methods):
+        for b in budgets:
+            if isinstance(b, int) and b <= base.protected:
+                raise ValueError(f"budgets: a token count must be > recent + sinks ({base.protected}), got {b}; "
+                                 "lower --recent or raise the budget")
+    return budgets
+
+
+def _run_eval(args) -> int:
     from .eval import make_task, plot_results, run_grid, summary_table
-    from .eval.runner import paired_vs_full
+    from .eval.runner import RESULTS_FILE, check_results_file, paired_vs_full
     from .models import load_model
+    from .paths import check_output_folder
+    from .text import load_texts
 
     base = _settings(args)
-    methods = [get_method(m.strip()) for m in args.methods.split(",") if m.strip()]
-    if not methods:
-        raise ValueError("methods: is empty")
-    budgets = [check_budget_spec(b, "budgets") for b in _floats(args.budgets, "budgets")]
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"limit: must be >= 1, got {args.limit}")
-    if args.data is not None and not Path(args.data).exists():
-        raise ValueError(f"data: no such file or folder {args.data!r}")
-    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    _check_schedule_file(base)
+    methods = [get_method(m) for m in _names(args.methods, "methods")]
+    budgets = _eval_budgets(args, base, methods)
+    if args.limit is not None:
+        _check_range("limit", args.limit, 1)
+    _check_range("seq-len", args.seq_len, 2)
+    _check_range("num-samples", args.num_samples, 1)
+    _check_range("seed", args.seed, 0, _MAX_SEED)
+    _check_model_args(args)
+    names = _names(args.tasks, "tasks")
+    if args.data is not None:
+        if not Path(args.data).expanduser().exists():
+            raise ValueError(f"data: no such file or folder {args.data!r}")
+        load_texts(args.data, "data")  # binary or empty data is refused now, not after the model loads
     tasks = [make_task(t, args.seq_len, args.num_samples, args.data) for t in names]
-    if not tasks:
-        raise ValueError("tasks: is empty")
+    for task in tasks:
+        check = getattr(task, "check", None)
+        if check is not None:
+            check()
+    out = check_output_folder(args.out, "out", (RESULTS_FILE, "summary.md", *(f"{t.name}.png" for t in tasks)))
+    check_results_file(out / RESULTS_FILE)
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     results = run_grid(model, tokenizer, model_name=args.model, tasks=tasks, methods=methods, budgets=budgets,
-                       base=base, out_dir=args.out, limit=args.limit, seed=args.seed, resume=not args.no_resume)
+                       base=base, out_dir=out, limit=args.limit, seed=args.seed, resume=not args.no_resume)
     table = summary_table(results)
     print(table)
-    (args.out / "summary.md").write_text(table + "\n")
+    (out / "summary.md").write_text(table + "\n")
     paired = paired_vs_full(results)
     if paired:
         print("\nppl: mean NLL difference to the full cache, paired over windows (95% CI)")
         for p in paired:
             print(f"  {p['method']:<20} budget {p['budget']}: {p['delta_nll']:+.4f} ±{p['delta_nll_ci95']:.4f}")
-    for path in plot_results(results, args.out):
+    for path in plot_results(results, out):
         print(f"plot: {path}", file=sys.stderr)
-    print(f"results: {args.out / 'results.jsonl'}", file=sys.stderr)
+    print(f"results: {out / RESULTS_FILE}", file=sys.stderr)
     return 0
+
+
+_PATH_OPTIONS = ("out", "prompt_file", "data", "text", "from_json", "schedule", "model")
+
+
+def _os_error_message(args, exc: OSError) -> str:
+    """``<option>: <reason>: '<path>'`` for an OSError, naming the option whose path it concerns."""
+    filename = exc.filename
+    reason = exc.strerror or type(exc).__name__
+    name = "file"
+    if filename is not None:
+        target = os.path.abspath(os.fspath(filename))
+        for option in _PATH_OPTIONS:
+            value = getattr(args, option, None)
+            if not isinstance(value, (str, Path)) or not str(value):
+                continue
+            root = os.path.abspath(os.path.expanduser(os.fspath(value)))
+            if target == root or target.startswith(root.rstrip(os.sep) + os.sep):
+                name = option.replace("_", "-")
+                break
+        return f"{name}: {reason}: {os.fspath(filename)!r}"
+    return f"{name}: {reason}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,10 +420,21 @@ def main(argv: list[str] | None = None) -> int:
 
             return _run_generate(args, demo_prompt(), str(args.budget))
     except ValueError as e:  # includes ModelLoadError; messages start with the parameter's name
-        print(f"scissorhands: error: {e}", file=sys.stderr)
+        print(f"scissorhands: error: {_first_line(e)}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file or folder that could not be read or written
+        print(f"scissorhands: error: {_os_error_message(args, e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("scissorhands: interrupted", file=sys.stderr)
+        return 130
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 if __name__ == "__main__":

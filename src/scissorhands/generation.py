@@ -13,11 +13,31 @@ from transformers.generation.streamers import BaseStreamer
 from .cache import ScissorhandsCache
 from .config import ScissorhandsConfig
 from .methods import EvictionMethod
+from .modelinfo import model_facts
 
 
 def demo_prompt() -> str:
     """About 2,000 SmolLM2 tokens of real text: the opening of Hamlet (public domain)."""
     return resources.files("scissorhands").joinpath("data/hamlet_act1.txt").read_text()
+
+
+def check_positions(model, prompt_tokens: int, max_new_tokens: int, prompt_name: str = "prompt") -> None:
+    """Refuse, in one line, a prompt plus new tokens longer than the model's maximum positions.
+
+    Raises
+    ------
+    ValueError
+        ``"<prompt_name>: ..."`` when the prompt alone is too long, else ``"max-new-tokens: ..."``.
+    """
+    limit = model_facts(model).max_positions
+    if not isinstance(limit, int) or limit <= 0:
+        return
+    if prompt_tokens >= limit:
+        raise ValueError(f"{prompt_name}: {prompt_tokens} tokens, but the model has {limit} positions "
+                         "(the prompt and the new tokens must fit)")
+    if prompt_tokens + max_new_tokens > limit:
+        raise ValueError(f"max-new-tokens: {prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed the "
+                         f"model's {limit} positions; at most {limit - prompt_tokens} new tokens fit")
 
 
 class _Clock(BaseStreamer):
@@ -84,6 +104,7 @@ def generate(
     progress: bool = False,
     ignore_eos: bool = False,
     method: EvictionMethod | None = None,
+    prompt_name: str = "prompt",
 ) -> GenerationResult:
     """Generate from ``prompts`` with a budgeted cache (or the full cache if ``config`` is None).
 
@@ -99,10 +120,20 @@ def generate(
         Another method's scoring rule (see :mod:`scissorhands.methods`); default Scissorhands.
     max_new_tokens : int
         Tokens to generate per prompt (generation also stops at EOS unless ``ignore_eos``).
+    prompt_name : str
+        The parameter the prompt came from, for error messages.
 
     Returns
     -------
     GenerationResult
+
+    Raises
+    ------
+    ValueError
+        A one-line message naming the parameter: an empty prompt, ``max_new_tokens < 1``,
+        or a prompt plus ``max_new_tokens`` longer than the model's positions
+        (``max_position_embeddings``); such runs are refused rather than run past the
+        positions the model was trained on.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -112,6 +143,7 @@ def generate(
         raise ValueError(f"max-new-tokens: must be >= 1, got {max_new_tokens}")
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
+    check_positions(model, enc["input_ids"].shape[1], max_new_tokens, prompt_name)
     cache: ScissorhandsCache | DynamicCache = (ScissorhandsCache(model, config, method) if config is not None
                                                else DynamicCache(config=model.config))
     torch.manual_seed(seed)

