@@ -16,32 +16,16 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 from .budgeted import BudgetedKV
 from .config import ScissorhandsConfig
+from .guard import ModelGuard, check_continues, reuse_message
 from .merging import MergeState
 from .methods import EvictionMethod
 from .methods.scissorhands import Scissorhands
-from .modelinfo import FULL, ModelFacts, model_facts
+from .modelinfo import FULL, model_facts
 from .report import cache_memory_report, layer_memory
 from .schedule import layer_budgets
 from .slots import SlotTable
 from .state import TokenState
 from .streaming import attend
-
-
-def model_signature(facts: ModelFacts) -> dict:
-    """What a cache must match in the model it is used with: layer types (so their count), K/V heads,
-    head size and sliding windows."""
-    return {**facts.signature, "sliding_windows": facts.sliding_windows}
-
-
-def _describe(sig: dict) -> str:
-    types = sig["layer_types"]
-    counts = ", ".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types))
-    return f"{len(types)} layers ({counts}), {sig['num_kv_heads']} KV heads of size {sig['head_dim']}"
-
-
-def _mismatch(expected: dict, got: dict, what: str = "") -> ValueError:
-    return ValueError(f"model: this ScissorhandsCache was built for a model with {_describe(expected)}, but is used "
-                      f"with {what or 'one with ' + _describe(got)}; build one cache per model")
 
 
 class ScissorhandsLayer(CacheLayerMixin):
@@ -73,10 +57,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.query_tile = query_tile
         self.layer_idx = layer_idx
         self._pending: int | None = None
-        # What the owning cache was built for (set by ScissorhandsCache), and the config last checked against it.
-        self.expected: dict | None = None
-        self._signatures: dict[int, tuple[object, dict]] = {}
-        self._checked_config: object = None
+        self.guard: ModelGuard | None = None  # what the owning cache was built for (set by ScissorhandsCache)
         self.reset()
 
     # transformers' base class and callers read `keys`/`values`; they are the store's buffers.
@@ -114,10 +95,8 @@ class ScissorhandsLayer(CacheLayerMixin):
 
     # -- transformers layer API ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if self.expected is not None and (key_states.shape[1] != self.expected["num_kv_heads"]
-                                          or key_states.shape[-1] != self.expected["head_dim"]):
-            raise _mismatch(self.expected, {}, f"keys of {key_states.shape[1]} KV heads of size "
-                            f"{key_states.shape[-1]} in layer {self.layer_idx}")
+        if self.guard is not None:
+            self.guard.check_keys(key_states, self.layer_idx)
         self.device = key_states.device
         self.kv.allocate(key_states, value_states)
         self.is_initialized = True
@@ -131,7 +110,8 @@ class ScissorhandsLayer(CacheLayerMixin):
                 "model: unsupported architecture: its attention does not pass its kwargs to the cache, "
                 "so the scissorhands attention cannot be routed"
             )
-        self._check_continues(key_states, kwargs.get("position_ids"))
+        if self.kv.allocated:
+            check_continues(self.kv.slots.seen, key_states, kwargs.get("position_ids"))
         if self._pending is not None:
             raise RuntimeError(
                 "attention was not routed through scissorhands: call scissorhands.enable(model) "
@@ -143,49 +123,9 @@ class ScissorhandsLayer(CacheLayerMixin):
         return key_states, value_states
 
     def check_model(self, module) -> None:
-        """Raise a one-line ``ValueError`` naming ``model`` if ``module`` (an attention module, with its
-        ``config`` and ``layer_idx``) belongs to another model than the one this cache was built for.
-
-        Checked once per model config; the attention function calls it before :meth:`attend`.
-        """
-        config = getattr(module, "config", None)
-        if self.expected is None or config is None or config is self._checked_config:
-            return
-        entry = self._signatures.get(id(config))
-        if entry is None or entry[0] is not config:
-            entry = (config, model_signature(model_facts(config)))
-            self._signatures[id(config)] = entry
-        got = entry[1]
-        if got != self.expected:
-            raise _mismatch(self.expected, got)
-        layer_idx = getattr(module, "layer_idx", None)
-        if isinstance(layer_idx, int) and layer_idx != self.layer_idx:
-            raise ValueError(f"model: attention layer {layer_idx} reached the cache's layer {self.layer_idx}; "
-                             "the cache does not belong to this model")
-        self._checked_config = config
-
-    def _check_continues(self, key_states: torch.Tensor, position_ids) -> None:
-        """A used cache takes only input that continues it: positions at or after the tokens it has seen.
-
-        An independent prompt given to a used cache starts again at position 0
-        (or, when generate() feeds it whole, at positions the cache already
-        holds); that is a one-line ``ValueError`` naming ``cache``. Decoding
-        steps on an accelerator are not checked (one token, and reading the
-        positions would synchronise the device).
-        """
-        if not self.kv.allocated or not isinstance(position_ids, torch.Tensor) or position_ids.numel() == 0:
-            return
-        if key_states.shape[-2] == 1 and position_ids.device.type != "cpu":
-            return
-        seen = int(self.kv.slots.seen.max())
-        if seen > 0 and int(position_ids.max()) < seen:
-            raise ValueError(self._reuse_message())
-
-    def _reuse_message(self) -> str:
-        seen = int(self.kv.slots.seen.max()) if self.kv.allocated else self.seen
-        return (f"cache: this ScissorhandsCache has already seen {seen} tokens; it is continued only by input that "
-                "goes on from them (the whole conversation so far, then new tokens); for an independent prompt "
-                "call cache.reset() or build a new cache")
+        """One-line ``ValueError`` if ``module`` belongs to another model (see :class:`.guard.ModelGuard`)."""
+        if self.guard is not None:
+            self.guard.check_module(module, self.layer_idx)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
@@ -197,7 +137,7 @@ class ScissorhandsLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if query_length == 0 and self.seen > 0:
-            raise ValueError(self._reuse_message())
+            raise ValueError(reuse_message(self.seen))
         # The model's mask covers the new chunk only (causal + padding); stored
         # tokens are masked by the layer itself, since slots are not positions.
         return query_length, self.seen
@@ -280,9 +220,8 @@ class ScissorhandsCache(Cache):
         self.config = config
         self.method = method or Scissorhands()
         self.facts = facts
-        self.model_signature = model_signature(facts)
+        guard = ModelGuard(facts)
         budgets = iter(layer_budgets(config, len(facts.full_layers)))
-        shared: dict[int, tuple[object, dict]] = {}  # config id -> (config, signature), one per cache
         layers: list = []
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
             if layer_type != FULL:
@@ -298,8 +237,7 @@ class ScissorhandsCache(Cache):
             layer.kv.prefill, layer.kv.observe = config.prefill, config.observe
             if config.merge:
                 layer.kv.merge = MergeState()
-            layer.expected = self.model_signature
-            layer._signatures = shared
+            layer.guard = guard
             layers.append(layer)
         super().__init__(layers=layers)
 

@@ -62,6 +62,22 @@ def tile_buckets(steps: torch.Tensor, valid: torch.Tensor, bucket_steps: int | N
     return weight, restart
 
 
+def queries_in_window(positions: torch.Tensor, seen: torch.Tensor, bucket_steps: int | None,
+                      n_buckets: int) -> torch.Tensor:
+    """How many queries inside the window each stored token has been scored by.
+
+    A token at position ``a`` was attended by the queries of steps ``a`` to
+    ``now = seen - 1``; the ring holds the steps from the start of its oldest
+    bucket. positions (B, H_kv, L), seen (B,) -> float32 (B, H_kv, L), at least 1.
+    """
+    now = (seen - 1).to(positions.device)[:, None, None]  # (B, 1, 1)
+    if bucket_steps is None:
+        start = torch.zeros_like(now)
+    else:
+        start = ((now // bucket_steps - n_buckets + 1) * bucket_steps).clamp(min=0)
+    return (now - torch.maximum(positions.long(), start) + 1).clamp(min=1).to(torch.float32)
+
+
 class ImportanceState(TokenState):
     """Per-token importance accumulators, kept beside K/V and compacted with them.
 
@@ -207,19 +223,8 @@ class ImportanceState(TokenState):
         return self.acc[..., :length].sum(dim=0, dtype=torch.promote_types(self.acc.dtype, torch.float32))
 
     def queries_in_window(self, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        """How many queries inside the window each stored token has been scored by.
-
-        A token at position ``a`` was attended by the queries of steps ``a`` to
-        ``now = seen - 1``; the ring holds the steps from the start of its
-        oldest bucket. Returns float32 of the shape of ``positions`` (B, H_kv, L), at least 1.
-        """
-        now = (seen - 1).to(positions.device)[:, None, None]  # (B, 1, 1)
-        if self.bucket_steps is None:
-            start = torch.zeros_like(now)
-        else:
-            s = self.bucket_steps
-            start = ((now // s - self.n_buckets + 1) * s).clamp(min=0)
-        return (now - torch.maximum(positions.long(), start) + 1).clamp(min=1).to(torch.float32)
+        """How many queries inside the window each stored token has been scored by (see :func:`queries_in_window`)."""
+        return queries_in_window(positions, seen, self.bucket_steps, self.n_buckets)
 
     def compact(self, keep: torch.Tensor) -> None:
         """Reorder the first ``L`` slots by ``keep`` (kept slots first, in stored order).
