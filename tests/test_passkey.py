@@ -6,7 +6,7 @@ import torch
 from conftest import ByteTokenizer, tiny_model
 from scissorhands import CacheSettings, get_method
 from scissorhands.eval import make_task
-from scissorhands.eval.passkey import QUESTION, Passkey
+from scissorhands.eval.passkey import INTRO, QUESTION, Passkey
 from scissorhands.scoring import ScoreSetup
 
 
@@ -19,7 +19,7 @@ def text_file(tmp_path):
 
 def test_prompts_have_the_requested_length_and_the_key_at_its_depth(text_file):
     tok = ByteTokenizer()
-    task = Passkey(lengths=(300, 600), depths=(0.1, 0.5, 0.9), data=text_file, seed=3)
+    task = Passkey(lengths=(400, 600), depths=(0.1, 0.5, 0.9), data=text_file, seed=3)
     items = task.items(tok, None)
     assert len(items) == 6
     keys = set()
@@ -32,11 +32,12 @@ def test_prompts_have_the_requested_length_and_the_key_at_its_depth(text_file):
         needle = tok(f"\nThe pass key is {key}.").input_ids
         where = next(i for i in range(len(ctx)) if ctx[i:i + len(needle)] == needle)
         filler = len(ctx) - len(tok(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n").input_ids) \
-            - len(tok(QUESTION).input_ids)
-        assert abs(where - int(item.data["depth"] * filler)) <= 1
+            - len(tok(QUESTION).input_ids) - len(tok(INTRO).input_ids)
+        assert abs(where - len(tok(INTRO).input_ids) - int(item.data["depth"] * filler)) <= 1
+        assert ctx[: len(tok(INTRO).input_ids)] == tok(INTRO).input_ids
         assert ctx[-len(tok(QUESTION).input_ids):] == tok(QUESTION).input_ids
     assert len(keys) == 6  # a fresh key per prompt
-    assert [i.data["ctx"] for i in Passkey((300,), (0.5,), data=text_file, seed=3).items(tok, None)] == \
+    assert [i.data["ctx"] for i in Passkey((400,), (0.5,), data=text_file, seed=3).items(tok, None)] == \
         [items[1].data["ctx"]]  # reproducible from the seed
 
 
@@ -44,16 +45,16 @@ def test_prompts_have_the_requested_length_and_the_key_at_its_depth(text_file):
 def test_passkey_scores_through_the_cache_and_a_large_budget_equals_full(text_file, prefill):
     model = tiny_model("llama")
     task = make_task("passkey", data=text_file)
-    task.lengths, task.depths = (200,), (0.2, 0.8)
+    task.lengths, task.depths = (400,), (0.2, 0.8)
     items = task.items(ByteTokenizer(), None)
     base = CacheSettings(recent=4, prefill=prefill)
     full = [task.score(model, it, ScoreSetup(get_method("full"), None, base)) for it in items]
-    same = [task.score(model, it, ScoreSetup(get_method("scissorhands"), 400, base)) for it in items]
-    small = [task.score(model, it, ScoreSetup(get_method("scissorhands"), 40, base)) for it in items]
+    same = [task.score(model, it, ScoreSetup(get_method("scissorhands"), 800, base)) for it in items]
+    small = [task.score(model, it, ScoreSetup(get_method("scissorhands"), 60, base)) for it in items]
     for f, s in zip(full, same):
         assert f["correct"] == s["correct"] and f["logprob"] == pytest.approx(s["logprob"], abs=1e-5)
     assert all(s["logprob"] != pytest.approx(f["logprob"], abs=1e-6) for f, s in zip(full, small))
     metrics = task.aggregate(small)
-    assert set(metrics["by_length"]) == {"200"} and set(metrics["by_depth"]) == {"0.2", "0.8"}
+    assert set(metrics["by_length"]) == {"400"} and set(metrics["by_depth"]) == {"0.2", "0.8"}
     assert 0.0 <= metrics["acc"] <= 1.0 and metrics["n"] == 2
     assert torch.isfinite(torch.tensor([s["logprob"] for s in small])).all()

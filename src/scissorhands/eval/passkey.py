@@ -1,7 +1,9 @@
 """Passkey retrieval: can the cache still give back a fact planted deep in a long prompt?
 
 A random 5-digit key is planted in real filler text (Shakespeare by default) at
-a given depth; the prompt ends with the question. The item is correct when
+a given depth; the prompt opens with one line saying that something is hidden
+(which raised the full cache's recall on SmolLM2 from 3 to 4 of 5 prompts at
+1k tokens) and ends with the question. The item is correct when
 the model's greedy prediction of every token of the key, scored through the
 compressed cache, is exact. Prompts are built at token level so each has
 exactly the requested length, and every (length, depth, trial) cell gets its
@@ -17,6 +19,8 @@ from ..stats import proportion
 from ..text import corpus_tokens, load_texts
 from .tasks import Item, Task
 
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.\n")
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
 ANSWER = " {key}"
@@ -53,6 +57,7 @@ class Passkey(Task):
         def encode(text):
             return tokenizer(text, add_special_tokens=False).input_ids
 
+        intro = encode(INTRO)
         for length in self.lengths:
             for depth in self.depths:
                 for trial in range(self.trials):
@@ -60,13 +65,13 @@ class Passkey(Task):
                     key = str(rng.randint(10000, 99999))
                     needle, question, answer = encode(NEEDLE.format(key=key)), encode(QUESTION), \
                         encode(ANSWER.format(key=key))
-                    room = length - len(needle) - len(question) - len(answer)
+                    room = length - len(intro) - len(needle) - len(question) - len(answer)
                     if room < 1 or room > len(filler):
                         raise ValueError(f"tasks: passkey length {length} does not fit the filler text")
                     start = rng.randrange(0, len(filler) - room + 1)
                     text = filler[start: start + room]
                     at = int(depth * room)
-                    context = text[:at] + needle + text[at:] + question
+                    context = intro + text[:at] + needle + text[at:] + question
                     items.append(Item(f"L{length}-d{depth:g}-t{trial}", length,
                                       {"ctx": context, "cont": answer, "length": length, "depth": depth}))
         return items[: limit or None]

@@ -1,0 +1,59 @@
+"""Passkey recall for methods x prefill modes x budgets, through the exact scorer.
+
+Each (method, prefill, budget) cell scores the same prompts (a 5-digit key
+planted at several depths of Shakespeare filler, lengths 1k-4k tokens); one
+JSON line per cell, resumable.
+
+    python benchmarks/passkey_grid.py --cells benchmarks/passkey_cells.json --out docs/results/passkey/results.jsonl
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from scissorhands import CacheSettings, get_method, resolve_budget
+from scissorhands.eval.passkey import Passkey
+from scissorhands.models import load_model
+from scissorhands.scoring import ScoreSetup
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cells", required=True,
+                   help='JSON list of {"name", "method", "budget" (fraction or null), "settings": {...}}')
+    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    cells = json.loads(Path(args.cells).read_text())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {r["name"] for r in map(json.loads, out.read_text().splitlines())} if out.is_file() else set()
+    model, tok = load_model(args.model, dtype=args.dtype)
+    task = Passkey(lengths=tuple(int(x) for x in args.lengths.split(",")),
+                   depths=tuple(float(x) for x in args.depths.split(",")))
+    items = task.items(tok, None)
+    for cell in cells:
+        if cell["name"] in done:
+            continue
+        method = get_method(cell["method"])
+        settings = method.resolve(CacheSettings(**cell.get("settings", {})))
+        start = time.perf_counter()
+        scores = []
+        for item in items:
+            budget = None if cell["budget"] is None else resolve_budget(cell["budget"], item.length, settings.protected)
+            scores.append(task.score(model, item, ScoreSetup(method, budget, settings)))
+        metrics = task.aggregate(scores)
+        rec = {**cell, "settings": settings.as_dict(), "metrics": metrics, "item_scores": scores,
+               "dtype": args.dtype, "wall_s": time.perf_counter() - start}
+        with out.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"{cell['name']:<40} acc {metrics['acc']:.3f} by length {metrics['by_length']} "
+              f"({rec['wall_s']:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
