@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from scissorhands import ScissorhandsConfig
+from scissorhands import CacheSettings
 from scissorhands.generation import demo_prompt, generate
 from scissorhands.models import load_model
 
@@ -27,6 +27,8 @@ def main():
     p.add_argument("--budgets", default="256,512")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--settings", default="{}",
+                   help='JSON of CacheSettings fields, e.g. \'{"preset": "paper"}\' (default: the library defaults)')
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.threads:
@@ -35,9 +37,10 @@ def main():
     ids = tok(demo_prompt()).input_ids[: args.prompt_tokens]
     prompt = tok.decode(ids)
     total = args.prompt_tokens + args.new_tokens + 8
-    variants = {"DynamicCache": None, "scissorhands, no eviction": ScissorhandsConfig(budget=total)}
+    settings = CacheSettings(**json.loads(args.settings))
+    variants = {"DynamicCache": None, "scissorhands, no eviction": settings.with_budget(total)}
     for b in args.budgets.split(","):
-        variants[f"scissorhands, budget {b}"] = ScissorhandsConfig(budget=int(b))
+        variants[f"scissorhands, budget {b}"] = settings.with_budget(int(b))
     # Warm-up, then interleave variants so drift on a shared machine hits all of them alike.
     for cfg in variants.values():
         generate(model, tok, prompt, cfg, max_new_tokens=8)

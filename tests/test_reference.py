@@ -26,8 +26,7 @@ def run_layer(q, k, v, valid, chunks, *, budget, recent, drop, window, bucket_st
     n_buckets = 1 if window is None else math.ceil(window / (bucket_steps or 1))
     steps = None if window is None else (bucket_steps or 1)
     layer = ScissorhandsLayer(budget, recent, drop, ImportanceState(importance, steps, n_buckets, value_weighted),
-                              Scissorhands(), query_tile=query_tile)
-    layer.kv.sinks = sinks
+                              Scissorhands(), query_tile=query_tile, sinks=sinks)
     outs, i = [], 0
     for c in chunks:
         kwargs = {}

@@ -39,20 +39,28 @@ class BudgetedKV:
         The model layer this is, so methods can tell layers apart.
     store : KVStore, optional
         Where K/V live (default: dense, in the model's dtype).
+    sinks : int
+        The first ``sinks`` positions of a sequence are never evicted.
+    merge : bool
+        Fold evicted tokens into their nearest kept token (see :mod:`.merging`).
+    prefill : {"stream", "prompt-aware"}, observe : int
+        How a first chunk longer than the budget is taken (see :mod:`.streaming`).
     """
 
     def __init__(self, budget: int, recent: int, drop: int, method: EvictionMethod,
-                 state: TokenState | None = None, layer_idx: int = 0, store: KVStore | None = None):
+                 state: TokenState | None = None, layer_idx: int = 0, store: KVStore | None = None, *,
+                 sinks: int = 0, merge: bool = False, prefill: str = "stream", observe: int = 32):
         if drop > budget - recent:
             raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
         self.budget, self.recent, self.drop = budget, recent, drop
-        self.sinks = 0  # the first `sinks` positions are never evicted
-        self.prefill, self.observe = "stream", 32  # prompt-aware: hold the prompt, score it by its last queries
+        self.sinks, self.prefill, self.observe = sinks, prefill, observe
         self.method = method
         self.state = state if state is not None else TokenState()
         self.layer_idx = layer_idx
         self.store: KVStore = store if store is not None else DenseKVStore()
-        self.merge: MergeState | None = None  # set to fold evicted tokens into kept ones
+        self.merge = MergeState() if merge else None
+        # Every per-token state kept beside K/V: the method's, and the merge masses if merging.
+        self.states: list[TokenState] = [self.state] if self.merge is None else [self.state, self.merge]
         self.reset()
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -62,6 +70,7 @@ class BudgetedKV:
         self.slots = SlotTable(b, h, key.device)
         self.compressions = 0
         self.allocated = True
+        self.states_ready = False  # the states allocate at the first attention (they need the group size)
 
     def reset(self) -> None:
         """Forget the sequence: storage, state and slots start empty (nothing allocated)."""
@@ -71,11 +80,7 @@ class BudgetedKV:
         self.slots = SlotTable(0, 0, None)
         self.compressions = 0
         self.allocated = False
-
-    @property
-    def states(self) -> list[TokenState]:
-        """Every per-token state kept beside K/V: the method's, and the merge masses if merging."""
-        return [self.state] if self.merge is None else [self.state, self.merge]
+        self.states_ready = False
 
     @property
     def capacity(self) -> int:
@@ -122,8 +127,9 @@ class BudgetedKV:
     def append_token(self, key: torch.Tensor, value: torch.Tensor) -> int:
         """Decode fast path: one token per row, all rows aligned; return the new stored length."""
         slots = self.slots
-        length, seen = slots.uniform_state()
-        self.reserve(length + 1)
+        length, seen = slots.uniform  # type: ignore[misc]  # the caller checked that rows are aligned
+        if length + 1 > self.capacity:
+            self.reserve(length + 1)
         self.store.write(length, key, value)
         slots.positions[:, :, length] = seen
         for state in self.states:

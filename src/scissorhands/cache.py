@@ -17,7 +17,6 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 from .budgeted import BudgetedKV
 from .config import ScissorhandsConfig
 from .guard import ModelGuard, check_continues, reuse_message
-from .merging import MergeState
 from .methods import EvictionMethod
 from .methods.scissorhands import Scissorhands
 from .modelinfo import FULL, model_facts
@@ -44,6 +43,8 @@ class ScissorhandsLayer(CacheLayerMixin):
         Most query rows scored at once.
     layer_idx : int
         The model layer this is.
+    **options
+        ``sinks``, ``merge``, ``prefill``, ``observe``: see :class:`~scissorhands.budgeted.BudgetedKV`.
     """
 
     is_sliding = False
@@ -51,8 +52,8 @@ class ScissorhandsLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, budget: int, recent: int, drop: int, state: TokenState | None = None,
-                 method: EvictionMethod | None = None, query_tile: int = 256, layer_idx: int = 0):
-        self.kv = BudgetedKV(budget, recent, drop, method or Scissorhands(), state, layer_idx)
+                 method: EvictionMethod | None = None, query_tile: int = 256, layer_idx: int = 0, **options):
+        self.kv = BudgetedKV(budget, recent, drop, method or Scissorhands(), state, layer_idx, **options)
         super().__init__()
         self.query_tile = query_tile
         self.layer_idx = layer_idx
@@ -111,7 +112,7 @@ class ScissorhandsLayer(CacheLayerMixin):
                 "so the scissorhands attention cannot be routed"
             )
         if self.kv.allocated:
-            check_continues(self.kv.slots.seen, key_states, kwargs.get("position_ids"))
+            check_continues(self.kv.slots, key_states, kwargs.get("position_ids"))
         if self._pending is not None:
             raise RuntimeError(
                 "attention was not routed through scissorhands: call scissorhands.enable(model) "
@@ -232,11 +233,9 @@ class ScissorhandsCache(Cache):
                 raise ValueError(f"schedule: a layer budget ({budget}) must be > the protected tokens "
                                  f"(recent + sinks = {config.protected})")
             layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
-                                      self.method.make_state(config), self.method, config.query_tile, idx)
-            layer.kv.sinks = config.sinks
-            layer.kv.prefill, layer.kv.observe = config.prefill, config.observe
-            if config.merge:
-                layer.kv.merge = MergeState()
+                                      self.method.make_state(config), self.method, config.query_tile, idx,
+                                      sinks=config.sinks, merge=config.merge, prefill=config.prefill,
+                                      observe=config.observe)
             layer.guard = guard
             layers.append(layer)
         super().__init__(layers=layers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .modelinfo import ModelFacts, model_facts
+from .slots import SlotTable
 
 
 def model_signature(facts: ModelFacts) -> dict:
@@ -72,7 +73,7 @@ def reuse_message(seen: int) -> str:
             "call cache.reset() or build a new cache")
 
 
-def check_continues(seen: torch.Tensor, key_states: torch.Tensor, position_ids) -> None:
+def check_continues(slots: SlotTable, key_states: torch.Tensor, position_ids) -> None:
     """A used cache takes only input that continues it: positions at or after the tokens it has seen.
 
     An independent prompt given to a used cache starts again at position 0
@@ -83,13 +84,13 @@ def check_continues(seen: torch.Tensor, key_states: torch.Tensor, position_ids) 
 
     Parameters
     ----------
-    seen : LongTensor, shape (B,), CPU
-        Real tokens each row has seen.
+    slots : SlotTable
+        The layer's slots (real tokens seen per row).
     """
     if not isinstance(position_ids, torch.Tensor) or position_ids.numel() == 0:
         return
     if key_states.shape[-2] == 1 and position_ids.device.type != "cpu":
         return
-    most = int(seen.max())
+    most = slots.uniform[1] if slots.uniform is not None else int(slots.seen.max())
     if most > 0 and int(position_ids.max()) < most:
         raise ValueError(reuse_message(most))

@@ -43,10 +43,12 @@ def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.
     if h_q % h:
         raise ValueError(f"model: {h_q} query heads cannot share {h} KV heads")
     g = h_q // h
-    for state in kv.states:
-        if not state.allocated:
-            # Allocated here: a count state's dtype depends on the group size, a sum's on the compute dtype.
-            state.allocate(b, h, kv.capacity, group=g, device=query.device, dtype=query.dtype)
+    if not kv.states_ready:
+        # Allocated here: a count state's dtype depends on the group size, a sum's on the compute dtype.
+        for state in kv.states:
+            if not state.allocated:
+                state.allocate(b, h, kv.capacity, group=g, device=query.device, dtype=query.dtype)
+        kv.states_ready = True
     if total == 1 and mask is None and kv.slots.uniform is not None:
         return _decode_step(kv, query, key, value, scaling, softcap)
 
@@ -93,7 +95,7 @@ def _decode_step(kv: BudgetedKV, query, key, value, scaling, softcap) -> torch.T
     h = key.shape[1]
     if kv.slots.uniform_state()[0] >= kv.budget:
         kv.compress(torch.ones(b, dtype=torch.bool))
-    seen = kv.slots.uniform_state()[1]
+    seen = kv.slots.uniform_state()[1]  # compression keeps rows aligned
     length = kv.append_token(key, value)
     q = query.view(b, h, h_q // h, d)  # (B, H_kv, g, D)
     keys, values = kv.store.read(length)  # (B, H_kv, L, D) each
