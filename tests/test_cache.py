@@ -130,7 +130,7 @@ def test_bf16_runs_and_importance_stays_fp32():
     layer = cache.budgeted_layers[0]
     assert layer.keys.dtype == torch.bfloat16
     assert layer.state.acc.dtype == torch.float32
-    count = ScissorhandsCache(model, ScissorhandsConfig(budget=12, recent=2, importance="count"))
+    count = ScissorhandsCache(model, ScissorhandsConfig(budget=12, recent=2, importance="count", window=400))
     greedy(model, ids, mask, count, n=4)
     assert count.budgeted_layers[0].state.acc.dtype == torch.int16
 
@@ -159,7 +159,7 @@ def test_gemma3_sliding_layers_keep_their_own_window():
 def test_memory_report_matches_tensor_storage():
     model = tiny_model("llama")  # head_dim 16, 2 KV heads, fp32
     ids, mask = left_padded([50], seed=9)
-    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=32, recent=4))
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=32, recent=4, window=400, window_buckets=8))
     greedy(model, ids, mask, cache, n=10)
     report = cache.memory_report()
     layer = cache.budgeted_layers[0]

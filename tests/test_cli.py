@@ -27,7 +27,7 @@ def run_in_process(capsys, *args):
 
 
 @pytest.mark.parametrize("args,param", [
-    (["--budget", "5", "--prompt", "hi"], "budget"),
+    (["--budget", "5", "--recent", "10", "--prompt", "hi"], "budget"),
     (["--budget", "50", "--recent", "-1", "--prompt", "hi"], "recent"),
     (["--budget", "50", "--window", "0", "--prompt", "hi"], "window"),
     (["--budget", "50", "--window-buckets", "-2", "--prompt", "hi"], "window_buckets"),
@@ -56,7 +56,7 @@ def test_empty_prompt_file(capsys, tmp_path):
 
 
 def test_one_line_error_from_a_real_subprocess():
-    proc = run_cli("generate", "--budget", "5", "--prompt", "hi")
+    proc = run_cli("generate", "--budget", "5", "--recent", "10", "--prompt", "hi")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "budget:" in proc.stderr
 
 

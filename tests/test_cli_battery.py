@@ -119,7 +119,7 @@ P = ["--prompt", "hi"]
 
 CASES = [
     # generate: cache settings
-    ("gen-budget-below-recent", [*G, "--budget", "5", *P], "budget"),
+    ("gen-budget-below-recent", [*G, "--budget", "5", "--recent", "10", *P], "budget"),
     ("gen-budget-not-int", [*G, "--budget", "x", *P], "budget"),
     ("gen-budget-nan", [*G, "--budget", "nan", *P], "budget"),
     ("gen-recent-negative", [*G, "--budget", "50", "--recent", "-1", *P], "recent"),
@@ -170,7 +170,7 @@ CASES = [
     ("gen-model-missing", ["generate", "--model", "/no/such/model", "--budget", "50", *P], "model"),
     ("gen-model-not-a-model", ["generate", "--model", "afile", "--budget", "50", *P], "model"),
     # demo
-    ("demo-budget", [*D, "--budget", "5"], "budget"),
+    ("demo-budget", [*D, "--budget", "5", "--recent", "10"], "budget"),
     ("demo-top-p", [*D, "--top-p", "2"], "top-p"),
     ("demo-max-new-tokens", [*D, "--max-new-tokens", "0"], "max-new-tokens"),
     ("demo-temperature", [*D, "--temperature", "-1"], "temperature"),

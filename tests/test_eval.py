@@ -15,7 +15,7 @@ from scissorhands.generation import demo_prompt
 from scissorhands.methods import get_method
 from scissorhands.scoring import ScoreSetup, token_logprobs
 
-BASE = ScissorhandsConfig(budget=16, recent=4, drop=0.4, window=16)
+BASE = ScissorhandsConfig(budget=16, recent=4, drop=0.4, window=16, importance="sum")
 
 
 @pytest.fixture

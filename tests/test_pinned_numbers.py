@@ -25,7 +25,7 @@ from scissorhands.scoring import ScoreSetup, token_logprobs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
-from make_scorer_fixtures import REAL_METHODS, platform_signature, real_ids, tiny_cases  # noqa: E402
+from make_scorer_fixtures import PAPER_LIKE, REAL_METHODS, platform_signature, real_ids, tiny_cases  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
 
@@ -51,7 +51,7 @@ def test_smollm2_within_1e6():
 
     model, tok = load_model("smollm2-135m")
     ids = real_ids(tok)
-    base = ScissorhandsConfig(budget=80)
+    base = ScissorhandsConfig(budget=80, **PAPER_LIKE)
     for method in REAL_METHODS:
         got = token_logprobs(model, ids, ScoreSetup(get_method(method), 80, base))[0]
         torch.testing.assert_close(got, STORED[f"smollm2/{method}"], rtol=0, atol=1e-6)
