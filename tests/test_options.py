@@ -129,6 +129,9 @@ def test_paper_preset_is_the_published_setting_and_user_values_win():
         assert getattr(paper, name) == value
     assert (paper.window, paper.recent, paper.window_buckets) == (400, 10, None)
     assert ScissorhandsConfig(budget=100, preset="paper", recent=32).recent == 32
+    # a method's own settings survive the preset, even where they equal a library default
+    h2o = get_method("h2o").resolve(CacheSettings(preset="paper"))
+    assert (h2o.window, h2o.recent, h2o.drop, h2o.importance) == (None, 10, 0.4, "sum")
     with pytest.raises(ValueError, match="^preset:"):
         ScissorhandsConfig(budget=100, preset="nope")
 

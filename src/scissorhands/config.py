@@ -85,7 +85,8 @@ class CacheSettings:
     preset : str or None
         ``"paper"`` reproduces the published algorithm (see :data:`PRESETS`):
         its values replace the library defaults; any field set to a
-        non-default value is kept as given.
+        non-default value is kept as given. It is applied when the settings
+        are made, and the field then reads None.
     """
 
     # Chosen by measurement on SmolLM2-135M (docs/results.md, "Choosing the defaults by measurement").
@@ -155,6 +156,9 @@ class CacheSettings:
         for name, value in PRESETS[self.preset].items():
             if getattr(self, name) == getattr(_LIBRARY_DEFAULTS, name):
                 object.__setattr__(self, name, value)
+        # Applied once: the values are now the fields themselves, so a later `replace` (a method's own
+        # settings, a budget) cannot re-apply the preset over a value that happens to equal a default.
+        object.__setattr__(self, "preset", None)
 
     @property
     def protected(self) -> int:
