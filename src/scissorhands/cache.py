@@ -59,6 +59,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self._pending: int | None = None
         self.guard: ModelGuard | None = None  # what the owning cache was built for (set by ScissorhandsCache)
+        self.checks_continuation = True  # the cache leaves this to its first budgeted layer: once per forward
         self.reset()
 
     # transformers' base class and callers read `keys`/`values`; they are the store's buffers.
@@ -111,7 +112,7 @@ class ScissorhandsLayer(CacheLayerMixin):
                 "model: unsupported architecture: its attention does not pass its kwargs to the cache, "
                 "so the scissorhands attention cannot be routed"
             )
-        if self.kv.allocated:
+        if self.checks_continuation and self.kv.allocated:
             check_continues(self.kv.slots, key_states, kwargs.get("position_ids"))
         if self._pending is not None:
             raise RuntimeError(
@@ -237,6 +238,7 @@ class ScissorhandsCache(Cache):
                                       sinks=config.sinks, merge=config.merge, prefill=config.prefill,
                                       observe=config.observe)
             layer.guard = guard
+            layer.checks_continuation = not any(isinstance(x, ScissorhandsLayer) for x in layers)
             layers.append(layer)
         super().__init__(layers=layers)
 

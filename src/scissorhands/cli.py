@@ -420,21 +420,25 @@ def main(argv: list[str] | None = None) -> int:
 
             return _run_generate(args, demo_prompt(), str(args.budget))
     except ValueError as e:  # includes ModelLoadError; messages start with the parameter's name
-        print(f"scissorhands: error: {_first_line(e)}", file=sys.stderr)
-        return 2
+        return say(f"error: {first_line(e)}", 2)
     except OSError as e:  # a file or folder that could not be read or written
-        print(f"scissorhands: error: {_os_error_message(args, e)}", file=sys.stderr)
-        return 2
+        return say(f"error: {_os_error_message(args, e)}", 2)
     except KeyboardInterrupt:
-        print("scissorhands: interrupted", file=sys.stderr)
-        return 130
+        return say("interrupted", 130)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (its type if there is none)."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def say(message: str, code: int) -> int:
+    """The command line's one line on stderr; returns the exit code (shared with the lm-eval entry point)."""
+    print(f"scissorhands: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

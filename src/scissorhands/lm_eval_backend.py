@@ -535,17 +535,16 @@ def main(argv: list[str] | None = None) -> None:
     """
     from lm_eval.__main__ import cli_evaluate
 
+    from .cli import first_line, say
+
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     try:
         cli_evaluate()
     except ValueError as e:  # a bad model argument: one line naming it, as the scissorhands command line does
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        print(f"scissorhands: error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(say(f"error: {first_line(e)}", 2))
     except KeyboardInterrupt:
-        print("scissorhands: interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(say("interrupted", 130))
 
 
 if __name__ == "__main__":
