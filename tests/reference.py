@@ -25,7 +25,7 @@ def in_window(step: int, now: int, window: int | None, bucket_steps: int | None)
 
 
 def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_steps, importance, scaling,
-                     sinks=0, value_weighted=False):
+                     sinks=0, value_weighted=False, protect=None, events=None):
     """Stream a whole sequence batch through a budgeted cache, token by token.
 
     Parameters
@@ -42,6 +42,11 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
         Positions below ``sinks`` are never evicted.
     value_weighted : bool
         Importance times the norm of the token's value.
+    protect : list of list of (start, end), optional
+        ``protect[b]``: spans of positions of sequence ``b`` that are never evicted.
+    events : list, optional
+        If given, every eviction is appended as ``(b, h, step, position, score)``,
+        ``step`` being the number of real tokens seen when it was made.
 
     Returns
     -------
@@ -68,7 +73,8 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
                     n_drop = max(drop, len(stored) + 1 - budget)
                     scored = []
                     for idx, (p, col) in enumerate(stored):
-                        if idx >= len(stored) - recent or p < sinks:
+                        pinned = any(lo <= p < hi for lo, hi in (protect[b] if protect else ()))
+                        if idx >= len(stored) - recent or p < sinks or pinned:
                             score = math.inf
                         else:
                             seen = [(u, val) for u, val in history.get(p, [])
@@ -82,6 +88,8 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
                     # Lowest score goes first; among equals the older (smaller index) goes first.
                     scored.sort()
                     gone = {idx for _, idx in scored[:n_drop]}
+                    if events is not None:
+                        events.extend((b, h, pos, stored[idx][0], score) for score, idx in scored[:n_drop])
                     stored = [item for idx, item in enumerate(stored) if idx not in gone]
                 stored.append((pos, t))
                 n = len(stored)

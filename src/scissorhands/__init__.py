@@ -1,10 +1,12 @@
 """scissorhands: budgeted KV-cache eviction by persistence of importance."""
 
 from .attention import enable
+from .audit import EvictionAudit
 from .budget import resolve_budget
 from .cache import ScissorhandsCache, ScissorhandsLayer
 from .config import DEFAULTS, CacheSettings, ScissorhandsConfig
 from .methods import METHODS, EvictionMethod, LayerView, get_method, register
+from .protect import Protection
 from .schedule import layer_budgets
 from .state import TokenState
 
@@ -12,8 +14,10 @@ __all__ = [
     "DEFAULTS",
     "METHODS",
     "CacheSettings",
+    "EvictionAudit",
     "EvictionMethod",
     "LayerView",
+    "Protection",
     "ScissorhandsCache",
     "ScissorhandsConfig",
     "ScissorhandsLayer",

@@ -6,6 +6,16 @@
 writes all of them; an eviction asks the method for scores, picks the kept
 slots with :func:`~scissorhands.selection.keep_order`, and compacts all of
 them with the same index. The attention that feeds it lives in :mod:`.streaming`.
+
+Two extension points let features join an eviction without editing it:
+
+* ``shields``: objects with ``mask(positions) -> bool`` (slots never to
+  drop), ``select_batch(index)`` and ``check_batch(batch)``; attention sinks and
+  protected spans are shields (:class:`~scissorhands.protect.Protection`);
+* ``listeners``: objects told of every eviction, ``evicted_tokens(layer_idx,
+  seen, positions, scores, dropped)``, and of row reordering,
+  ``select_batch(layer_idx, index)``; the eviction audit is one
+  (:class:`~scissorhands.audit.EvictionAudit`).
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import torch
 from .kvstore import DenseKVStore, KVStore
 from .merging import MergeState
 from .methods.base import EvictionMethod, LayerView
+from .protect import Protection
 from .selection import keep_order
 from .slots import SlotTable
 from .state import TokenState
@@ -40,7 +51,9 @@ class BudgetedKV:
     store : KVStore, optional
         Where K/V live (default: dense, in the model's dtype).
     sinks : int
-        The first ``sinks`` positions of a sequence are never evicted.
+        The first ``sinks`` positions of a sequence are never evicted (a protected span).
+    protect : Protection, optional
+        Further spans never evicted.
     merge : bool
         Fold evicted tokens into their nearest kept token (see :mod:`.merging`).
     prefill : {"stream", "prompt-aware"}, observe : int
@@ -49,7 +62,8 @@ class BudgetedKV:
 
     def __init__(self, budget: int, recent: int, drop: int, method: EvictionMethod,
                  state: TokenState | None = None, layer_idx: int = 0, store: KVStore | None = None, *,
-                 sinks: int = 0, merge: bool = False, prefill: str = "stream", observe: int = 32):
+                 sinks: int = 0, merge: bool = False, prefill: str = "stream", observe: int = 32,
+                 protect: Protection | None = None):
         if drop > budget - recent:
             raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
         self.budget, self.recent, self.drop = budget, recent, drop
@@ -61,11 +75,17 @@ class BudgetedKV:
         self.merge = MergeState() if merge else None
         # Every per-token state kept beside K/V: the method's, and the merge masses if merging.
         self.states: list[TokenState] = [self.state] if self.merge is None else [self.state, self.merge]
+        self.shields: list = [] if not sinks else [Protection.prefix(sinks)]
+        if protect is not None:
+            self.shields.append(protect)
+        self.listeners: list = []
         self.reset()
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Empty storage shaped after a first chunk (B, H_kv, T, D)."""
         b, h = key.shape[:2]
+        for shield in self.shields:
+            shield.check_batch(b)
         self.store.allocate(key, value)
         self.slots = SlotTable(b, h, key.device)
         self.compressions = 0
@@ -150,10 +170,19 @@ class BudgetedKV:
     def evict(self, scores: torch.Tensor, n_drop: torch.Tensor) -> None:
         """Drop the ``n_drop`` (B,) lowest ``scores`` (B, H_kv, L) of each row and KV head, and compact."""
         length = scores.shape[-1]
+        positions = self.slots.positions[:, :, :length]  # (B, H_kv, L)
         shield = None
-        if self.sinks:
-            shield = self.slots.positions[:, :, :length] < self.sinks  # (B, H_kv, L)
+        for part in self.shields:
+            mask = part.mask(positions)
+            shield = mask if shield is None else shield | mask
         keep = keep_order(scores, self.slots.lengths, self.recent, n_drop, shield)
+        if self.listeners:
+            # Slot keep[b, h, j] is dropped when its rank j is among the last n_drop[b].
+            rank = torch.arange(length, device=keep.device)
+            last = rank[None, None, :] >= (length - n_drop.to(keep.device))[:, None, None]  # (B, 1, L)
+            dropped = torch.zeros_like(keep, dtype=torch.bool).scatter_(2, keep, last.expand_as(keep))
+            for listener in self.listeners:
+                listener.evicted_tokens(self.layer_idx, self.slots.seen, positions, scores, dropped)
         if self.merge is not None:
             keys, values = self.store.read(length)
             self.store.write(0, keys, self.merge.fold(keys, values, keep, self.slots.lengths, n_drop))
@@ -168,6 +197,9 @@ class BudgetedKV:
         if not self.allocated:
             return
         dev = index.to(self.slots.device)
+        self.shields = [shield.select_batch(index) for shield in self.shields]
+        for listener in self.listeners:
+            listener.select_batch(self.layer_idx, index)
         self.store.select_batch(dev)
         for state in self.states:
             state.select_batch(dev)

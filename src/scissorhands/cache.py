@@ -14,12 +14,14 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
+from .audit import EvictionAudit
 from .budgeted import BudgetedKV
 from .config import ScissorhandsConfig
 from .guard import ModelGuard, check_continues, reuse_message
 from .methods import EvictionMethod
 from .methods.scissorhands import Scissorhands
 from .modelinfo import FULL, model_facts
+from .protect import Protection, SpanSpec, check_room
 from .report import cache_memory_report, layer_memory
 from .schedule import layer_budgets
 from .slots import SlotTable
@@ -197,6 +199,12 @@ class ScissorhandsCache(Cache):
         Budget, windows, drop amount, importance form and schedule.
     method : EvictionMethod, optional
         Scoring rule (see :mod:`scissorhands.methods`); default Scissorhands.
+    protect : list of (start, end), or one such list per sequence, optional
+        Token spans never evicted in any layer (see :mod:`scissorhands.protect`);
+        they count against the budget, and a protection that leaves a layer
+        no room to evict is refused.
+    audit : EvictionAudit, optional
+        Records every eviction (see :mod:`scissorhands.audit`).
 
     Examples
     --------
@@ -206,13 +214,17 @@ class ScissorhandsCache(Cache):
     True
     """
 
-    def __init__(self, model, config: ScissorhandsConfig, method: EvictionMethod | None = None):
+    def __init__(self, model, config: ScissorhandsConfig, method: EvictionMethod | None = None, *,
+                 protect: SpanSpec | Protection | None = None, audit: EvictionAudit | None = None):
         from .attention import enable
 
         if not isinstance(config, ScissorhandsConfig):
             raise ValueError(f"config: must be a ScissorhandsConfig, got {type(config).__name__}")
         if method is not None and not isinstance(method, EvictionMethod):
             raise ValueError(f"method: must be an EvictionMethod instance, got {method!r}")
+        if audit is not None and not isinstance(audit, EvictionAudit):
+            raise ValueError(f"audit: must be an EvictionAudit, got {type(audit).__name__}")
+        protection = Protection.parse(protect)
         if not isinstance(getattr(model, "config", model), PretrainedConfig):
             raise ValueError(f"model: must be a transformers model or its config, got {type(model).__name__}")
         facts = model_facts(model)
@@ -222,8 +234,12 @@ class ScissorhandsCache(Cache):
         self.config = config
         self.method = method or Scissorhands()
         self.facts = facts
+        self.protection = protection
+        self.audit = audit
         guard = ModelGuard(facts)
-        budgets = iter(layer_budgets(config, len(facts.full_layers)))
+        per_layer = layer_budgets(config, len(facts.full_layers))
+        check_room(protection, [(b, config.recent_for(b), config.drop_for(b)) for b in per_layer])
+        budgets = iter(per_layer)
         layers: list = []
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
             if layer_type != FULL:
@@ -236,7 +252,10 @@ class ScissorhandsCache(Cache):
             layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
                                       self.method.make_state(config), self.method, config.query_tile, idx,
                                       sinks=config.sinks, merge=config.merge, prefill=config.prefill,
-                                      observe=config.observe)
+                                      observe=config.observe, protect=protection)
+            if audit is not None:
+                layer.kv.listeners.append(audit)
+                audit.attach(idx)
             layer.guard = guard
             layer.checks_continuation = not any(isinstance(x, ScissorhandsLayer) for x in layers)
             layers.append(layer)

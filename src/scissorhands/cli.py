@@ -106,6 +106,20 @@ def _add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, compar
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
 
 
+def _add_trust_args(p: argparse.ArgumentParser) -> None:
+    """Protected spans, a system prompt, and the eviction audit (generate and demo)."""
+    g = p.add_argument_group("protection and audit")
+    g.add_argument("--system", default=None,
+                   help="system prompt; the prompt becomes the user turn of the model's chat template")
+    g.add_argument("--protect-prefix", type=int, default=None, metavar="N",
+                   help="never evict the first N tokens of the prompt (they count against the budget)")
+    g.add_argument("--protect-system", action="store_true", help="never evict the system prompt (needs --system)")
+    g.add_argument("--audit", type=Path, default=None, metavar="OUT.json",
+                   help="write an eviction audit (JSON) and a heat map of held tokens (OUT.png)")
+    g.add_argument("--audit-events", action="store_true",
+                   help="record every evicted token in the audit, not only counters (needs --audit)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (embedded default), a Hugging Face id, a folder or a .gguf file")
@@ -142,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt")
     _add_generation_args(gen, max_new_tokens=64, compare_full=False)
+    _add_trust_args(gen)
 
     ev = sub.add_parser("eval", allow_abbrev=False,
                         help="quality of methods x budgets on real data (exact compressed scoring)")
@@ -170,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(demo)
     _add_cache_args(demo, budget_default=400)
     _add_generation_args(demo, max_new_tokens=64, compare_full=True)
+    _add_trust_args(demo)
     return parser
 
 
@@ -192,6 +208,71 @@ def _check_generation_args(args) -> None:
     _check_range("temperature", args.temperature, 0, low_open=True)
     _check_range("top-p", args.top_p, 0, 1, low_open=True)
     _check_range("seed", args.seed, 0, _MAX_SEED)
+
+
+def _check_trust_args(args) -> None:
+    """The protection and audit options, before anything is loaded."""
+    if args.protect_prefix is not None:
+        _check_range("protect-prefix", args.protect_prefix, 1)
+    if args.protect_system and args.system is None:
+        raise ValueError("protect-system: needs --system (the system prompt to pin)")
+    if args.system is not None and not args.system.strip():
+        raise ValueError("system: is empty")
+    if args.audit_events and args.audit is None:
+        raise ValueError("audit-events: needs --audit OUT.json")
+    if args.audit is not None:
+        parent = args.audit.resolve().parent
+        if not parent.is_dir():
+            raise ValueError(f"audit: no such folder {str(parent)!r}")
+        if args.audit.is_dir():
+            raise ValueError(f"audit: {str(args.audit)!r} is a folder; give a file name")
+
+
+def _protection(args, model, tokenizer, prompt: str, config) -> tuple[str, list, dict]:
+    """The prompt to run (chat-templated with --system), the spans to pin, and the spans to audit."""
+    from .modelinfo import model_facts
+    from .protect import Protection, check_room
+    from .schedule import layer_budgets
+
+    spans: list[tuple[int, int]] = []
+    watched: dict[str, tuple[int, int]] = {}
+    names = []
+    if args.system is not None:
+        from .generation import chat_prompt
+
+        prompt, n_system = chat_prompt(tokenizer, args.system, prompt)
+        watched["system"] = (0, n_system)
+        if args.protect_system:
+            spans.append((0, n_system))
+            names.append("protect-system")
+    if args.protect_prefix is not None:
+        spans.append((0, args.protect_prefix))
+        names.append("protect-prefix")
+    n_prompt = len(tokenizer(prompt)["input_ids"])
+    watched = {"prompt": (0, n_prompt), **watched}
+    if spans:
+        watched["protected"] = (0, max(end for _, end in spans))
+        budgets = layer_budgets(config, len(model_facts(model).full_layers))
+        check_room(Protection([spans]), [(b, config.recent_for(b), config.drop_for(b)) for b in budgets],
+                   name="/".join(names))
+    return prompt, spans, watched
+
+
+def _write_audit(args, audit, cache, watched: dict) -> None:
+    from .audit import plot_held_map
+
+    record = audit.to_json(args.audit, cache)
+    png = args.audit.with_suffix(".png")
+    plot_held_map(cache, png, spans=watched)
+    parts = []
+    for name, info in record["spans"].items():
+        held = [v for v in info["held_fraction"].values() if v is not None]
+        first = info["first_evicted_step_any_layer"]
+        lost = "never evicted" if first is None else f"first evicted at step {first}"
+        if held:
+            parts.append(f"{name} {info['start']}-{info['end']}: {100 * sum(held) / len(held):.0f}% held "
+                         f"(layer min {100 * min(held):.0f}%), {lost}")
+    print(f"[audit] {'; '.join(parts)}; wrote {args.audit} and {png}", file=sys.stderr)
 
 
 def _check_model_args(args) -> None:
@@ -272,16 +353,26 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
     config = method.configure(_settings(args), args.budget)
     _check_schedule_file(config)
     _check_generation_args(args)
+    _check_trust_args(args)
     _check_model_args(args)
     model, tokenizer = load_model(args.model, dtype=args.dtype)
+    prompt, spans, watched = _protection(args, model, tokenizer, prompt, config)
+    audit = None
+    if args.audit is not None:
+        from .audit import EvictionAudit
+
+        audit = EvictionAudit(events=args.audit_events, spans=watched)
     prompt_name = "prompt-file" if getattr(args, "prompt_file", None) is not None else "prompt"
     sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                     ignore_eos=args.ignore_eos)
     result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True,
-                      method=method(seed=args.seed), prompt_name=prompt_name, **sampling)
+                      method=method(seed=args.seed), prompt_name=prompt_name, protect=spans or None, audit=audit,
+                      **sampling)
     print(f"prompt: {result.prompt_tokens[0]} tokens; budget {label_budget}", file=sys.stderr)
     print(result.texts[0])
     _report(method.name, result)
+    if audit is not None:
+        _write_audit(args, audit, result.cache, watched)
     if args.compare_full:
         full = generate(model, tokenizer, prompt, None, args.max_new_tokens, progress=True, **sampling)
         _report("full cache", full)

@@ -77,6 +77,7 @@ class GenerationResult:
     seconds: float
     prefill_seconds: float  # until the first new token
     memory: dict | None  # ScissorhandsCache.memory_report(); None for the full cache
+    cache: object | None = None  # the cache after generation (ScissorhandsCache or DynamicCache)
 
     @property
     def tokens_per_second(self) -> float:
@@ -105,6 +106,8 @@ def generate(
     ignore_eos: bool = False,
     method: EvictionMethod | None = None,
     prompt_name: str = "prompt",
+    protect=None,
+    audit=None,
 ) -> GenerationResult:
     """Generate from ``prompts`` with a budgeted cache (or the full cache if ``config`` is None).
 
@@ -122,6 +125,11 @@ def generate(
         Tokens to generate per prompt (generation also stops at EOS unless ``ignore_eos``).
     prompt_name : str
         The parameter the prompt came from, for error messages.
+    protect : list of (start, end), or one list per prompt, optional
+        Token spans never evicted (see :mod:`scissorhands.protect`); positions
+        count each prompt's own tokens from 0, padding excluded.
+    audit : EvictionAudit, optional
+        Records what the cache evicted (see :mod:`scissorhands.audit`).
 
     Returns
     -------
@@ -144,8 +152,9 @@ def generate(
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     check_positions(model, enc["input_ids"].shape[1], max_new_tokens, prompt_name)
-    cache: ScissorhandsCache | DynamicCache = (ScissorhandsCache(model, config, method) if config is not None
-                                               else DynamicCache(config=model.config))
+    cache: ScissorhandsCache | DynamicCache = (
+        ScissorhandsCache(model, config, method, protect=protect, audit=audit) if config is not None
+        else DynamicCache(config=model.config))
     torch.manual_seed(seed)
     kwargs: dict = {"do_sample": do_sample}
     if do_sample:
@@ -166,4 +175,26 @@ def generate(
         seconds=seconds,
         prefill_seconds=(streamer.first_token - start) if streamer and streamer.first_token else float("nan"),
         memory=cache.memory_report() if isinstance(cache, ScissorhandsCache) else None,
+        cache=cache,
     )
+
+
+def chat_prompt(tokenizer, system: str, user: str) -> tuple[str, int]:
+    """The chat-templated text of a system and a user turn, and the number of tokens of the system turn.
+
+    The system turn is the template rendered with the system message alone; it
+    must be a token prefix of the whole conversation (true of the usual
+    templates), so that ``protect=[(0, n)]`` pins exactly the system prompt.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("system: the model's tokenizer has no chat template")
+    if not system.strip():
+        raise ValueError("system: is empty")
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
+                                         tokenize=False, add_generation_prompt=True)
+    head = tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
+    ids, head_ids = tokenizer(text)["input_ids"], tokenizer(head)["input_ids"]
+    if not text.startswith(head) or ids[: len(head_ids)] != head_ids:
+        raise ValueError("system: this chat template does not render the system prompt as a prefix of the "
+                         "conversation, so it cannot be pinned")
+    return text, len(head_ids)

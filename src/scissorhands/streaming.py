@@ -131,7 +131,8 @@ def _prompt_aware_prefill(kv: BudgetedKV, q, out, key, value, valid, cum, scalin
         pooled = torch.nn.functional.max_pool1d(scores.reshape(-1, 1, length), kernel_size=7, stride=1, padding=3)
         scores = pooled.view_as(scores).clone()
         last = kv.slots.positions[:, :, :length] >= (real - kv.observe).to(q.device)[:, None, None]  # (B, H_kv, L)
-        scores.masked_fill_(last, float("inf"))
+        # Above any attention score but below the shields (recent window, protected spans), which stay inf.
+        scores.masked_fill_(last, torch.finfo(scores.dtype).max)
     else:
         scores = kv.method.score(kv.view())
     kv.evict(scores, (real - kv.budget).clamp(min=0))
