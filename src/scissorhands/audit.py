@@ -159,7 +159,7 @@ class EvictionAudit:
         if self.keep_events:
             record["events"] = {layer: self.event_table(layer) for layer in sorted(self.layers)}
         if cache is not None:
-            record["held_map"] = held_map(cache, row).tolist()
+            record["held_map"] = [[round(x, 3) for x in r] for r in held_map(cache, row).tolist()]
         Path(path).write_text(json.dumps(record))
         return record
 
@@ -208,9 +208,16 @@ def plot_held_map(cache, path: str | Path, row: int = 0, spans: dict[str, tuple[
     if layers:
         step = max(1, len(layers) // 10)
         ax.set_yticks(range(0, len(layers), step), [str(x) for x in layers[::step]])
-    for name, (start, end) in (spans or {}).items():
-        ax.axvspan(start - 0.5, end - 0.5, ymin=0, ymax=1, fill=False, edgecolor="cyan", lw=1)
-        ax.text(start, -0.8, name, color="tab:blue", fontsize=8, va="bottom")
+    seen = grid.shape[1]
+    for i, (name, (start, end)) in enumerate((spans or {}).items()):
+        if start == 0 and end >= seen - 1:
+            continue  # a span covering everything (the whole prompt) marks nothing
+        if start == 0:  # a prefix: its end is the line that matters
+            ax.axvline(end - 0.5, color="cyan", lw=1, ls="--")
+        else:
+            ax.axvspan(start - 0.5, end - 0.5, fill=False, edgecolor="cyan", lw=1)
+        ax.annotate(f"{name} [{start}, {end})", xy=(end, 0), xycoords=("data", "axes fraction"),
+                    xytext=(3, 4 + 10 * i), textcoords="offset points", fontsize=8, color="tab:blue")
     fig.colorbar(im, ax=ax, label="fraction of KV heads holding the token")
     ax.set_title("Tokens held at the end of generation, by layer")
     fig.tight_layout()
