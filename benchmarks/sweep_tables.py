@@ -85,7 +85,8 @@ def protect(path):
             held = f"{100 * sum(fr) / n:.0f}%"
             steps = sorted(r["audit"]["code"]["first_evicted_step_any_layer"] for r in rs
                            if r["audit"]["code"]["first_evicted_step_any_layer"] is not None)
-            first = "never" if not steps else (f"{steps[len(steps) // 2]} of ~{rs[0]['n_prompt']} "
+            lengths = [r["n_prompt"] for r in rs]
+            first = "never" if not steps else (f"{steps[len(steps) // 2]} of {min(lengths)}-{max(lengths)} "
                                                f"({len(steps)}/{n} trials lost it)")
         print(f"| {cell} | {hit}/{n} | {held} | {first} |")
 
