@@ -20,6 +20,7 @@ from .guard import ModelGuard, check_continues, reuse_message
 from .methods import EvictionMethod
 from .methods.scissorhands import Scissorhands
 from .modelinfo import FULL, model_facts
+from .quant import make_store
 from .report import cache_memory_report, layer_memory
 from .schedule import layer_budgets
 from .slots import SlotTable
@@ -44,7 +45,7 @@ class ScissorhandsLayer(CacheLayerMixin):
     layer_idx : int
         The model layer this is.
     **options
-        ``sinks``, ``merge``, ``prefill``, ``observe``: see :class:`~scissorhands.budgeted.BudgetedKV`.
+        ``sinks``, ``merge``, ``prefill``, ``observe``, ``store``: see :class:`~scissorhands.budgeted.BudgetedKV`.
     """
 
     is_sliding = False
@@ -236,7 +237,8 @@ class ScissorhandsCache(Cache):
             layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
                                       self.method.make_state(config), self.method, config.query_tile, idx,
                                       sinks=config.sinks, merge=config.merge, prefill=config.prefill,
-                                      observe=config.observe)
+                                      observe=config.observe, store=make_store(config.kv_bits,
+                                                                               config.kv_group_size))
             layer.guard = guard
             layer.checks_continuation = not any(isinstance(x, ScissorhandsLayer) for x in layers)
             layers.append(layer)
