@@ -33,26 +33,34 @@ def _check_bits(bits) -> None:
         raise ValueError(f"kv_bits: must be one of {BITS} for a packed store, got {bits!r}")
 
 
+def packed_width(dim: int, bits: int) -> int:
+    """Bytes that ``dim`` integers of ``bits`` bits take, packed (the last byte may be part-filled)."""
+    return -(-dim * bits // 8)
+
+
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integers ``q`` (..., D) in ``[0, 2**bits)`` into bytes (..., D * bits // 8), lowest bits first."""
+    """Pack integers ``q`` (..., D) in ``[0, 2**bits)`` into bytes (..., ceil(D * bits / 8)), lowest bits first."""
     per = 8 // bits
     if per == 1:
         return q.to(torch.uint8)
-    q = q.to(torch.uint8).reshape(*q.shape[:-1], q.shape[-1] // per, per)  # (..., D / per, per)
+    d = q.shape[-1]
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, packed_width(d, bits) * per - d))  # (..., whole bytes)
+    q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per)  # (..., bytes, per)
     out = q[..., 0].clone()
     for i in range(1, per):
         out |= q[..., i] << (bits * i)
     return out
 
 
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The integers (..., D) packed in ``packed`` (..., D * bits // 8), as uint8."""
+def unpack(packed: torch.Tensor, bits: int, dim: int | None = None) -> torch.Tensor:
+    """The ``dim`` integers (..., dim) packed in ``packed`` (..., bytes), as uint8 (default: every slot)."""
     per = 8 // bits
     if per == 1:
         return packed
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # (per,)
-    q = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., D / per, per)
-    return q.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+    q = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., bytes, per)
+    q = q.reshape(*packed.shape[:-1], packed.shape[-1] * per)  # (..., bytes * per)
+    return q if dim is None else q[..., :dim]
 
 
 def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,7 +68,7 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
 
     Returns
     -------
-    packed : uint8 Tensor, shape (..., D * bits // 8)
+    packed : uint8 Tensor, shape (..., ceil(D * bits / 8))
     scale, zero : float16 Tensors, shape (..., D // group)
         ``dequantize`` gives back each element within ``scale / 2`` of ``x``
         (for values inside float16's range).
@@ -72,24 +80,24 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     # Round the zero-point down so that no element lies below it.
     zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, float("-inf"))), zero)
     levels = 2**bits - 1
-    # Inflate by more than float16's rounding error so the rounded scale still reaches the maximum.
+    # Inflate by more than float16's rounding error: the rounded scale still reaches the maximum, nothing is clipped.
     scale = ((hi - zero.float()) / levels).clamp(min=_MIN_SCALE).mul(1 + 2.0**-10).half()
     q = ((xg - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, levels)
     return pack(q.reshape(*lead, d), bits), scale, zero
 
 
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale + zero`` for packed integers (..., D * bits // 8) with groups from ``scale`` (..., G)."""
-    q = unpack(packed, bits)  # (..., D)
-    *lead, d = q.shape
+    """``q * scale + zero`` (..., D) for packed integers (..., bytes) in groups of ``group``; G = scale.shape[-1]."""
     groups = scale.shape[-1]
+    q = unpack(packed, bits, groups * group)  # (..., D)
+    *lead, d = q.shape
     x = q.reshape(*lead, groups, d // groups).float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return x.reshape(*lead, d).to(dtype)  # (..., D)
 
 
 class PackedTensor:
-    """One of K or V, packed: data (B, H_kv, capacity, D * bits // 8), scale and zero (B, H_kv, capacity, G).
+    """One of K or V, packed: data (B, H_kv, capacity, ceil(D * bits / 8)), scale and zero (B, H_kv, capacity, G).
 
     Every slot's bytes, scales and zero-points sit on the same slot axis, so one
     index moves a token's whole packed row.
@@ -97,7 +105,7 @@ class PackedTensor:
 
     def __init__(self, bits: int, group: int, batch: int, heads: int, dim: int, device):
         self.bits, self.group, self.dim = bits, group, dim
-        self.data = torch.zeros(batch, heads, 0, dim * bits // 8, dtype=torch.uint8, device=device)
+        self.data = torch.zeros(batch, heads, 0, packed_width(dim, bits), dtype=torch.uint8, device=device)
         self.scale = torch.zeros(batch, heads, 0, dim // group, dtype=torch.float16, device=device)
         self.zero = torch.zeros_like(self.scale)
 
@@ -140,7 +148,7 @@ class PackedTensor:
     def read(self, length: int, dtype: torch.dtype) -> torch.Tensor:
         """The first ``length`` slots, dequantised: (B, H_kv, length, D)."""
         return dequantize(self.data[:, :, :length], self.scale[:, :, :length], self.zero[:, :, :length],
-                          self.bits, dtype)
+                          self.bits, self.group, dtype)
 
     def data_bytes(self) -> int:
         return self.data.nbytes
@@ -160,7 +168,8 @@ class PackedKVStore(KVStore):
     bits : {2, 4, 8}
     group_size : int
         Channels per group along the head dimension; a head smaller than this
-        is one group. It must divide the head dimension.
+        is one group, and a head it does not divide takes the largest divisor
+        below it.
     """
 
     def __init__(self, bits: int = 4, group_size: int = 32):
@@ -174,11 +183,8 @@ class PackedKVStore(KVStore):
         self.dtype = torch.float32
 
     def _group(self, dim: int) -> int:
-        group = min(self.group_size, dim)
-        if dim % group or group % (8 // self.bits):
-            raise ValueError(f"kv_group_size: must divide the head dimension ({dim}) into groups of whole bytes "
-                             f"at {self.bits} bits, got {self.group_size}")
-        return group
+        """The largest divisor of ``dim`` not above ``group_size`` (``group_size`` itself for power-of-two heads)."""
+        return next(g for g in range(min(self.group_size, dim), 0, -1) if dim % g == 0)
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         b, h, _, dk = key.shape
