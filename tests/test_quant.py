@@ -145,6 +145,18 @@ def test_eviction_with_quantisation_equals_quantising_the_kept_rows(bits):
         assert torch.equal(got, quantised(ref, bits))
 
 
+@pytest.mark.parametrize("key_bits", BITS)
+def test_keys_can_take_their_own_bit_width(key_bits):
+    store = PackedKVStore(2, 16, key_bits=key_bits)
+    store.allocate(torch.zeros(2, 3, 1, 32), torch.zeros(2, 3, 1, 32))
+    store.resize(5)
+    assert store.data_bytes() == 2 * 3 * 5 * (32 * key_bits // 8 + 32 * 2 // 8)
+    k = torch.randn(2, 3, 5, 32, generator=torch.Generator().manual_seed(key_bits))
+    store.write(0, k, k)
+    keys, values = store.read(5)
+    assert torch.equal(keys, quantised(k, key_bits, 16)) and torch.equal(values, quantised(k, 2, 16))
+
+
 def test_make_store_picks_dense_for_16_and_none():
     assert isinstance(make_store(None, 32), DenseKVStore)
     assert isinstance(make_store(16, 32), DenseKVStore)
@@ -153,7 +165,9 @@ def test_make_store_picks_dense_for_16_and_none():
 
 @pytest.mark.parametrize("bad,message", [({"kv_bits": 3}, "kv_bits:"), ({"kv_bits": True}, "kv_bits:"),
                                          ({"kv_group_size": 0}, "kv_group_size:"),
-                                         ({"kv_group_size": 24}, "kv_group_size:")])
+                                         ({"kv_group_size": 24}, "kv_group_size:"),
+                                         ({"kv_key_bits": 16, "kv_bits": 4}, "kv_key_bits:"),
+                                         ({"kv_key_bits": 8}, "kv_key_bits:")])
 def test_bad_settings_are_one_line_errors_naming_the_parameter(bad, message):
     with pytest.raises(ValueError) as e:
         CacheSettings(**bad)
@@ -176,13 +190,13 @@ def test_group_is_the_largest_divisor_of_the_head_not_above_the_setting():
 
 # -- the cache and the exact scorer with kv_bits --------------------------------------------------
 
-@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("bits,key_bits", [(2, None), (4, None), (8, None), (4, 8)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_scorer_equals_decoding_with_quantisation(bits, arch):
+def test_scorer_equals_decoding_with_quantisation(bits, key_bits, arch):
     """One blocked forward = token-by-token decoding through the packed cache (GQA and sliding layers too)."""
     model = tiny_model(arch)
     ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(1))
-    base = replace(BASE, kv_bits=bits, kv_group_size=8)
+    base = replace(BASE, kv_bits=bits, kv_key_bits=key_bits, kv_group_size=8)
     fast, _ = token_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
     slow, cache = decode_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)

@@ -237,8 +237,8 @@ class ScissorhandsCache(Cache):
             layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
                                       self.method.make_state(config), self.method, config.query_tile, idx,
                                       sinks=config.sinks, merge=config.merge, prefill=config.prefill,
-                                      observe=config.observe, store=make_store(config.kv_bits,
-                                                                               config.kv_group_size))
+                                      observe=config.observe, store=make_store(config.kv_bits, config.kv_group_size,
+                                                                               config.kv_key_bits))
             layer.guard = guard
             layer.checks_continuation = not any(isinstance(x, ScissorhandsLayer) for x in layers)
             layers.append(layer)

@@ -88,6 +88,11 @@ class CacheSettings:
         dtype; 8, 4 or 2 packs them (see :mod:`.quant`), with a float16 scale
         and zero-point per group. With the ``full`` method this is a quantised
         cache without eviction.
+    kv_key_bits : {None, 8, 4, 2}
+        Bits per stored key element when K/V are packed; ``None`` takes
+        ``kv_bits``. Keys lose more than values to per-token groups: 8-bit
+        keys with 4-bit values cost about what 8-bit K/V cost
+        (docs/quantization.md).
     kv_group_size : int
         Channels per quantisation group along the head dimension (a smaller
         head is one group); each group costs 4 bytes of scale and zero-point.
@@ -113,6 +118,7 @@ class CacheSettings:
     prefill: str = "stream"
     observe: int = 32
     kv_bits: int | None = None
+    kv_key_bits: int | None = None
     kv_group_size: int = 32
     preset: str | None = None
 
@@ -162,6 +168,11 @@ class CacheSettings:
         check_int("query_tile", self.query_tile, 1)
         if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
             raise ValueError(f"kv_bits: must be one of {KV_BITS} or None, got {self.kv_bits!r}")
+        if self.kv_key_bits is not None:
+            if isinstance(self.kv_key_bits, bool) or self.kv_key_bits not in KV_BITS[:-1]:
+                raise ValueError(f"kv_key_bits: must be one of {KV_BITS[:-1]} or None, got {self.kv_key_bits!r}")
+            if not self.quantized:
+                raise ValueError(f"kv_key_bits: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
         check_int("kv_group_size", self.kv_group_size, 1)
         if self.kv_group_size & (self.kv_group_size - 1) or self.kv_group_size < 4:
             raise ValueError(f"kv_group_size: must be a power of two >= 4, got {self.kv_group_size}")

@@ -166,15 +166,23 @@ class PackedKVStore(KVStore):
     Parameters
     ----------
     bits : {2, 4, 8}
+        Bits per value element, and per key element unless ``key_bits`` is given.
+    key_bits : {2, 4, 8}, optional
+        Bits per key element. Keys suffer more than values from per-token
+        groups (their channels differ in scale), so 8-bit keys with 4-bit
+        values is a measured sweet spot (docs/quantization.md).
     group_size : int
         Channels per group along the head dimension; a head smaller than this
         is one group, and a head it does not divide takes the largest divisor
         below it.
     """
 
-    def __init__(self, bits: int = 4, group_size: int = 32):
+    def __init__(self, bits: int = 4, group_size: int = 32, key_bits: int | None = None):
         _check_bits(bits)
+        if key_bits is not None and key_bits not in BITS:
+            raise ValueError(f"kv_key_bits: must be one of {BITS} or None, got {key_bits!r}")
         self.bits, self.group_size = bits, group_size
+        self.key_bits = bits if key_bits is None else key_bits
         self.reset()
 
     def reset(self) -> None:
@@ -189,7 +197,7 @@ class PackedKVStore(KVStore):
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         b, h, _, dk = key.shape
         dv = value.shape[-1]
-        self.k = PackedTensor(self.bits, self._group(dk), b, h, dk, key.device)
+        self.k = PackedTensor(self.key_bits, self._group(dk), b, h, dk, key.device)
         self.v = PackedTensor(self.bits, self._group(dv), b, h, dv, value.device)
         self.dtype = key.dtype
 
@@ -247,8 +255,8 @@ class PackedKVStore(KVStore):
         return (k.dim + v.dim) * itemsize
 
 
-def make_store(bits: int | None, group_size: int) -> KVStore:
-    """The store for ``kv_bits``: dense in the model's dtype for None or 16, else packed."""
+def make_store(bits: int | None, group_size: int, key_bits: int | None = None) -> KVStore:
+    """The store for ``kv_bits`` (and ``kv_key_bits``): dense in the model's dtype for None or 16, else packed."""
     if bits is None or bits == 16:
         return DenseKVStore()
-    return PackedKVStore(bits, group_size)
+    return PackedKVStore(bits, group_size, key_bits)
