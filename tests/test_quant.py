@@ -299,3 +299,49 @@ def test_batched_generation_equals_each_sequence_alone_quantised():
         assert torch.equal(batch[row, -(n + 15):], alone[0])
         for lb, la in zip(batch_cache.budgeted_layers, alone_cache.budgeted_layers):
             assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+def _cli(capsys, *args):
+    from scissorhands.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("flag,value,param", [("--kv-bits", "3", "kv_bits"), ("--kv-group-size", "6", "kv_group_size"),
+                                              ("--kv-key-bits", "8", "kv_key_bits")])
+def test_cli_rejects_bad_kv_flags_in_one_line(capsys, flag, value, param):
+    code, _, err = _cli(capsys, "generate", "--budget", "50", flag, value, "--prompt", "hi")
+    assert code == 2 and err.strip().count("\n") == 0 and param in err
+
+
+def test_cli_generate_and_eval_with_packed_kv(capsys, tmp_path):
+    import json
+
+    from conftest import save_tiny_model
+
+    tiny = str(save_tiny_model(tmp_path / "tiny"))
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+    code, out, err = _cli(capsys, "generate", "--model", tiny, "--budget", "32", "--recent", "4", "--kv-bits", "4",
+                          "--kv-key-bits", "8", "--prompt", prompt, "--max-new-tokens", "5", "--ignore-eos")
+    assert code == 0, err
+    assert "packed: data" in err and "against a bf16 full cache" in err
+    code, _, err = _cli(capsys, "generate", "--model", tiny, "--budget", "32", "--method", "full", "--kv-bits", "2",
+                        "--prompt", prompt, "--max-new-tokens", "5", "--ignore-eos")
+    assert code == 0, err
+    assert "budget none" in err and "packed: data" in err and "no saving" not in err
+    data = tmp_path / "text.txt"
+    data.write_text("All the world's a stage, and all the men and women merely players. " * 30)
+    code, _, err = _cli(capsys, "eval", "--model", tiny, "--methods", "full,scissorhands", "--budgets", "0.5",
+                        "--tasks", "ppl", "--data", str(data), "--seq-len", "64", "--num-samples", "2",
+                        "--kv-bits", "4", "--kv-group-size", "8", "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in records} == {"full", "scissorhands"}
+    assert all(r["key"]["settings"]["kv_bits"] == 4 and r["key"]["settings"]["kv_group_size"] == 8 for r in records)
