@@ -4,7 +4,9 @@ Full cache (no eviction), Shakespeare windows, paired against the bf16 full
 cache of a ``defaults_sweep.py`` run (its ``.full.json``, same windows).
 
 * ``token``: the library's packed store (keys and values in groups of
-  ``group`` channels within each token).
+  ``group`` channels within each token); ``token:4:32:8`` gives keys 8 bits.
+* ``keys`` / ``values``: only keys (or only values) quantised per token, the
+  other kept exact: which of the two the loss comes from.
 * ``channel``: keys grouped per channel over ``group`` consecutive tokens,
   values per token (KIVI). Simulated in a dense store that quantises and
   dequantises each chunk as it is written; the last partial group of tokens
@@ -38,6 +40,21 @@ def fake_quant(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     return dequantize(*quantize(x, bits, group), bits, group, x.dtype)
 
 
+class OneSideStore(DenseKVStore):
+    """Keys (``side="keys"``) or values quantised per token and dequantised; the other kept exact."""
+
+    def __init__(self, bits: int, group: int, side: str):
+        super().__init__()
+        self.bits, self.group, self.side = bits, group, side
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.side == "keys":
+            key = fake_quant(key, self.bits, min(self.group, key.shape[-1]))
+        else:
+            value = fake_quant(value, self.bits, min(self.group, value.shape[-1]))
+        super().write(start, key, value)
+
+
 class PerChannelKeyStore(DenseKVStore):
     """Dense storage of what KIVI's layout would read back: keys per channel over token groups, values per token."""
 
@@ -58,7 +75,8 @@ class PerChannelKeyStore(DenseKVStore):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", required=True, help="comma list of layout:bits:group, layout = token | channel")
+    p.add_argument("--variants", required=True,
+                   help="comma list of layout:bits:group[:key_bits], layout = token | channel | keys | values")
     p.add_argument("--baseline", required=True, help="the .full.json of a defaults_sweep run (same windows)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16")
@@ -69,18 +87,22 @@ def main():
     items = Perplexity(base["seq_len"], base["num_samples"]).items(tok, None)
     full = get_method("full")
     for variant in args.variants.split(","):
-        layout, bits, group = variant.split(":")
+        layout, bits, group, *key_bits = variant.split(":")
         start = time.perf_counter()
         nll = []
         for it in items:
             ids = torch.tensor(it.data["ids"])
-            settings = CacheSettings(kv_bits=int(bits), kv_group_size=int(group)) if layout == "token" \
-                else CacheSettings()
+            settings = CacheSettings()
+            if layout == "token":
+                settings = CacheSettings(kv_bits=int(bits), kv_group_size=int(group),
+                                         kv_key_bits=int(key_bits[0]) if key_bits else None)
             setup = ScoreSetup(full, None, settings)
             cache = ScissorhandsCache(model, full.configure(settings, len(ids)), full())
-            if layout == "channel":
-                for layer in cache.budgeted_layers:
+            for layer in cache.budgeted_layers:
+                if layout == "channel":
                     layer.kv.store = PerChannelKeyStore(int(bits), int(group))
+                elif layout in ("keys", "values"):
+                    layer.kv.store = OneSideStore(int(bits), int(group), layout)
             lp, _ = token_logprobs(model, ids, setup, cache=cache)
             nll.append(float(-lp.mean()))
         delta, half = paired_difference(nll, base["nll"])
