@@ -345,3 +345,19 @@ def test_cli_generate_and_eval_with_packed_kv(capsys, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in records} == {"full", "scissorhands"}
     assert all(r["key"]["settings"]["kv_bits"] == 4 and r["key"]["settings"]["kv_group_size"] == 8 for r in records)
+
+
+def test_beam_search_reorders_packed_rows():
+    """Beam search runs on packed K/V (rows reordered by select_batch, which the store test checks exactly)."""
+    model = tiny_model("llama")
+    ids, mask = left_padded([20, 14], seed=12)
+    kw = dict(attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)
+    outs, caches = [], []
+    for bits in (None, 8):
+        cache = ScissorhandsCache(model, ScissorhandsConfig(budget=12, recent=2, kv_bits=bits))
+        with torch.no_grad():
+            outs.append(model.generate(ids, cache=cache, **kw))
+        caches.append(cache)
+    assert outs[0].shape == outs[1].shape
+    assert caches[1].memory_report()["peak_stored"] <= 12
+    assert caches[1].memory_report()["kv_scale_bytes"] > 0
