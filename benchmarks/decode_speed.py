@@ -4,6 +4,11 @@ Reports median decode tokens/s over repeats (prefill excluded) and the ratio to
 DynamicCache, for: no eviction (budget >= length), and eviction at a few budgets.
 
     python benchmarks/decode_speed.py --prompt-tokens 1024 --new-tokens 128 --repeats 5 --out docs/bench_decode.json
+
+``--variants`` adds named settings on top of ``--settings`` (e.g. packed K/V
+against dense), each at every budget, interleaved in the same run:
+
+    python benchmarks/decode_speed.py --variants '{"dense": {}, "4-bit": {"kv_bits": 4}}'
 """
 
 import argparse
@@ -29,6 +34,8 @@ def main():
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--settings", default="{}",
                    help='JSON of CacheSettings fields, e.g. \'{"preset": "paper"}\' (default: the library defaults)')
+    p.add_argument("--variants", default=None,
+                   help='JSON {name: {CacheSettings fields}}: each on top of --settings, at every budget')
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.threads:
@@ -37,10 +44,15 @@ def main():
     ids = tok(demo_prompt()).input_ids[: args.prompt_tokens]
     prompt = tok.decode(ids)
     total = args.prompt_tokens + args.new_tokens + 8
-    settings = CacheSettings(**json.loads(args.settings))
-    variants = {"DynamicCache": None, "scissorhands, no eviction": settings.with_budget(total)}
-    for b in args.budgets.split(","):
-        variants[f"scissorhands, budget {b}"] = settings.with_budget(int(b))
+    base = json.loads(args.settings)
+    named = json.loads(args.variants) if args.variants else {"": {}}
+    variants = {"DynamicCache": None}
+    for label, fields in named.items():
+        settings = CacheSettings(**{**base, **fields})
+        tag = f" ({label})" if label else ""
+        variants[f"scissorhands{tag}, no eviction"] = settings.with_budget(total)
+        for b in args.budgets.split(","):
+            variants[f"scissorhands{tag}, budget {b}"] = settings.with_budget(int(b))
     # Warm-up, then interleave variants so drift on a shared machine hits all of them alike.
     for cfg in variants.values():
         generate(model, tok, prompt, cfg, max_new_tokens=8)

@@ -17,16 +17,22 @@ from pathlib import Path
 
 import torch
 
-from scissorhands import CacheSettings, get_method, resolve_budget
+from scissorhands import CacheSettings, ScissorhandsCache, get_method, resolve_budget
 from scissorhands.eval.tasks import Perplexity
 from scissorhands.models import load_model
 from scissorhands.scoring import ScoreSetup, token_logprobs
 from scissorhands.stats import paired_difference
 
 
-def window_nll(model, ids, method, budget, settings) -> float:
-    lp, _ = token_logprobs(model, torch.tensor(ids), ScoreSetup(get_method(method), budget, settings))
-    return float(-lp.mean())
+def window_nll(model, ids, method, budget, settings) -> tuple[float, dict | None]:
+    """Mean NLL of one window, and the byte totals of the cache that scored it."""
+    setup = ScoreSetup(get_method(method), budget, settings)
+    cache = setup.make_cache(model, len(ids))
+    lp, _ = token_logprobs(model, torch.tensor(ids), setup, cache=cache)
+    memory = None
+    if isinstance(cache, ScissorhandsCache):
+        memory = {k: v for k, v in cache.memory_report().items() if k not in ("layers", "stored_per_layer")}
+    return float(-lp.mean()), memory
 
 
 def main():
@@ -51,7 +57,7 @@ def main():
     if full_path.is_file():
         full = json.loads(full_path.read_text())["nll"]
     else:
-        full = [window_nll(model, it.data["ids"], "full", None, CacheSettings()) for it in items]
+        full = [window_nll(model, it.data["ids"], "full", None, CacheSettings())[0] for it in items]
         full_path.write_text(json.dumps({"nll": full, "seq_len": args.seq_len, "num_samples": args.num_samples}))
     for name, fields in grid.items():
         method = fields.pop("method", args.method)
@@ -60,13 +66,15 @@ def main():
             if (name, spec, method) in done:
                 continue
             start = time.perf_counter()
-            nll = [window_nll(model, it.data["ids"], method, resolve_budget(spec, it.length, settings.protected),
-                              settings) for it in items]
+            scored = [window_nll(model, it.data["ids"], method, resolve_budget(spec, it.length, settings.protected),
+                                 settings) for it in items]
+            nll = [n for n, _ in scored]
             delta, half = paired_difference(nll, full)
             rec = {"name": name, "method": method, "budget": spec, "settings": settings.as_dict(),
                    "delta_nll": delta, "delta_nll_ci95": half, "ppl": math.exp(sum(nll) / len(nll)),
                    "ppl_full": math.exp(sum(full) / len(full)), "nll": nll, "seq_len": args.seq_len,
-                   "num_samples": len(items), "dtype": args.dtype, "wall_s": time.perf_counter() - start}
+                   "num_samples": len(items), "dtype": args.dtype, "memory": scored[0][1],
+                   "wall_s": time.perf_counter() - start}
             with out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
             print(f"{name:<40} {method:<14} budget {spec:<5} dNLL {delta:+.4f} ±{half:.4f} "

@@ -22,6 +22,7 @@ from .methods import EvictionMethod
 from .methods.scissorhands import Scissorhands
 from .modelinfo import FULL, model_facts
 from .protect import Protection, SpanSpec, check_room
+from .quant import make_store
 from .report import cache_memory_report, layer_memory
 from .schedule import layer_budgets
 from .slots import SlotTable
@@ -46,7 +47,7 @@ class ScissorhandsLayer(CacheLayerMixin):
     layer_idx : int
         The model layer this is.
     **options
-        ``sinks``, ``merge``, ``prefill``, ``observe``: see :class:`~scissorhands.budgeted.BudgetedKV`.
+        ``sinks``, ``merge``, ``prefill``, ``observe``, ``store``: see :class:`~scissorhands.budgeted.BudgetedKV`.
     """
 
     is_sliding = False
@@ -252,7 +253,8 @@ class ScissorhandsCache(Cache):
             layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
                                       self.method.make_state(config), self.method, config.query_tile, idx,
                                       sinks=config.sinks, merge=config.merge, prefill=config.prefill,
-                                      observe=config.observe, protect=protection)
+                                      observe=config.observe, protect=protection,
+                                      store=make_store(config.kv_bits, config.kv_group_size, config.kv_key_bits))
             if audit is not None:
                 layer.kv.listeners.append(audit)
                 audit.attach(idx)

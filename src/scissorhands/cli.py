@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
-from .config import DEFAULTS, IMPORTANCE_FORMS, PREFILL_MODES, PRESETS, CacheSettings
+from .config import DEFAULTS, IMPORTANCE_FORMS, KV_BITS, PREFILL_MODES, PRESETS, CacheSettings
 from .methods import METHODS, get_method
 
 
@@ -93,6 +93,14 @@ def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = Non
                    help=f"prompt-aware prefill: the prompt's last queries that score it (default {DEFAULTS.observe})")
     g.add_argument("--schedule", type=_schedule, default=None,
                    help=f"uniform | increasing | b1,b2,... | calibrated.json (default {DEFAULTS.schedule})")
+    g.add_argument("--kv-bits", type=int, default=None,
+                   help=f"bits per stored K/V element: {' | '.join(map(str, KV_BITS))} (16 or unset: the model's "
+                   "dtype); below 16 K/V are packed. With --method full: a quantised cache without eviction")
+    g.add_argument("--kv-key-bits", type=int, default=None,
+                   help="bits per stored key element when packed (default: --kv-bits); 8 with --kv-bits 4 "
+                   "is the measured choice")
+    g.add_argument("--kv-group-size", type=int, default=None,
+                   help=f"channels per quantisation group along the head dimension (default {DEFAULTS.kv_group_size})")
 
 
 def _add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, compare_full: bool) -> None:
@@ -127,7 +135,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 _CACHE_FLAGS = ("recent", "sinks", "window", "window_buckets", "drop", "importance", "value_weighted", "merge",
-                "prefill", "observe", "schedule")
+                "prefill", "observe", "schedule", "kv_bits", "kv_key_bits", "kv_group_size")
 _UNSET = object()
 
 
@@ -190,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _MAX_SEED = 2**63 - 1
+_NO_BUDGET = 2**31 - 1
 
 
 def _check_range(name: str, value, low, high=None, low_open: bool = False) -> None:
@@ -314,7 +323,8 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _report(label: str, result, out=sys.stderr) -> None:
+def _report(label: str, result, out=None) -> None:
+    out = out if out is not None else sys.stderr  # looked up now, not at import (tests swap stderr)
     print(f"[{label}] {result.new_tokens.shape[1]} new tokens in {result.seconds:.2f} s "
           f"(prefill {result.prefill_seconds:.2f} s): {result.tokens_per_second:.2f} tokens/s overall, "
           f"{result.decode_tokens_per_second:.2f} tokens/s decoding", file=out)
@@ -334,10 +344,16 @@ def memory_line(mem: dict) -> str:
     peak = f"peak tokens stored in any layer {mem['peak_stored']}"
     seen = max((m.get("seen", 0) for m in mem["layers"] if "budget" in m), default=0)
     budget = min((m["budget"] for m in mem["layers"] if "budget" in m), default=0)
-    if full <= held or seen <= budget:
+    packed = mem.get("kv_scale_bytes", 0) > 0
+    if full <= held or (seen <= budget and not packed):
         return (f"KV held {_mib(held)} {extra} vs full cache {_mib(full)}: no saving, the {seen} tokens seen fit "
                 f"within the budget, nothing was evicted; {peak}")
-    return f"KV held {_mib(held)} {extra} vs full cache {_mib(full)}: {full / held:.2f}x smaller; {peak}"
+    line = f"KV held {_mib(held)} {extra} vs full cache {_mib(full)}: {full / held:.2f}x smaller; {peak}"
+    if packed:
+        line += (f"; packed: data {_mib(mem['kv_data_bytes'])}, scales and zero-points "
+                 f"{_mib(mem['kv_scale_bytes'])}; against a bf16 full cache {mem['kv_reduction_vs_bf16']:.2f}x "
+                 f"(K/V), {mem['total_reduction_vs_bf16']:.2f}x (with importance state and positions)")
+    return line
 
 
 def _run_generate(args, prompt: str, label_budget: str) -> int:
@@ -348,9 +364,12 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
         method = get_method(args.method)  # validate before the slow model load
     except ValueError as e:  # the registry names its 'methods'; this command's option is --method
         raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
-    if method.is_full:
-        raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method")
-    config = method.configure(_settings(args), args.budget)
+    settings = _settings(args)
+    if method.is_full and not settings.quantized:
+        raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method, "
+                         "or --kv-bits for a quantised full cache")
+    # The quantised full cache: packed K/V and a budget no sequence reaches, so nothing is evicted.
+    config = method.configure(settings, _NO_BUDGET if method.is_full else args.budget)
     _check_schedule_file(config)
     _check_generation_args(args)
     _check_trust_args(args)
@@ -368,7 +387,8 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
     result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True,
                       method=method(seed=args.seed), prompt_name=prompt_name, protect=spans or None, audit=audit,
                       **sampling)
-    print(f"prompt: {result.prompt_tokens[0]} tokens; budget {label_budget}", file=sys.stderr)
+    print(f"prompt: {result.prompt_tokens[0]} tokens; budget {'none' if method.is_full else label_budget}",
+          file=sys.stderr)
     print(result.texts[0])
     _report(method.name, result)
     if audit is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 IMPORTANCE_FORMS = ("sum", "count", "mean")
 SCHEDULES = ("uniform", "increasing")
 PREFILL_MODES = ("stream", "prompt-aware")
+KV_BITS = (2, 4, 8, 16)
 
 
 def check_int(name: str, value, low: int) -> None:
@@ -82,6 +83,19 @@ class CacheSettings:
         the prompt's length).
     observe : int
         For ``prompt-aware``: how many of the prompt's last queries score it.
+    kv_bits : {None, 16, 8, 4, 2}
+        Bits per stored K/V element. ``None`` or 16 keeps K/V in the model's
+        dtype; 8, 4 or 2 packs them (see :mod:`.quant`), with a float16 scale
+        and zero-point per group. With the ``full`` method this is a quantised
+        cache without eviction.
+    kv_key_bits : {None, 8, 4, 2}
+        Bits per stored key element when K/V are packed; ``None`` takes
+        ``kv_bits``. Keys lose more than values to per-token groups: 8-bit
+        keys with 4-bit values cost about what 8-bit K/V cost
+        (docs/quantization.md).
+    kv_group_size : int
+        Channels per quantisation group along the head dimension (a smaller
+        head is one group); each group costs 4 bytes of scale and zero-point.
     preset : str or None
         ``"paper"`` reproduces the published algorithm (see :data:`PRESETS`):
         its values replace the library defaults; any field set to a
@@ -103,6 +117,9 @@ class CacheSettings:
     merge: bool = False
     prefill: str = "stream"
     observe: int = 32
+    kv_bits: int | None = None
+    kv_key_bits: int | None = None
+    kv_group_size: int = 32
     preset: str | None = None
 
     def __post_init__(self):
@@ -149,6 +166,16 @@ class CacheSettings:
         if not 0.0 <= self.increasing_slope < 1.0:
             raise ValueError(f"increasing_slope: must be in [0, 1), got {self.increasing_slope}")
         check_int("query_tile", self.query_tile, 1)
+        if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
+            raise ValueError(f"kv_bits: must be one of {KV_BITS} or None, got {self.kv_bits!r}")
+        if self.kv_key_bits is not None:
+            if isinstance(self.kv_key_bits, bool) or self.kv_key_bits not in KV_BITS[:-1]:
+                raise ValueError(f"kv_key_bits: must be one of {KV_BITS[:-1]} or None, got {self.kv_key_bits!r}")
+            if not self.quantized:
+                raise ValueError(f"kv_key_bits: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
+        check_int("kv_group_size", self.kv_group_size, 1)
+        if self.kv_group_size & (self.kv_group_size - 1) or self.kv_group_size < 4:
+            raise ValueError(f"kv_group_size: must be a power of two >= 4, got {self.kv_group_size}")
 
     def _apply_preset(self) -> None:
         if self.preset not in PRESETS:
@@ -159,6 +186,11 @@ class CacheSettings:
         # Applied once: the values are now the fields themselves, so a later `replace` (a method's own
         # settings, a budget) cannot re-apply the preset over a value that happens to equal a default.
         object.__setattr__(self, "preset", None)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether K/V are stored packed (``kv_bits`` below 16)."""
+        return self.kv_bits is not None and self.kv_bits < 16
 
     @property
     def protected(self) -> int:

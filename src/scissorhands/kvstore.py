@@ -68,6 +68,20 @@ class KVStore:
         """Bytes one stored token costs per KV head (K and V together)."""
         raise NotImplementedError
 
+    def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes one token per KV head would cost unpacked, in ``dtype`` (default: the compute dtype)."""
+        raise NotImplementedError
+
+    # The parts of ``nbytes``: element data, per-group scales and zero-points, full-precision residual.
+    def data_bytes(self) -> int:
+        return self.nbytes()
+
+    def scale_bytes(self) -> int:
+        return 0
+
+    def residual_bytes(self) -> int:
+        return 0
+
 
 class DenseKVStore(KVStore):
     """K and V in the model's dtype, each of shape (B, H_kv, capacity, D)."""
@@ -124,3 +138,7 @@ class DenseKVStore(KVStore):
 
     def bytes_per_token_head(self) -> int:
         return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+
+    def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
+        itemsize = self.keys.element_size() if dtype is None else torch.empty(0, dtype=dtype).element_size()
+        return (self.keys.shape[-1] + self.values.shape[-1]) * itemsize

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from .budgeted import BudgetedKV
     from .cache import ScissorhandsCache
@@ -16,17 +18,23 @@ def layer_memory(kv: BudgetedKV) -> dict:
     -------
     dict
         ``budget``, ``stored`` (now), ``peak`` (ever), ``capacity`` (allocated
-        slots), ``seen``; ``kv_bytes``, ``importance_bytes`` (the method's
-        per-token state), ``position_bytes``, and ``full_kv_bytes`` (what a
-        full cache would hold for the tokens seen); per stored token and KV
-        head: ``kv_bytes_per_token_head``, ``importance_bytes_per_token_head``.
+        slots), ``seen``; ``kv_bytes`` and its parts ``kv_data_bytes``
+        (elements, packed or not), ``kv_scale_bytes`` (scales and
+        zero-points), ``kv_residual_bytes`` (full-precision tokens of a packed
+        store); ``importance_bytes`` (the method's per-token state),
+        ``position_bytes``; ``full_kv_bytes`` and ``bf16_full_kv_bytes`` (what
+        a full cache would hold for the tokens seen, in the model's dtype and
+        in bfloat16); per stored token and KV head: ``kv_bytes_per_token_head``,
+        ``importance_bytes_per_token_head``.
     """
     slots = kv.slots
     if not kv.allocated:
         return {"budget": kv.budget, "stored": 0, "peak": 0, "capacity": 0, "seen": 0, "kv_bytes": 0,
-                "importance_bytes": 0, "position_bytes": 0, "full_kv_bytes": 0}
+                "kv_data_bytes": 0, "kv_scale_bytes": 0, "kv_residual_bytes": 0, "importance_bytes": 0,
+                "position_bytes": 0, "full_kv_bytes": 0, "bf16_full_kv_bytes": 0}
     heads = slots.positions.shape[1]
     per_token_head = kv.store.bytes_per_token_head()
+    token_heads = int(slots.seen.sum()) * heads
     return {
         "budget": kv.budget,
         "stored": slots.length,
@@ -34,9 +42,13 @@ def layer_memory(kv: BudgetedKV) -> dict:
         "capacity": kv.capacity,
         "seen": int(slots.seen.max()),
         "kv_bytes": kv.store.nbytes(),
+        "kv_data_bytes": kv.store.data_bytes(),
+        "kv_scale_bytes": kv.store.scale_bytes(),
+        "kv_residual_bytes": kv.store.residual_bytes(),
         "importance_bytes": kv.state.nbytes(),
         "position_bytes": slots.positions.nbytes,
-        "full_kv_bytes": int(slots.seen.sum()) * heads * per_token_head,
+        "full_kv_bytes": token_heads * kv.store.dense_bytes_per_token_head(),
+        "bf16_full_kv_bytes": token_heads * kv.store.dense_bytes_per_token_head(torch.bfloat16),
         "kv_bytes_per_token_head": per_token_head,
         "importance_bytes_per_token_head": kv.state.bytes_per_token_head(),
     }
@@ -49,10 +61,15 @@ def cache_memory_report(cache: ScissorhandsCache) -> dict:
     -------
     dict
         ``layers``: one dict per layer (budgeted layers have ``budget``);
-        totals ``kv_bytes`` (allocated), ``budgeted_kv_bytes``,
-        ``importance_bytes``, ``position_bytes``, ``full_kv_bytes`` (what a
-        full cache would hold for the budgeted layers), ``max_stored`` (now),
-        ``peak_stored`` (ever, in any layer) and ``stored_per_layer``.
+        totals ``kv_bytes`` (allocated), ``budgeted_kv_bytes`` and its parts
+        ``kv_data_bytes``, ``kv_scale_bytes``, ``kv_residual_bytes``;
+        ``importance_bytes``, ``position_bytes``, ``full_kv_bytes`` and
+        ``bf16_full_kv_bytes`` (what a full cache would hold for the budgeted
+        layers, in the model's dtype and in bfloat16); the reductions against
+        that bfloat16 full cache, ``kv_reduction_vs_bf16`` (K/V bytes only)
+        and ``total_reduction_vs_bf16`` (K/V, importance state and positions);
+        ``max_stored`` (now), ``peak_stored`` (ever, in any layer) and
+        ``stored_per_layer``.
     """
     per_layer = []
     for layer in cache.layers:
@@ -67,8 +84,14 @@ def cache_memory_report(cache: ScissorhandsCache) -> dict:
     budgeted = [m for m in per_layer if "budget" in m]
     total: dict = {key: sum(m.get(key, 0) for m in per_layer)
                    for key in ("kv_bytes", "importance_bytes", "position_bytes")}
-    total["full_kv_bytes"] = sum(m["full_kv_bytes"] for m in budgeted)
+    for key in ("full_kv_bytes", "bf16_full_kv_bytes", "kv_data_bytes", "kv_scale_bytes", "kv_residual_bytes"):
+        total[key] = sum(m[key] for m in budgeted)
     total["budgeted_kv_bytes"] = sum(m["kv_bytes"] for m in budgeted)
+    held = total["budgeted_kv_bytes"]
+    bf16 = total["bf16_full_kv_bytes"]
+    total["kv_reduction_vs_bf16"] = bf16 / held if held else float("nan")
+    everything = held + total["importance_bytes"] + total["position_bytes"]
+    total["total_reduction_vs_bf16"] = bf16 / everything if everything else float("nan")
     total["max_stored"] = max(m["stored"] for m in budgeted)
     total["peak_stored"] = max(m["peak"] for m in budgeted)
     total["stored_per_layer"] = [m["stored"] for m in per_layer]

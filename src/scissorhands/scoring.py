@@ -43,8 +43,14 @@ class ScoreSetup:
     seed: int = 0
 
     def make_cache(self, model, total_length: int):
-        """A fresh cache for a sequence of ``total_length`` tokens; DynamicCache when nothing would be evicted."""
+        """A fresh cache for a sequence of ``total_length`` tokens.
+
+        When nothing would be evicted: transformers' DynamicCache, or, with
+        packed K/V (``kv_bits`` < 16), a budgeted cache as large as the sequence.
+        """
         if self.method.is_full or self.budget is None or self.budget >= total_length:
+            if self.base.quantized:
+                return ScissorhandsCache(model, self.method.configure(self.base, total_length), self.method())
             return DynamicCache(config=model.config)
         return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed))
 
@@ -55,13 +61,17 @@ def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
 
 @torch.no_grad()
-def token_logprobs(model, input_ids: torch.Tensor, setup: ScoreSetup) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(model, input_ids: torch.Tensor, setup: ScoreSetup,
+                   cache=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and greedy hit of every token after the first, streamed through the cache.
 
     Parameters
     ----------
     input_ids : LongTensor, shape (T,) or (1, T)
     setup : ScoreSetup
+    cache : Cache, optional
+        A fresh cache from ``setup.make_cache`` (to read its memory report
+        afterwards); by default one is made here.
 
     Returns
     -------
@@ -71,7 +81,8 @@ def token_logprobs(model, input_ids: torch.Tensor, setup: ScoreSetup) -> tuple[t
         Whether ``x_t`` was the argmax prediction.
     """
     ids = input_ids.reshape(1, -1).to(model.device)
-    cache = setup.make_cache(model, ids.shape[1])
+    if cache is None:
+        cache = setup.make_cache(model, ids.shape[1])
     logits = model(ids, cache=cache).logits[:, :-1]  # (1, T-1, V)
     targets = ids[:, 1:]
     return _gather_logprobs(logits, targets)[0], (logits.argmax(-1) == targets)[0]

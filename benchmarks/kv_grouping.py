@@ -1,0 +1,118 @@
+"""How to group K/V for quantisation: per-token groups along head_dim vs KIVI's per-channel keys, by paired NLL.
+
+Full cache (no eviction), Shakespeare windows, paired against the bf16 full
+cache of a ``defaults_sweep.py`` run (its ``.full.json``, same windows).
+
+* ``token``: the library's packed store (keys and values in groups of
+  ``group`` channels within each token); ``token:4:32:8`` gives keys 8 bits.
+* ``keys`` / ``values``: only keys (or only values) quantised per token, the
+  other kept exact: which of the two the loss comes from.
+* ``channel``: keys grouped per channel over ``group`` consecutive tokens,
+  values per token (KIVI). Simulated in a dense store that quantises and
+  dequantises each chunk as it is written; the last partial group of tokens
+  stays in full precision (KIVI's residual). Within a group, a key is
+  quantised with its group's later tokens known, which real KIVI (quantising a
+  group once it is complete, and keeping the newest tokens exact) would not
+  allow; it can only flatter the per-channel layout.
+
+    python benchmarks/kv_grouping.py --variants token:4:32,channel:4:32 \
+        --baseline docs/results/kvbits/grid.full.json --out docs/results/kvbits/grouping.jsonl
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from scissorhands import CacheSettings, ScissorhandsCache, get_method
+from scissorhands.eval.tasks import Perplexity
+from scissorhands.kvstore import DenseKVStore
+from scissorhands.models import load_model
+from scissorhands.quant import dequantize, quantize
+from scissorhands.scoring import ScoreSetup, token_logprobs
+from scissorhands.stats import paired_difference
+
+
+def fake_quant(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Quantise and dequantise ``x`` (..., D) in groups of ``group`` along the last axis."""
+    return dequantize(*quantize(x, bits, group), bits, group, x.dtype)
+
+
+class OneSideStore(DenseKVStore):
+    """Keys (``side="keys"``) or values quantised per token and dequantised; the other kept exact."""
+
+    def __init__(self, bits: int, group: int, side: str):
+        super().__init__()
+        self.bits, self.group, self.side = bits, group, side
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.side == "keys":
+            key = fake_quant(key, self.bits, min(self.group, key.shape[-1]))
+        else:
+            value = fake_quant(value, self.bits, min(self.group, value.shape[-1]))
+        super().write(start, key, value)
+
+
+class PerChannelKeyStore(DenseKVStore):
+    """Dense storage of what KIVI's layout would read back: keys per channel over token groups, values per token."""
+
+    def __init__(self, bits: int, group: int):
+        super().__init__()
+        self.bits, self.group = bits, group
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        b, h, c, d = key.shape  # (B, H_kv, c, D)
+        whole = c // self.group * self.group
+        key = key.clone()
+        if whole:
+            k = key[:, :, :whole].reshape(b, h, whole // self.group, self.group, d)  # (B, H_kv, n, G, D)
+            k = fake_quant(k.transpose(-1, -2), self.bits, self.group).transpose(-1, -2)  # per channel over G tokens
+            key[:, :, :whole] = k.reshape(b, h, whole, d)
+        super().write(start, key, fake_quant(value, self.bits, min(32, value.shape[-1])))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", required=True,
+                   help="comma list of layout:bits:group[:key_bits], layout = token | channel | keys | values")
+    p.add_argument("--baseline", required=True, help="the .full.json of a defaults_sweep run (same windows)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    base = json.loads(Path(args.baseline).read_text())
+    model, tok = load_model(args.model, dtype=args.dtype)
+    items = Perplexity(base["seq_len"], base["num_samples"]).items(tok, None)
+    full = get_method("full")
+    for variant in args.variants.split(","):
+        layout, bits, group, *key_bits = variant.split(":")
+        start = time.perf_counter()
+        nll = []
+        for it in items:
+            ids = torch.tensor(it.data["ids"])
+            settings = CacheSettings()
+            if layout == "token":
+                settings = CacheSettings(kv_bits=int(bits), kv_group_size=int(group),
+                                         kv_key_bits=int(key_bits[0]) if key_bits else None)
+            setup = ScoreSetup(full, None, settings)
+            cache = ScissorhandsCache(model, full.configure(settings, len(ids)), full())
+            for layer in cache.budgeted_layers:
+                if layout == "channel":
+                    layer.kv.store = PerChannelKeyStore(int(bits), int(group))
+                elif layout in ("keys", "values"):
+                    layer.kv.store = OneSideStore(int(bits), int(group), layout)
+            lp, _ = token_logprobs(model, ids, setup, cache=cache)
+            nll.append(float(-lp.mean()))
+        delta, half = paired_difference(nll, base["nll"])
+        rec = {"variant": variant, "layout": layout, "bits": int(bits), "group": int(group), "delta_nll": delta,
+               "delta_nll_ci95": half, "nll": nll, "seq_len": base["seq_len"], "num_samples": len(items),
+               "dtype": args.dtype, "wall_s": time.perf_counter() - start}
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"{variant:<16} dNLL {delta:+.4f} ±{half:.4f} ({rec['wall_s']:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

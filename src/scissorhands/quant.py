@@ -1,0 +1,264 @@
+"""Packed low-bit K/V storage: asymmetric group-wise quantisation behind the store interface.
+
+Each stored token's key and value vectors are cut into groups of
+``group_size`` consecutive channels along the head dimension (the whole head
+if it is smaller). A group keeps a scale ``s`` and a zero-point ``z`` in
+float16 and one integer ``q`` in ``[0, 2**bits - 1]`` per element, packed
+``8 // bits`` to a byte; ``x`` is read back as ``q * s + z``.
+
+The zero-point is the group's minimum rounded down to float16 and the scale
+covers the group's maximum from there, rounded up, so no element is clipped
+and each is read back within ``s / 2`` of its value (:func:`quantize`).
+
+Groups lie within one token, so a token is quantised once, when it is
+written, and never again: no other token changes its groups. That is what lets
+an eviction move a token's packed bytes with its scales and zero-points as one
+row (:meth:`PackedKVStore.reorder`), and what keeps blocked prefill equal to
+token-by-token decoding. KIVI's per-channel keys (groups along tokens) were
+measured against this layout; see docs/quantization.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kvstore import DenseKVStore, KVStore
+
+BITS = (2, 4, 8)
+_MIN_SCALE = 2.0**-14  # the smallest normal float16: a constant group still gets a usable scale
+
+
+def _check_bits(bits) -> None:
+    if bits not in BITS:
+        raise ValueError(f"kv_bits: must be one of {BITS} for a packed store, got {bits!r}")
+
+
+def packed_width(dim: int, bits: int) -> int:
+    """Bytes that ``dim`` integers of ``bits`` bits take, packed (the last byte may be part-filled)."""
+    return -(-dim * bits // 8)
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integers ``q`` (..., D) in ``[0, 2**bits)`` into bytes (..., ceil(D * bits / 8)), lowest bits first."""
+    per = 8 // bits
+    if per == 1:
+        return q.to(torch.uint8)
+    d = q.shape[-1]
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, packed_width(d, bits) * per - d))  # (..., whole bytes)
+    q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per)  # (..., bytes, per)
+    out = q[..., 0].clone()
+    for i in range(1, per):
+        out |= q[..., i] << (bits * i)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int, dim: int | None = None) -> torch.Tensor:
+    """The ``dim`` integers (..., dim) packed in ``packed`` (..., bytes), as uint8 (default: every slot)."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    mask = 2**bits - 1
+    # One masked shift per position in the byte, stacked: faster than broadcasting a shift tensor.
+    q = torch.stack([(packed >> (bits * i)) & mask for i in range(per)], dim=-1)  # (..., bytes, per)
+    q = q.reshape(*packed.shape[:-1], packed.shape[-1] * per)  # (..., bytes * per)
+    return q if dim is None else q[..., :dim]
+
+
+def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` (..., D) in groups of ``group`` along the last axis.
+
+    Returns
+    -------
+    packed : uint8 Tensor, shape (..., ceil(D * bits / 8))
+    scale, zero : float16 Tensors, shape (..., D // group)
+        ``dequantize`` gives back each element within ``scale / 2`` of ``x``
+        (for values inside float16's range).
+    """
+    *lead, d = x.shape
+    xg = x.float().reshape(*lead, d // group, group)  # (..., G, group)
+    lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)  # (..., G)
+    zero = lo.half()
+    # Round the zero-point down so that no element lies below it.
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, float("-inf"))), zero)
+    levels = 2**bits - 1
+    # Inflate by more than float16's rounding error: the rounded scale still reaches the maximum, nothing is clipped.
+    scale = ((hi - zero.float()) / levels).clamp(min=_MIN_SCALE).mul(1 + 2.0**-10).half()
+    q = ((xg - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, levels)
+    return pack(q.reshape(*lead, d), bits), scale, zero
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale + zero`` (..., D) for packed integers (..., bytes) in groups of ``group``; G = scale.shape[-1]."""
+    groups = scale.shape[-1]
+    q = unpack(packed, bits, groups * group)  # (..., D)
+    *lead, d = q.shape
+    q = q.reshape(*lead, groups, group).float()  # (..., G, group)
+    x = torch.addcmul(zero.float().unsqueeze(-1), q, scale.float().unsqueeze(-1))  # q * scale + zero, float32
+    return x.reshape(*lead, d).to(dtype)  # (..., D)
+
+
+class PackedTensor:
+    """One of K or V, packed: data (B, H_kv, capacity, ceil(D * bits / 8)), scale and zero (B, H_kv, capacity, G).
+
+    Every slot's bytes, scales and zero-points sit on the same slot axis, so one
+    index moves a token's whole packed row.
+    """
+
+    def __init__(self, bits: int, group: int, batch: int, heads: int, dim: int, device):
+        self.bits, self.group, self.dim = bits, group, dim
+        self.data = torch.zeros(batch, heads, 0, packed_width(dim, bits), dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(batch, heads, 0, dim // group, dtype=torch.float16, device=device)
+        self.zero = torch.zeros_like(self.scale)
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.data, self.scale, self.zero
+
+    def _set(self, parts) -> None:
+        self.data, self.scale, self.zero = parts
+
+    def resize(self, capacity: int) -> None:
+        def resized(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros(*t.shape[:2], capacity, t.shape[-1])  # (B, H_kv, capacity, ·)
+            keep = min(capacity, t.shape[-2])
+            out[:, :, :keep] = t[:, :, :keep]
+            return out
+
+        self._set(tuple(resized(t) for t in self.parts))
+
+    def write(self, start: int, x: torch.Tensor) -> None:
+        """Quantise a block ``x`` (B, H_kv, c, D) into slots ``[start, start + c)``."""
+        c = x.shape[-2]
+        for t, new in zip(self.parts, quantize(x, self.bits, self.group)):
+            t[:, :, start : start + c] = new
+
+    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantise token ``i`` (x[i]: (H_kv, D)) into slot ``slots[i]`` of row ``rows[i]``."""
+        for t, new in zip(self.parts, quantize(x, self.bits, self.group)):
+            t[rows, :, slots] = new
+
+    def reorder(self, order: torch.Tensor) -> None:
+        length = order.shape[-1]
+        for t in self.parts:
+            idx = order.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])  # (B, H_kv, L, ·)
+            t[:, :, :length] = t[:, :, :length].gather(2, idx)
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self._set(tuple(t.index_select(0, index) for t in self.parts))
+
+    def read(self, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first ``length`` slots, dequantised: (B, H_kv, length, D)."""
+        return dequantize(self.data[:, :, :length], self.scale[:, :, :length], self.zero[:, :, :length],
+                          self.bits, self.group, dtype)
+
+    def data_bytes(self) -> int:
+        return self.data.nbytes
+
+    def scale_bytes(self) -> int:
+        return self.scale.nbytes + self.zero.nbytes
+
+    def bytes_per_token_head(self) -> int:
+        return sum(t.shape[-1] * t.element_size() for t in self.parts)
+
+
+class PackedKVStore(KVStore):
+    """K and V quantised to ``bits`` (2, 4 or 8) per element, in groups of ``group_size`` channels.
+
+    Parameters
+    ----------
+    bits : {2, 4, 8}
+        Bits per value element, and per key element unless ``key_bits`` is given.
+    key_bits : {2, 4, 8}, optional
+        Bits per key element. Keys suffer more than values from per-token
+        groups (their channels differ in scale), so 8-bit keys with 4-bit
+        values is a measured sweet spot (docs/quantization.md).
+    group_size : int
+        Channels per group along the head dimension; a head smaller than this
+        is one group, and a head it does not divide takes the largest divisor
+        below it.
+    """
+
+    def __init__(self, bits: int = 4, group_size: int = 32, key_bits: int | None = None):
+        _check_bits(bits)
+        if key_bits is not None and key_bits not in BITS:
+            raise ValueError(f"kv_key_bits: must be one of {BITS} or None, got {key_bits!r}")
+        self.bits, self.group_size = bits, group_size
+        self.key_bits = bits if key_bits is None else key_bits
+        self.reset()
+
+    def reset(self) -> None:
+        self.k: PackedTensor | None = None
+        self.v: PackedTensor | None = None
+        self.dtype = torch.float32
+
+    def _group(self, dim: int) -> int:
+        """The largest divisor of ``dim`` not above ``group_size`` (``group_size`` itself for power-of-two heads)."""
+        return next(g for g in range(min(self.group_size, dim), 0, -1) if dim % g == 0)
+
+    def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        b, h, _, dk = key.shape
+        dv = value.shape[-1]
+        self.k = PackedTensor(self.key_bits, self._group(dk), b, h, dk, key.device)
+        self.v = PackedTensor(self.bits, self._group(dv), b, h, dv, value.device)
+        self.dtype = key.dtype
+
+    def _parts(self) -> tuple[PackedTensor, PackedTensor]:
+        if self.k is None or self.v is None:
+            raise RuntimeError("PackedKVStore: used before allocate")
+        return self.k, self.v
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.k is None else self.k.data.shape[-2]
+
+    def resize(self, capacity: int) -> None:
+        for p in self._parts():
+            p.resize(capacity)
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        k, v = self._parts()
+        k.write(start, key)
+        v.write(start, value)
+
+    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        k, v = self._parts()
+        k.write_at(rows, slots, key)
+        v.write_at(rows, slots, value)
+
+    def reorder(self, order: torch.Tensor) -> None:
+        for p in self._parts():
+            p.reorder(order)
+
+    def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._parts()
+        return k.read(length, self.dtype), v.read(length, self.dtype)
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        for p in self._parts():
+            p.select_batch(index)
+
+    def nbytes(self) -> int:
+        return self.data_bytes() + self.scale_bytes()
+
+    def data_bytes(self) -> int:
+        return 0 if self.k is None or self.v is None else self.k.data_bytes() + self.v.data_bytes()
+
+    def scale_bytes(self) -> int:
+        return 0 if self.k is None or self.v is None else self.k.scale_bytes() + self.v.scale_bytes()
+
+    def bytes_per_token_head(self) -> int:
+        k, v = self._parts()
+        return k.bytes_per_token_head() + v.bytes_per_token_head()
+
+    def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
+        k, v = self._parts()
+        itemsize = torch.empty(0, dtype=dtype or self.dtype).element_size()
+        return (k.dim + v.dim) * itemsize
+
+
+def make_store(bits: int | None, group_size: int, key_bits: int | None = None) -> KVStore:
+    """The store for ``kv_bits`` (and ``kv_key_bits``): dense in the model's dtype for None or 16, else packed."""
+    if bits is None or bits == 16:
+        return DenseKVStore()
+    return PackedKVStore(bits, group_size, key_bits)
