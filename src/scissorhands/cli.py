@@ -326,18 +326,29 @@ def _report(label: str, result, out=sys.stderr) -> None:
 def memory_line(mem: dict) -> str:
     """One line on what the cache held against a full cache (see ``ScissorhandsCache.memory_report``).
 
-    When the sequence fits within the budget nothing is evicted, and the line says
-    so instead of quoting a ratio below 1.
+    The whole model comes first (every layer: a sliding-window layer holds the
+    same native window as in a full cache and counts on both sides), then the
+    budgeted layers alone, when some layers have no budget. When the sequence
+    fits within the budget nothing is evicted, and the line says so instead of
+    quoting a ratio below 1.
     """
-    held, full = mem["budgeted_kv_bytes"], mem["full_kv_bytes"]
+    b_held, b_full = mem["budgeted_kv_bytes"], mem["full_kv_bytes"]
+    held, full = mem.get("model_kv_bytes", b_held), mem.get("model_full_kv_bytes", b_full)
+    layers = mem["layers"]
+    n_budgeted = sum(1 for m in layers if "budget" in m)
     extra = f"(+ importance state {_mib(mem['importance_bytes'])})"
     peak = f"peak tokens stored in any layer {mem['peak_stored']}"
-    seen = max((m.get("seen", 0) for m in mem["layers"] if "budget" in m), default=0)
-    budget = min((m["budget"] for m in mem["layers"] if "budget" in m), default=0)
-    if full <= held or seen <= budget:
-        return (f"KV held {_mib(held)} {extra} vs full cache {_mib(full)}: no saving, the {seen} tokens seen fit "
-                f"within the budget, nothing was evicted; {peak}")
-    return f"KV held {_mib(held)} {extra} vs full cache {_mib(full)}: {full / held:.2f}x smaller; {peak}"
+    seen = max((m.get("seen", 0) for m in layers if "budget" in m), default=0)
+    budget = min((m["budget"] for m in layers if "budget" in m), default=0)
+    scope = f"all {len(layers)} layers"
+    if b_full <= b_held or seen <= budget:
+        return (f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): no saving, the {seen} tokens "
+                f"seen fit within the budget, nothing was evicted; {peak}")
+    line = f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): {full / held:.2f}x smaller"
+    if n_budgeted < len(layers):
+        line += (f"; the {n_budgeted} budgeted layers alone: {_mib(b_held)} vs {_mib(b_full)}, "
+                 f"{b_full / b_held:.2f}x smaller")
+    return f"{line}; {peak}"
 
 
 def _run_generate(args, prompt: str, label_budget: str) -> int:
