@@ -181,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_analyze_parser(sub)
 
+    from .bench_cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub, _add_model_args, _add_cache_args)
+
     demo = sub.add_parser("demo", allow_abbrev=False, help="generate from the opening of Hamlet on the default model")
     _add_model_args(demo)
     _add_cache_args(demo, budget_default=400)
@@ -517,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
             from .analysis.cli import run as run_analyze
 
             return run_analyze(args)
+        if args.command == "bench":
+            from .bench_cli import run as run_bench
+
+            return run_bench(args, _settings(args), _check_model_args)
         if args.command == "demo":
             from .generation import demo_prompt
 
