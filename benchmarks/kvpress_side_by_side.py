@@ -155,7 +155,7 @@ def main():
     p.add_argument("--merge", nargs="+", default=None, help="join JSON files written by both engines")
     p.add_argument("--budget", type=int, default=128, help="tokens kept per layer")
     p.add_argument("--steps-between", type=int, default=8,
-                   help="DecodingPress compression_interval (ours evicts its drop amount, 5%% of the budget, at a time)")
+                   help="DecodingPress compression_interval (ours drops 5%% of the budget at a time)")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens prefilled before token-by-token scoring")
     p.add_argument("--tokens", type=int, default=1024, help="text tokens in all (prompt included)")
     p.add_argument("--threads", type=int, default=1)
