@@ -34,7 +34,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -254,8 +254,6 @@ def _make_cache(model, budget: int | None, settings: CacheSettings, prefill: str
         return DynamicCache(config=model.config)
     config = settings.with_budget(budget)
     if prefill is not None:
-        from dataclasses import replace
-
         config = replace(config, prefill=prefill)
     return ScissorhandsCache(model, config)
 
