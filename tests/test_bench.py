@@ -90,7 +90,7 @@ def test_maxbatch_under_a_cap_with_a_known_memory_function():
         return {"batch": batch, "rss_growth_bytes": None, "cache_bytes": batch * held,
                 "decode_tokens_per_s": float(batch), "seconds": 0.0}
 
-    rows = maxbatch_part(tiny_model("llama"), cfg, trial)
+    rows = maxbatch_part(tiny_model("llama"), cfg, trial)  # the first call is the discarded warm-up
     assert [r["max_batch"] for r in rows] == [1000 // 100, 1000 // 50, 1000 // 20]
     assert [r["batch_ratio"] for r in rows] == pytest.approx([1.0, 2.0, 5.0])
     assert [r["tokens_per_s_ratio"] for r in rows] == pytest.approx([1.0, 2.0, 5.0])

@@ -459,6 +459,10 @@ def maxbatch_part(model, cfg: BenchConfig, trial: Callable[..., dict] = generati
     variants: list[tuple[str, int | None]] = [("full", None)]
     variants += [(f"scissorhands {f:g}", round(f * total)) for f in cfg.budgets]
     out: list[dict] = []
+    # One discarded run first: the process's first generation pays one-time allocations (thread pools,
+    # allocator arenas) that would otherwise count against whichever variant runs first.
+    trial(model, lambda: _make_cache(model, None, cfg.settings), 1, cfg.cap_prompt, cfg.cap_new, cfg.prefill_chunk,
+          cfg.seed)
     for name, budget in variants:
         runs: dict[int, dict] = {}
 
