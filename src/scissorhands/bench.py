@@ -112,10 +112,12 @@ class BenchConfig:
         for name in ("contexts", "batches", "prefill_contexts"):
             values = getattr(self, name)
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"{name.replace('_', '-')}: must be a comma list of whole numbers >= 1, got {values}")
+                given = ",".join(str(v) for v in values) or "(empty)"
+                raise ValueError(f"{name.replace('_', '-')}: must be a comma list of whole numbers >= 1, got {given}")
         if not self.budgets or any(not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 < f < 1
                                    for f in self.budgets):
-            raise ValueError(f"budgets: must be a comma list of fractions in (0, 1), got {self.budgets}")
+            given = ",".join(f"{f:g}" if isinstance(f, (int, float)) else repr(f) for f in self.budgets) or "(empty)"
+            raise ValueError(f"budgets: must be a comma list of fractions in (0, 1), got {given}")
         for name, low in (("steps", 1), ("warmup", 0), ("prefill_chunk", 1), ("repeats", 1), ("cap_prompt", 1),
                           ("cap_new", 1), ("cap_limit", 1), ("soak_tokens", 0), ("soak_budget", 2),
                           ("soak_every", 1), ("soak_prompt", 1), ("seed", 0)):
