@@ -198,3 +198,38 @@ def test_all_sliding_model_is_rejected():
 def test_layer_budget_check():
     with pytest.raises(ValueError, match="^drop:"):
         ScissorhandsLayer(budget=10, recent=5, drop=6)
+
+
+def test_whole_model_memory_counts_sliding_layers():
+    """Gemma 3 (sliding, full, sliding, full): every layer counts, from tensor storage, equal to the analytic size."""
+    model = tiny_model("gemma3")  # 1 KV head, head_dim 16, sliding window 8, fp32
+    ids, mask = left_padded([40, 40], seed=4)
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=16, recent=4))
+    greedy(model, ids, mask, cache, n=6)
+    full = DynamicCache(config=model.config)
+    greedy(model, ids, mask, full, n=6)
+    report = cache.memory_report()
+    per_token = 2 * 1 * 16 * 4  # K and V, one KV head, head_dim 16, fp32
+    seen = 40 + 5  # the 6th new token is never fed back
+    window_held = 8 - 1  # transformers' sliding layer keeps its last window - 1 tokens
+    sliding = [layer for layer in cache.layers if not isinstance(layer, ScissorhandsLayer)]
+    assert report["other_kv_bytes"] == sum(x.keys.nbytes + x.values.nbytes for x in sliding)
+    assert report["other_kv_bytes"] == 2 * 2 * window_held * per_token  # 2 sliding layers, batch 2
+    budgeted_held = sum(x.keys.nbytes + x.values.nbytes for x in cache.budgeted_layers)
+    assert report["model_kv_bytes"] == budgeted_held + report["other_kv_bytes"]
+    assert budgeted_held == 2 * 2 * 16 * per_token  # capacity = budget
+    # The full side is what DynamicCache really holds for the same run, layer by layer.
+    dynamic = sum(x.keys.nbytes + x.values.nbytes for x in full.layers)
+    assert report["model_full_kv_bytes"] == dynamic == 2 * 2 * (seen + window_held) * per_token
+    assert report["model_compression"] == pytest.approx(dynamic / report["model_kv_bytes"])
+    assert report["budgeted_compression"] == pytest.approx(seen / 16)
+    assert report["model_compression"] < report["budgeted_compression"]
+    for m in report["layers"]:
+        if "budget" not in m:
+            assert m["storage_bytes"] >= m["kv_bytes"]  # a view into the last update's tensor
+    from scissorhands.cli import memory_line
+
+    line = memory_line(report)  # the whole model first, the budgeted layers beside it
+    first = float(line.split("x smaller")[0].rsplit(" ", 1)[-1])
+    assert "(all 4 layers)" in line and "the 2 budgeted layers alone" in line
+    assert first == pytest.approx(report["model_compression"], abs=0.01)

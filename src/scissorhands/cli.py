@@ -189,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_analyze_parser(sub)
 
+    from .bench_cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub, _add_model_args, _add_cache_args)
+
     demo = sub.add_parser("demo", allow_abbrev=False, help="generate from the opening of Hamlet on the default model")
     _add_model_args(demo)
     _add_cache_args(demo, budget_default=400)
@@ -336,19 +340,30 @@ def _report(label: str, result, out=None) -> None:
 def memory_line(mem: dict) -> str:
     """One line on what the cache held against a full cache (see ``ScissorhandsCache.memory_report``).
 
-    When the sequence fits within the budget nothing is evicted, and the line says
-    so instead of quoting a ratio below 1.
+    The whole model comes first (every layer: a sliding-window layer holds the
+    same native window as in a full cache and counts on both sides), then the
+    budgeted layers alone, when some layers have no budget. When the sequence
+    fits within the budget nothing is evicted, and the line says so instead of
+    quoting a ratio below 1.
     """
-    held, full = mem["budgeted_kv_bytes"], mem["full_kv_bytes"]
+    b_held, b_full = mem["budgeted_kv_bytes"], mem["full_kv_bytes"]
+    held, full = mem.get("model_kv_bytes", b_held), mem.get("model_full_kv_bytes", b_full)
+    layers = mem["layers"]
+    n_budgeted = sum(1 for m in layers if "budget" in m)
     extra = f"(+ importance state {_mib(mem['importance_bytes'])})"
     peak = f"peak tokens stored in any layer {mem['peak_stored']}"
-    seen = max((m.get("seen", 0) for m in mem["layers"] if "budget" in m), default=0)
-    budget = min((m["budget"] for m in mem["layers"] if "budget" in m), default=0)
+    seen = max((m.get("seen", 0) for m in layers if "budget" in m), default=0)
+    budget = min((m["budget"] for m in layers if "budget" in m), default=0)
     packed = mem.get("kv_scale_bytes", 0) > 0
-    if full <= held or (seen <= budget and not packed):
-        return (f"KV held {_mib(held)} {extra} vs full cache {_mib(full)}: no saving, the {seen} tokens seen fit "
-                f"within the budget, nothing was evicted; {peak}")
-    line = f"KV held {_mib(held)} {extra} vs full cache {_mib(full)}: {full / held:.2f}x smaller; {peak}"
+    scope = f"all {len(layers)} layers"
+    if b_full <= b_held or (seen <= budget and not packed):
+        return (f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): no saving, the {seen} tokens "
+                f"seen fit within the budget, nothing was evicted; {peak}")
+    line = f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): {full / held:.2f}x smaller"
+    if n_budgeted < len(layers):
+        line += (f"; the {n_budgeted} budgeted layers alone: {_mib(b_held)} vs {_mib(b_full)}, "
+                 f"{b_full / b_held:.2f}x smaller")
+    line += f"; {peak}"
     if packed:
         line += (f"; packed: data {_mib(mem['kv_data_bytes'])}, scales and zero-points "
                  f"{_mib(mem['kv_scale_bytes'])}; against a bf16 full cache {mem['kv_reduction_vs_bf16']:.2f}x "
@@ -526,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
             from .analysis.cli import run as run_analyze
 
             return run_analyze(args)
+        if args.command == "bench":
+            from .bench_cli import run as run_bench
+
+            return run_bench(args, _settings(args), _check_model_args)
         if args.command == "demo":
             from .generation import demo_prompt
 

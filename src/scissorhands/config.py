@@ -111,7 +111,7 @@ class CacheSettings:
     importance: str = "mean"
     schedule: str | tuple[int, ...] = "uniform"
     increasing_slope: float = 0.5
-    query_tile: int = 256
+    query_tile: int = 64
     sinks: int = 0
     value_weighted: bool = False
     merge: bool = False

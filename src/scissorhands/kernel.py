@@ -6,6 +6,8 @@ eviction needs them; logits are taken in at least float32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -17,6 +19,7 @@ def attention_probs(
     allowed: torch.Tensor | None = None,
     shape: tuple[int, ...] | None = None,
     bias: torch.Tensor | None = None,
+    mask_from: int = 0,
 ) -> torch.Tensor:
     """Softmax of scaled (and optionally soft-capped) ``q @ keys^T``.
 
@@ -34,22 +37,38 @@ def attention_probs(
         View the (B, H_kv, M, L) logits as this shape before masking, e.g. (B, H_kv, g, n, L).
     bias : Tensor, optional
         Added to the scaled logits (broadcastable), e.g. the log-mass of merged slots.
+    mask_from : int
+        The caller's promise that ``allowed`` is True in every slot before
+        this one; only the slots from here on are masked (``allowed`` may
+        cover all ``L`` slots or only these).
 
     Returns
     -------
     Tensor, shape (B, H_kv, M, L) or ``shape``, float32 or wider
+
+    Notes
+    -----
+    One pass over the logits per step, each in place on the matmul's own
+    output. A power-of-two ``scaling`` (1/8 for head_dim 64) is folded into
+    the queries instead: scaling by a power of two is exact in floating point,
+    so the logits are bitwise the same and the pass over them is saved.
     """
-    logits = torch.matmul(q, keys.transpose(-1, -2))  # (B, H_kv, M, L)
+    exact = scaling > 0 and math.frexp(scaling)[0] == 0.5 and q.dtype.is_floating_point
+    logits = torch.matmul(q * scaling if exact else q, keys.transpose(-1, -2))  # (B, H_kv, M, L), a new tensor
     if shape is not None:
         logits = logits.view(shape)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scaling
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # a new tensor only when it widens
+    if not exact:
+        logits.mul_(scaling)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     if bias is not None:
         logits = logits + bias
     if allowed is not None:
-        logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
-    return torch.softmax(logits, dim=-1)
+        if allowed.shape[-1] != logits.shape[-1] - mask_from:
+            allowed = allowed[..., mask_from:]
+        logits[..., mask_from:].masked_fill_(~allowed, torch.finfo(logits.dtype).min)
+    return torch.softmax(logits, dim=-1, out=logits)
 
 
 def attention_output(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

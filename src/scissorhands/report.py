@@ -70,6 +70,18 @@ def cache_memory_report(cache: ScissorhandsCache) -> dict:
         and ``total_reduction_vs_bf16`` (K/V, importance state and positions);
         ``max_stored`` (now), ``peak_stored`` (ever, in any layer) and
         ``stored_per_layer``.
+
+        The whole model, every layer counted: ``model_kv_bytes`` (K/V held),
+        ``model_full_kv_bytes`` (what ``DynamicCache`` would hold for the same
+        tokens: every token seen in a budgeted layer, and a layer without a
+        budget counted at its own bytes on both sides, since it is the same
+        layer type holding the same native window), ``other_kv_bytes`` (the
+        layers without a budget), ``model_compression`` (full / held over the
+        whole model) and ``budgeted_compression`` (over the budgeted layers
+        only). A layer without a budget also reports ``full_kv_bytes`` (its
+        own bytes) and ``storage_bytes``: the storage its K/V views keep alive
+        (transformers' sliding layer keeps a view of its last window - 1 tokens
+        into a tensor one chunk longer).
     """
     per_layer = []
     for layer in cache.layers:
@@ -80,7 +92,7 @@ def cache_memory_report(cache: ScissorhandsCache) -> dict:
             kv = 0 if keys is None or values is None else keys.nbytes + values.nbytes
             stored = 0 if keys is None or keys.numel() == 0 else keys.shape[-2]
             per_layer.append({"sliding_window": getattr(layer, "sliding_window", None), "stored": stored,
-                              "kv_bytes": kv})
+                              "kv_bytes": kv, "full_kv_bytes": kv, "storage_bytes": _storage_bytes(keys, values)})
     budgeted = [m for m in per_layer if "budget" in m]
     total: dict = {key: sum(m.get(key, 0) for m in per_layer)
                    for key in ("kv_bytes", "importance_bytes", "position_bytes")}
@@ -96,4 +108,38 @@ def cache_memory_report(cache: ScissorhandsCache) -> dict:
     total["peak_stored"] = max(m["peak"] for m in budgeted)
     total["stored_per_layer"] = [m["stored"] for m in per_layer]
     total["layers"] = per_layer
+    total.update(_whole_model(per_layer))
     return total
+
+
+def _whole_model(per_layer: list[dict]) -> dict:
+    """Every layer, not only the budgeted ones: what the model's KV costs against a full cache.
+
+    A layer without a budget (a sliding-window layer, for example) is the very
+    layer type transformers' ``DynamicCache`` builds for it, holding the same
+    tokens (its native window, capped the same way), so it adds its own real
+    K/V bytes to both sides. The budgeted layers add their buffers to the held
+    side and ``full_kv_bytes`` (every token seen) to the full side.
+    """
+    budgeted = [m for m in per_layer if "budget" in m]
+    other = sum(m["kv_bytes"] for m in per_layer if "budget" not in m)
+    held_budgeted = sum(m["kv_bytes"] for m in budgeted)
+    full_budgeted = sum(m["full_kv_bytes"] for m in budgeted)
+    held, full = held_budgeted + other, full_budgeted + other
+    return {
+        "model_kv_bytes": held,
+        "model_full_kv_bytes": full,
+        "other_kv_bytes": other,
+        "model_compression": full / held if held else 1.0,
+        "budgeted_compression": full_budgeted / held_budgeted if held_budgeted else 1.0,
+    }
+
+
+def _storage_bytes(*tensors) -> int:
+    """Bytes of the storages behind ``tensors``, each counted once (a view keeps its whole base alive)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -159,12 +159,13 @@ def _attend_block(kv: BudgetedKV, q, out, base, cum, valid, scaling, softcap, qu
         keys, values = kv.store.read(length)  # (B, H_kv, L, D) each
         qt = q[:, :, :, a:e].reshape(b, h, g * n, d)  # (B, H_kv, g*n, D)
         allowed = None
-        if not (aligned and n == 1):
-            slot = torch.arange(length, device=device)
-            allowed = (slot < limit.to(device)[:, :, None])[:, None, None]  # (B, 1, 1, n, L)
+        lo = int(limit.min())  # every query of the tile sees all slots before this one: only the rest is masked
+        if not (aligned and n == 1) and lo < length:
+            slot = torch.arange(lo, length, device=device)
+            allowed = (slot < limit.to(device)[:, :, None])[:, None, None]  # (B, 1, 1, n, L - lo)
         bias = None if kv.merge is None else kv.merge.bias(length)[:, :, None, None, :]  # (B, H_kv, 1, 1, L)
         probs = attention_probs(qt, keys, scaling, softcap, allowed, shape=(b, h, g, n, length),
-                                bias=bias)  # (B, H_kv, g, n, L)
+                                bias=bias, mask_from=lo)  # (B, H_kv, g, n, L)
         if valid is not None:
             probs = probs * valid[:, a:e].to(device=device, dtype=probs.dtype)[:, None, None, :, None]
         ctx = attention_output(probs.view(b, h, g * n, length), values)  # (B, H_kv, g*n, D_v)

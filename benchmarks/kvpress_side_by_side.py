@@ -1,0 +1,190 @@
+"""NVIDIA kvpress's decode-time compression (``DecodingPress``) beside ours: same model, text, prompt and budget.
+
+kvpress 0.5.5 pins transformers < 5.3, so its side runs in its own virtual
+environment; ours runs in the project's. The same script drives both and
+writes the same JSON records (``--engine``), which ``--merge`` joins:
+
+    python -m venv kvpress-venv && kvpress-venv/bin/pip install kvpress==0.5.5 torch==2.13.0
+    kvpress-venv/bin/python benchmarks/kvpress_side_by_side.py --engine kvpress --out kvpress.json
+    python benchmarks/kvpress_side_by_side.py --engine scissorhands --out ours.json
+    python benchmarks/kvpress_side_by_side.py --merge kvpress.json ours.json --out docs/bench/kvpress_side_by_side.json
+
+Both sides load SmolLM2-135M-Instruct from the safetensors folder the project
+converts the embedded GGUF into (``scissorhands.models.load_model`` writes it
+under ``~/.cache/scissorhands/`` or ``$SCISSORHANDS_CACHE``), so they run the
+very same float weights.
+
+What is measured, per method, at one budget:
+
+* **perplexity, teacher-forced by token-by-token decoding**: a short prompt
+  (shorter than the budget) is prefilled, then every following token of the
+  text is fed one at a time and the model's log-probability of the next one
+  is recorded; the cache compresses as it would while generating;
+* **decode tokens/s**: the median step time of that same loop;
+* **bytes held**: K/V bytes of the cache at the end, from tensor storage, and
+  the largest seen at any step (``DecodingPress`` lets the cache grow by its
+  ``compression_interval`` between compressions).
+
+A press that fails on this model or transformers version is recorded with its
+error, not left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT / "src" / "scissorhands" / "data" / "hamlet_act1.txt"
+
+
+def model_folder() -> Path:
+    base = Path(os.environ.get("SCISSORHANDS_CACHE", Path.home() / ".cache" / "scissorhands"))
+    folder = base / "smollm2-135m-instruct"
+    if not (folder / "model.safetensors").exists():
+        raise SystemExit(f"model: no converted SmolLM2 under {base}; run `scissorhands demo` once in the project's "
+                         "environment to create it")
+    return folder
+
+
+def load(attn: str = "sdpa"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = model_folder()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn)
+    return model.eval(), AutoTokenizer.from_pretrained(folder)
+
+
+def kv_bytes(cache) -> int:
+    """K/V bytes of a transformers cache, whichever layout its version uses."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return sum(x.keys.nbytes + x.values.nbytes for x in layers
+                   if getattr(x, "keys", None) is not None and x.keys.numel())
+    return sum(k.nbytes + v.nbytes for k, v in zip(cache.key_cache, cache.value_cache))
+
+
+def teacher_forced(model, ids: torch.Tensor, prompt: int, cache, context=None, memory=None) -> dict:
+    """Prefill ``ids[:, :prompt]``, then feed the rest token by token; NLL of each next token, step times, bytes."""
+    nll, times, peak = [], [], 0
+    with torch.no_grad(), (context if context is not None else _null()):
+        out = model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1]
+        for t in range(prompt, ids.shape[1]):
+            nll.append(-torch.log_softmax(logits.float(), dim=-1)[0, ids[0, t]].item())
+            if t == ids.shape[1] - 1:
+                break
+            start = time.perf_counter()
+            out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+            logits = out.logits[:, -1]
+            held = memory(cache) if memory is not None else kv_bytes(cache)
+            peak = max(peak, held)
+    held = memory(cache) if memory is not None else kv_bytes(cache)
+    step = statistics.median(times[len(times) // 10:])  # the first tenth is the warm-up
+    mean = sum(nll) / len(nll)
+    return {"tokens_scored": len(nll), "nll": mean, "ppl": math.exp(mean), "step_s": step,
+            "tokens_per_s": 1 / step, "kv_bytes_end": held, "kv_bytes_peak": peak}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run_kvpress(args, ids) -> list[dict]:
+    import kvpress
+    from transformers import DynamicCache
+
+    scorers = {"streaming_llm": lambda: kvpress.StreamingLLMPress(),
+               "tova": lambda: kvpress.TOVAPress(),
+               "observed_attention": lambda: kvpress.ObservedAttentionPress(),
+               "knorm": lambda: kvpress.KnormPress()}
+    rows = []
+    for name, make in scorers.items():
+        attn = "eager" if name == "observed_attention" else "sdpa"  # it reads the attention weights
+        model, _ = load(attn)
+        press = kvpress.DecodingPress(base_press=make(), compression_interval=args.steps_between,
+                                      target_size=args.budget)
+        row = {"engine": "kvpress", "version": getattr(kvpress, "__version__", "0.5.5"),
+               "method": f"DecodingPress({name})", "budget": args.budget, "compression_interval": args.steps_between,
+               "attn": attn}
+        try:
+            row.update(teacher_forced(model, ids, args.prompt, DynamicCache(), press(model)))
+        except Exception as e:  # a press that fails here is a result, recorded with its error
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        rows.append(row)
+    model, _ = load()
+    rows.append({"engine": "kvpress", "method": "full (DynamicCache)", "budget": None,
+                 **teacher_forced(model, ids, args.prompt, DynamicCache())})
+    return rows
+
+
+def run_ours(args, ids) -> list[dict]:
+    from scissorhands import CacheSettings, ScissorhandsCache
+    from scissorhands.methods import get_method
+
+    model, _ = load()
+    rows = []
+    for name in ("scissorhands", "tova", "streaming", "h2o"):
+        method = get_method(name)
+        config = method.configure(CacheSettings(), args.budget)
+        cache = ScissorhandsCache(model, config, method())
+        row = {"engine": "scissorhands", "method": name, "budget": args.budget}
+        row.update(teacher_forced(model, ids, args.prompt, cache,
+                                  memory=lambda c: c.memory_report()["model_kv_bytes"]))
+        row["importance_bytes"] = cache.memory_report()["importance_bytes"]
+        rows.append(row)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine", choices=("kvpress", "scissorhands"))
+    p.add_argument("--merge", nargs="+", default=None, help="join JSON files written by both engines")
+    p.add_argument("--budget", type=int, default=128, help="tokens kept per layer")
+    p.add_argument("--steps-between", type=int, default=8,
+                   help="DecodingPress compression_interval (ours drops 5%% of the budget at a time)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens prefilled before token-by-token scoring")
+    p.add_argument("--tokens", type=int, default=1024, help="text tokens in all (prompt included)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    if args.merge:
+        rows, configs = [], []
+        for path in args.merge:
+            data = json.loads(Path(path).read_text())
+            rows += data["rows"]
+            configs.append(data["config"])
+        Path(args.out).write_text(json.dumps({"config": configs, "rows": rows}, indent=1))
+        return
+    if args.prompt >= args.budget:
+        raise SystemExit(f"prompt: must be below the budget ({args.budget}), so that both caches start under it")
+    torch.set_num_threads(args.threads)
+    _, tok = load()
+    ids = torch.tensor([tok(TEXT.read_text())["input_ids"][: args.tokens]])
+    rows = run_kvpress(args, ids) if args.engine == "kvpress" else run_ours(args, ids)
+    import transformers
+
+    record = {"config": {**vars(args), "text": TEXT.name}, "machine": {
+        "machine": platform.machine(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads()}, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    for r in rows:
+        print(json.dumps({k: r.get(k) for k in ("engine", "method", "ppl", "tokens_per_s", "kv_bytes_end",
+                                                  "kv_bytes_peak", "error")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""``scissorhands bench``: structure, arithmetic and argument checks on tiny models (no timing assertions)."""
+
+import json
+
+import pytest
+
+from conftest import save_tiny_model, tiny_model
+from scissorhands import CacheSettings
+from scissorhands.bench import (
+    BenchConfig,
+    decode_point,
+    max_fitting,
+    maxbatch_part,
+    parse_size,
+    reference_ratios,
+    run_bench,
+    soak_part,
+)
+from scissorhands.cli import main
+
+SETTINGS = CacheSettings(recent=4)
+
+
+def small(**kw):
+    base = dict(contexts=(64, 128), batches=(1, 2), budgets=(0.5, 0.25), steps=3, warmup=1, prefill_chunk=32,
+                prefill_contexts=(64,), repeats=1, memory=4 * 2**20, fit="cache", cap_prompt=48, cap_new=4,
+                cap_limit=8, soak_tokens=60, soak_budget=24, soak_every=6, soak_prompt=8, settings=SETTINGS,
+                parts=("decode", "prefill", "maxbatch", "soak"))
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def test_bench_json_structure():
+    result = run_bench(tiny_model("llama"), small())
+    json.loads(json.dumps(result))  # JSON-ready
+    assert set(result) >= {"config", "machine", "decode", "prefill", "maxbatch", "soak", "peak_rss_bytes"}
+    assert [(p["context"], p["batch"]) for p in result["decode"]] == [(64, 1), (64, 2), (128, 1), (128, 2)]
+    for point in result["decode"]:
+        names = [v["name"] for v in point["variants"]]
+        assert names == ["full", "scissorhands 0.5", f"full at {round(0.5 * point['context'])}",
+                         "scissorhands 0.25", f"full at {round(0.25 * point['context'])}"]
+        for v in point["variants"]:
+            assert len(v["step_s_all"]) == 3 and v["tokens_per_s"] > 0
+            assert v["bytes_match"], v  # storage equals the analytic size, importance included
+        assert [r["fraction"] for r in point["ratios"]] == [0.5, 0.25]
+    prefill = {r["variant"] for r in result["prefill"]}
+    assert {"full (SDPA)", "scissorhands, no eviction", "scissorhands 0.5, stream",
+            "scissorhands 0.5, prompt-aware"} <= prefill
+    assert [r["variant"] for r in result["maxbatch"]] == ["full", "scissorhands 0.5", "scissorhands 0.25"]
+    assert result["config"]["settings"]["recent"] == 4
+
+
+def test_decode_bytes_count_sliding_layers():
+    """Gemma 3: the analytic size counts each sliding layer's window, and storage agrees."""
+    point = decode_point(tiny_model("gemma3"), small(contexts=(64,), batches=(2,)), 64, 2)
+    for v in point["variants"]:
+        assert v["bytes_match"], v
+    full = point["variants"][0]
+    per_token = 2 * 16 * 4  # K + V, one KV head, head_dim 16, fp32
+    assert full["measured"]["kv_bytes"] == 2 * (2 * 64 + 2 * 7) * per_token  # 2 full layers, 2 sliding (window 8)
+
+
+def test_reference_ratio_is_ours_over_the_full_cache_at_context_budget():
+    rows = [{"name": "full", "cache": "full", "tokens_per_s": 10.0},
+            {"name": "s 0.5", "cache": "scissorhands", "fraction": 0.5, "budget": 512, "tokens_per_s": 18.0},
+            {"name": "full at 512", "cache": "full", "reference_for": 0.5, "tokens_per_s": 20.0},
+            {"name": "s 0.2", "cache": "scissorhands", "fraction": 0.2, "budget": 205, "tokens_per_s": 27.0},
+            {"name": "full at 205", "cache": "full", "reference_for": 0.2, "tokens_per_s": 30.0}]
+    ratios = reference_ratios(rows)
+    assert [r["vs_reference"] for r in ratios] == pytest.approx([0.9, 0.9])
+    assert [r["vs_full"] for r in ratios] == pytest.approx([1.8, 2.7])
+    assert ratios[1]["reference_tokens_per_s"] == 30.0 and ratios[1]["full_tokens_per_s"] == 10.0
+
+
+@pytest.mark.parametrize("largest,limit", [(37, 100), (1, 100), (0, 100), (100, 100), (64, 100), (5, 5), (3, 1000)])
+def test_max_fitting_finds_the_largest_batch_of_a_monotone_fit(largest, limit):
+    best, trials = max_fitting(lambda b: b <= largest, limit)
+    assert best == min(largest, limit)
+    assert len(trials) <= 2 * limit.bit_length() + 2  # doubling, then bisection
+    assert all(ok == (b <= largest) for b, ok in trials)
+
+
+def test_maxbatch_under_a_cap_with_a_known_memory_function():
+    """A fake trial whose memory is linear in the batch: the search and the ratios follow from the arithmetic."""
+    cfg = small(memory=1000, cap_prompt=80, cap_new=20, cap_limit=256, budgets=(0.5, 0.2))
+
+    def trial(model, make_cache, batch, prompt, new, chunk, seed):
+        cache = make_cache()
+        held = cache.config.budget if hasattr(cache, "config") else prompt + new
+        return {"batch": batch, "rss_growth_bytes": None, "cache_bytes": batch * held,
+                "decode_tokens_per_s": float(batch), "seconds": 0.0}
+
+    rows = maxbatch_part(tiny_model("llama"), cfg, trial)  # the first call is the discarded warm-up
+    assert [r["max_batch"] for r in rows] == [1000 // 100, 1000 // 50, 1000 // 20]
+    assert [r["batch_ratio"] for r in rows] == pytest.approx([1.0, 2.0, 5.0])
+    assert [r["tokens_per_s_ratio"] for r in rows] == pytest.approx([1.0, 2.0, 5.0])
+    assert all(r["used_bytes_at_max"] <= 1000 for r in rows)
+
+
+def test_soak_memory_is_flat_once_the_cache_is_full():
+    result = soak_part(tiny_model("llama"), small())
+    filled = [r for r in result["records"] if r["seen"] > 24]
+    assert result["flat"] and len(filled) >= 5
+    assert len({r["cache_bytes"] for r in filled}) == 1  # bytes at the end == bytes after the cache filled
+    assert result["records"][-1]["tokens"] == 60
+
+
+def test_parse_size():
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5G") == 1_500_000_000 and parse_size("4096") == 4096
+    for bad in ("2XB", "-1GiB", "GiB", "nan", "0"):
+        with pytest.raises(ValueError, match="^memory: "):
+            parse_size(bad)
+
+
+def run_in_process(capsys, *args):
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,param", [
+    (["--contexts", "abc"], "contexts"),
+    (["--contexts", "0,128"], "contexts"),
+    (["--batches", ""], "batches"),
+    (["--budgets", "1.5"], "budgets"),
+    (["--budgets", "nan"], "budgets"),
+    (["--steps", "0"], "steps"),
+    (["--steps", "2.5"], "steps"),
+    (["--memory", "2XB"], "memory"),
+    (["--parts", "maxbatch"], "memory"),
+    (["--parts", "decode,warp"], "parts"),
+    (["--parts", "soak"], "soak-tokens"),
+    (["--fit", "vibes"], "fit"),
+    (["--threads", "-1"], "threads"),
+    (["--contexts", "64", "--budgets", "0.1"], "contexts"),
+    (["--recent", "-1"], "recent"),
+    (["--model", "/no/such/model"], "model"),
+])
+def test_bench_rejects_bad_arguments_in_one_line(capsys, tmp_path, args, param):
+    code, err = run_in_process(capsys, "bench", "--out", str(tmp_path / "out"), *args)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and param in lines[0] and "Traceback" not in err, err
+
+
+def test_bench_command_writes_json_tables_and_plots(capsys, tmp_path):
+    folder = save_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "out"
+    code = main(["bench", "--model", str(folder), "--contexts", "64", "--batches", "1", "--budgets", "0.5",
+                 "--steps", "2", "--warmup", "1", "--prefill-contexts", "64", "--repeats", "1", "--memory", "1MiB",
+                 "--fit", "cache", "--cap-prompt", "32", "--cap-new", "4", "--cap-limit", "4", "--soak-tokens", "40",
+                 "--soak-budget", "16", "--soak-every", "8", "--soak-prompt", "8", "--recent", "4", "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert set(result["config"]["parts"]) == {"decode", "prefill", "maxbatch", "soak"}
+    for name in ("tables.md", "throughput.png", "memory.png", "max_batch.png"):
+        assert (out / name).stat().st_size > 0
+    assert "vs reference" in capsys.readouterr().out
