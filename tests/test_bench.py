@@ -60,6 +60,21 @@ def test_decode_bytes_count_sliding_layers():
     assert full["measured"]["kv_bytes"] == 2 * (2 * 64 + 2 * 7) * per_token  # 2 full layers, 2 sliding (window 8)
 
 
+@pytest.mark.parametrize("bits,key_bits", [(4, None), (4, 8), (2, None)])
+def test_decode_bytes_of_a_packed_store_match_the_analytic_size(bits, key_bits):
+    """With --kv-bits the budgeted layers hold packed bytes + fp16 scales/zeros, and the bench counts them."""
+    settings = CacheSettings(recent=4, kv_bits=bits, kv_key_bits=key_bits)
+    point = decode_point(tiny_model("llama"), small(contexts=(64,), batches=(2,), settings=settings), 64, 2)
+    ours = [v for v in point["variants"] if v["name"].startswith("scissorhands")]
+    assert ours
+    for v in point["variants"]:
+        assert v["bytes_match"], v
+    # Llama tiny: 2 KV heads of 16 channels, one group each; K and V at their bits + 4 bytes of scale/zero.
+    per_token_head = sum(16 * b // 8 + 4 for b in (key_bits or bits, bits))
+    v = ours[0]
+    assert v["measured"]["kv_bytes"] == 2 * 2 * 2 * 32 * per_token_head  # layers x batch x heads x budget
+
+
 def test_reference_ratio_is_ours_over_the_full_cache_at_context_budget():
     rows = [{"name": "full", "cache": "full", "tokens_per_s": 10.0},
             {"name": "s 0.5", "cache": "scissorhands", "fraction": 0.5, "budget": 512, "tokens_per_s": 18.0},

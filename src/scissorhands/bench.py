@@ -235,16 +235,23 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
     elsize = next(model.parameters()).element_size()
     per_token = 2 * facts.num_kv_heads * facts.head_dim * elsize  # K and V, one layer
     budgets = [layer.budget for layer in getattr(cache, "budgeted_layers", [])]
+    budgeted_per_token = per_token
+    config = getattr(cache, "config", None)
+    if config is not None and getattr(config, "kv_bits", None) not in (None, 16):
+        # Packed: ceil(D * bits / 8) data bytes, and an fp16 scale and zero-point per group, for K and for V.
+        d = facts.head_dim
+        group = next(g for g in range(min(config.kv_group_size, d), 0, -1) if d % g == 0)  # as the store cuts it
+        budgeted_per_token = facts.num_kv_heads * sum(
+            math.ceil(d * bits / 8) + (d // group) * 2 * 2 for bits in (config.kv_key_bits or config.kv_bits,
+                                                                          config.kv_bits))
     kv, importance = 0, 0
     full_idx = 0
     for layer_type, window in zip(facts.layer_types, facts.sliding_windows):
         if layer_type == FULL and budgets:
-            tokens = budgets[full_idx]
+            kv += batch * budgets[full_idx] * budgeted_per_token
             full_idx += 1
-        elif window is not None:
-            tokens = min(seen, window - 1)
-        else:
-            tokens = seen
+            continue
+        tokens = min(seen, window - 1) if window is not None else seen
         kv += batch * tokens * per_token
     for layer in getattr(cache, "budgeted_layers", []):
         importance += batch * facts.num_kv_heads * layer.budget * layer.state.bytes_per_token_head()
