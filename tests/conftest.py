@@ -112,3 +112,14 @@ def save_tiny_model(folder, arch: str = "llama", max_positions: int = 1024):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def run_in_process(capsys, *args):
+    """The CLI's main() in this process (fast); argparse errors exit through SystemExit."""
+    from scissorhands.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err

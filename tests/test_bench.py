@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import save_tiny_model, tiny_model
+from conftest import run_in_process, save_tiny_model, tiny_model
 from scissorhands import CacheSettings
 from scissorhands.bench import (
     BenchConfig,
@@ -126,14 +126,6 @@ def test_parse_size():
     for bad in ("2XB", "-1GiB", "GiB", "nan", "0"):
         with pytest.raises(ValueError, match="^memory: "):
             parse_size(bad)
-
-
-def run_in_process(capsys, *args):
-    try:
-        code = main(list(args))
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,param", [

@@ -7,23 +7,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import left_padded, tiny_model
+from conftest import left_padded, run_in_process, tiny_model
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
-from scissorhands.cli import main
 
 
 def run_cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "scissorhands.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
-
-
-def run_in_process(capsys, *args):
-    """main() in this process (fast); argparse errors exit through SystemExit."""
-    try:
-        code = main(list(args))
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,param", [

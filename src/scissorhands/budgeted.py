@@ -67,7 +67,7 @@ class BudgetedKV:
         if drop > budget - recent:
             raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
         self.budget, self.recent, self.drop = budget, recent, drop
-        self.sinks, self.prefill, self.observe = sinks, prefill, observe
+        self.prefill, self.observe = prefill, observe
         self.method = method
         self.state = state if state is not None else TokenState()
         self.layer_idx = layer_idx

@@ -94,22 +94,9 @@ class Protection:
     def __repr__(self) -> str:
         return f"Protection({self.rows!r})"
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Protection) and self.rows == other.rows
-
     def counts(self) -> list[int]:
         """Protected tokens per sequence (overlaps counted once; a span past the end still counts whole)."""
         return [_merged_length(r) for r in self.rows]
-
-    def union(self, other: Protection | None) -> Protection:
-        """Both protections: row ``b`` holds the spans of both (a single row is shared by all)."""
-        if other is None:
-            return self
-        n = max(len(self.rows), len(other.rows))
-        if len(self.rows) not in (1, n) or len(other.rows) not in (1, n):
-            raise ValueError(f"protect: {len(self.rows)} and {len(other.rows)} per-sequence span lists disagree")
-        pick = lambda rows, b: rows[0] if len(rows) == 1 else rows[b]  # noqa: E731
-        return Protection([pick(self.rows, b) + pick(other.rows, b) for b in range(n)])
 
     def check_batch(self, batch: int) -> None:
         """One-line ``ValueError`` if per-sequence spans do not match the batch."""
