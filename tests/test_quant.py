@@ -167,7 +167,8 @@ def test_make_store_picks_dense_for_16_and_none():
                                          ({"kv_group_size": 0}, "kv_group_size:"),
                                          ({"kv_group_size": 24}, "kv_group_size:"),
                                          ({"kv_key_bits": 16, "kv_bits": 4}, "kv_key_bits:"),
-                                         ({"kv_key_bits": 8}, "kv_key_bits:")])
+                                         ({"kv_key_bits": 8}, "kv_key_bits:"),
+                                         ({"kv_tile": 0}, "kv_tile:"), ({"kv_tile": 2.5}, "kv_tile:")])
 def test_bad_settings_are_one_line_errors_naming_the_parameter(bad, message):
     with pytest.raises(ValueError) as e:
         CacheSettings(**bad)
@@ -188,15 +189,95 @@ def test_group_is_the_largest_divisor_of_the_head_not_above_the_setting():
     assert cache.budgeted_layers[0].kv.store.k.group == 16
 
 
+# -- attention over a packed store, a tile at a time ------------------------------------------------
+
+class ReadSpy:
+    """A packed store that records the widest span of slots each read dequantised."""
+
+    def __init__(self, store):
+        self.store, self.widest = store, 0
+        self.read_tile = store.read_tile
+
+    def __getattr__(self, name):  # everything else goes to the store
+        return getattr(self.store, name)
+
+    def read(self, length):
+        self.widest = max(self.widest, length)
+        return self.store.read(length)
+
+    def read_keys(self, start, end):
+        self.widest = max(self.widest, end - start)
+        return self.store.read_keys(start, end)
+
+    def read_values(self, start, end):
+        self.widest = max(self.widest, end - start)
+        return self.store.read_values(start, end)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(length=st.integers(1, 40), tile=st.integers(1, 48), n=st.integers(1, 3), seed=st.integers(0, 99),
+       scaling=st.sampled_from([0.125, 0.3]), softcap=st.sampled_from([None, 5.0]), masked=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_tiled_attention_equals_reading_the_whole_layer(length, tile, n, seed, scaling, softcap, masked, dtype):
+    """Key tiles into the logits, one softmax, value tiles summed: the same probabilities and output as one read
+    of every slot, and no read wider than a tile."""
+    from scissorhands.kernel import attend_stored
+
+    gen = torch.Generator().manual_seed(seed)
+    b, h, g, d = 2, 2, 2, 16
+    key, value = torch.randn(b, h, length, d, generator=gen) * 3, torch.randn(b, h, length, d, generator=gen)
+    whole = PackedKVStore(4, 8, key_bits=8, read_tile=10**6)
+    whole.allocate(key.to(dtype), value.to(dtype))
+    whole.resize(length)
+    whole.write(0, key.to(dtype), value.to(dtype))
+    tiled = ReadSpy(PackedKVStore(4, 8, key_bits=8, read_tile=tile))
+    tiled.store.allocate(key.to(dtype), value.to(dtype))
+    tiled.store.resize(length)
+    tiled.store.write(0, key.to(dtype), value.to(dtype))
+    q = (torch.randn(b, h, g * n, d, generator=gen)).to(dtype)
+    lo = max(0, length - n)
+    allowed = None
+    if masked:  # causal over the last n slots, as a block of n queries sees them
+        slot = torch.arange(lo, length)
+        allowed = (slot[None, :] <= (lo + torch.arange(n))[:, None])[None, None, None].expand(b, 1, 1, n, -1)
+    weight = torch.tensor([1.0, 0.0])[:, None, None, None, None]  # the second row is padding
+    kw = dict(softcap=softcap, allowed=allowed, shape=(b, h, g, n, length), mask_from=lo, query_weight=weight)
+    p1, o1 = attend_stored(q, whole, length, scaling, **kw)
+    p2, o2 = attend_stored(q, tiled, length, scaling, **kw)
+    assert tiled.widest <= tile
+    assert o1.dtype == o2.dtype == dtype and p2.shape == (b, h, g, n, length)
+    torch.testing.assert_close(p2, p1, rtol=0, atol=1e-6)
+    atol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: the untiled product rounds once, the tiles each
+    torch.testing.assert_close(o2.float(), o1.float(), rtol=0, atol=atol)
+    assert bool((o2[1] == 0).all())
+
+
+def test_decoding_dequantises_no_more_than_a_tile():
+    """Through the model: every attention read of a packed layer spans at most kv_tile slots."""
+    model = tiny_model("llama")
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=24, recent=4, kv_bits=4, kv_tile=7))
+    spies = [ReadSpy(layer.kv.store) for layer in cache.budgeted_layers]
+    for layer, spy in zip(cache.budgeted_layers, spies):
+        layer.kv.store = spy
+    ids, mask = left_padded([20, 14], seed=2)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=12, do_sample=False,
+                             pad_token_id=0)
+    assert out.shape[1] == 20 + 12
+    assert all(0 < spy.widest <= 7 for spy in spies)
+
+
 # -- the cache and the exact scorer with kv_bits --------------------------------------------------
 
-@pytest.mark.parametrize("bits,key_bits", [(2, None), (4, None), (8, None), (4, 8)])
+@pytest.mark.parametrize("bits,key_bits,tile", [(2, None, 512), (4, None, 512), (8, None, 512), (4, 8, 512),
+                                                (4, None, 5), (4, 8, 1)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_scorer_equals_decoding_with_quantisation(bits, key_bits, arch):
-    """One blocked forward = token-by-token decoding through the packed cache (GQA and sliding layers too)."""
+def test_scorer_equals_decoding_with_quantisation(bits, key_bits, tile, arch):
+    """One blocked forward = token-by-token decoding through the packed cache (GQA and sliding layers too),
+    whether attention reads the stored slots at once or a few at a time."""
     model = tiny_model(arch)
     ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(1))
-    base = replace(BASE, kv_bits=bits, kv_key_bits=key_bits, kv_group_size=8)
+    base = replace(BASE, kv_bits=bits, kv_key_bits=key_bits, kv_group_size=8, kv_tile=tile)
     fast, _ = token_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
     slow, cache = decode_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)

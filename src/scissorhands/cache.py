@@ -254,7 +254,8 @@ class ScissorhandsCache(Cache):
                                       self.method.make_state(config), self.method, config.query_tile, idx,
                                       sinks=config.sinks, merge=config.merge, prefill=config.prefill,
                                       observe=config.observe, protect=protection,
-                                      store=make_store(config.kv_bits, config.kv_group_size, config.kv_key_bits))
+                                      store=make_store(config.kv_bits, config.kv_group_size, config.kv_key_bits,
+                                                       config.kv_tile))
             if audit is not None:
                 layer.kv.listeners.append(audit)
                 audit.attach(idx)

@@ -101,6 +101,8 @@ def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = Non
                    "is the measured choice")
     g.add_argument("--kv-group-size", type=int, default=None,
                    help=f"channels per quantisation group along the head dimension (default {DEFAULTS.kv_group_size})")
+    g.add_argument("--kv-tile", type=int, default=None,
+                   help=f"packed K/V: most stored slots attention dequantises at once (default {DEFAULTS.kv_tile})")
 
 
 def _add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, compare_full: bool) -> None:
@@ -135,7 +137,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 _CACHE_FLAGS = ("recent", "sinks", "window", "window_buckets", "drop", "importance", "value_weighted", "merge",
-                "prefill", "observe", "schedule", "kv_bits", "kv_key_bits", "kv_group_size")
+                "prefill", "observe", "schedule", "kv_bits", "kv_key_bits", "kv_group_size",
+                "kv_tile")
 _UNSET = object()
 
 

@@ -96,6 +96,10 @@ class CacheSettings:
     kv_group_size : int
         Channels per quantisation group along the head dimension (a smaller
         head is one group); each group costs 4 bytes of scale and zero-point.
+    kv_tile : int
+        With packed K/V: the most stored slots attention dequantises at once.
+        Keys, then values, are read back tile by tile, so the transient dense
+        copy is one tile, not a whole layer (:func:`.kernel.attend_stored`).
     preset : str or None
         ``"paper"`` reproduces the published algorithm (see :data:`PRESETS`):
         its values replace the library defaults; any field set to a
@@ -120,6 +124,7 @@ class CacheSettings:
     kv_bits: int | None = None
     kv_key_bits: int | None = None
     kv_group_size: int = 32
+    kv_tile: int = 512
     preset: str | None = None
 
     def __post_init__(self):
@@ -176,6 +181,7 @@ class CacheSettings:
         check_int("kv_group_size", self.kv_group_size, 1)
         if self.kv_group_size & (self.kv_group_size - 1) or self.kv_group_size < 4:
             raise ValueError(f"kv_group_size: must be a power of two >= 4, got {self.kv_group_size}")
+        check_int("kv_tile", self.kv_tile, 1)
 
     def _apply_preset(self) -> None:
         if self.preset not in PRESETS:

@@ -53,11 +53,21 @@ def attention_probs(
     the queries instead: scaling by a power of two is exact in floating point,
     so the logits are bitwise the same and the pass over them is saved.
     """
-    exact = scaling > 0 and math.frexp(scaling)[0] == 0.5 and q.dtype.is_floating_point
+    exact = _exact_scale(q, scaling)
     logits = torch.matmul(q * scaling if exact else q, keys.transpose(-1, -2))  # (B, H_kv, M, L), a new tensor
     if shape is not None:
         logits = logits.view(shape)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # a new tensor only when it widens
+    return _softmax(logits, scaling, exact, softcap, allowed, bias, mask_from)
+
+
+def _exact_scale(q: torch.Tensor, scaling: float) -> bool:
+    """Whether ``scaling`` is a power of two, so that it can be folded into the queries exactly."""
+    return scaling > 0 and math.frexp(scaling)[0] == 0.5 and q.dtype.is_floating_point
+
+
+def _softmax(logits: torch.Tensor, scaling: float, exact: bool, softcap, allowed, bias, mask_from: int) -> torch.Tensor:
+    """Finish float32 ``q @ keys^T`` logits in place: scale, cap, bias, mask, softmax."""
     if not exact:
         logits.mul_(scaling)
     if softcap is not None:
@@ -74,3 +84,57 @@ def attention_probs(
 def attention_output(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``probs @ values`` in the values' dtype: (B, H_kv, M, L) x (B, H_kv, L, D_v) -> (B, H_kv, M, D_v)."""
     return torch.matmul(probs.to(values.dtype), values)
+
+
+def attend_stored(
+    q: torch.Tensor,
+    store,
+    length: int,
+    scaling: float,
+    softcap: float | None = None,
+    allowed: torch.Tensor | None = None,
+    shape: tuple[int, ...] | None = None,
+    bias: torch.Tensor | None = None,
+    mask_from: int = 0,
+    query_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` (B, H_kv, M, D) over the first ``length`` slots of a K/V store.
+
+    Returns the probabilities (as :func:`attention_probs`, viewed as ``shape``)
+    and the output (B, H_kv, M, D_v) in the values' dtype. ``query_weight``,
+    broadcastable to the probabilities, multiplies them before the output
+    (zeros for padding queries); the returned probabilities include it.
+
+    A dense store is read whole (its reads are views). A packed store is read
+    ``store.read_tile`` slots at a time, twice: key tiles fill the float32
+    logits, the softmax runs over the whole row (eviction needs every
+    probability anyway), then value tiles are dequantised one at a time and
+    their products summed. So no more than one tile of K or V is ever dense.
+    """
+    tile = store.read_tile
+    if tile is None or length <= tile:
+        keys, values = store.read(length)
+        probs = attention_probs(q, keys, scaling, softcap, allowed, shape, bias, mask_from)
+        if query_weight is not None:
+            probs = probs * query_weight
+        return probs, attention_output(probs.view(*q.shape[:-1], length), values)
+    exact = _exact_scale(q, scaling)
+    qs = q * scaling if exact else q
+    logits = torch.empty(*q.shape[:-1], length, dtype=torch.promote_types(q.dtype, torch.float32),
+                         device=q.device)  # (B, H_kv, M, L)
+    for start in range(0, length, tile):
+        end = min(length, start + tile)
+        logits[..., start:end] = torch.matmul(qs, store.read_keys(start, end).transpose(-1, -2))
+    probs = _softmax(logits if shape is None else logits.view(shape), scaling, exact, softcap, allowed, bias,
+                     mask_from)
+    if query_weight is not None:
+        probs = probs * query_weight
+    flat = probs.view(*q.shape[:-1], length)  # (B, H_kv, M, L)
+    out, dtype = None, q.dtype
+    for start in range(0, length, tile):
+        end = min(length, start + tile)
+        values = store.read_values(start, end)  # (B, H_kv, tile, D_v), the only dense copy alive
+        part = torch.matmul(flat[..., start:end].to(values.dtype), values)  # summed in float32 across tiles
+        out, dtype = (part.float() if out is None else out.add_(part)), values.dtype
+    assert out is not None
+    return probs, out.to(dtype)

@@ -11,7 +11,9 @@ tensors. Its contract:
   (compaction after an eviction); a packed store moves its packed bytes and
   their per-group scales with that index, without dequantising;
 * ``read(length)`` returns dense K and V of the first ``length`` slots, in the
-  compute dtype, for the attention kernel;
+  compute dtype; ``read_keys``/``read_values`` return one span of slots, so
+  that attention over a packed store dequantises at most ``read_tile`` slots
+  at a time (``read_tile`` None: the store is dense and reads are views);
 * ``resize`` grows the slots (geometrically, up to the budget), or shrinks
   them back to the budget after a prompt-aware prefill held a whole prompt;
 * ``nbytes`` counts what is really allocated, scales and zero-points included.
@@ -24,6 +26,9 @@ import torch
 
 class KVStore:
     """Interface of a K/V store; see the module docstring for the contract."""
+
+    #: Most slots attention reads back at once; None when a read costs nothing (dense views).
+    read_tile: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -55,6 +60,14 @@ class KVStore:
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K and V of the first ``length`` slots, each (B, H_kv, length, D)."""
         raise NotImplementedError
+
+    def read_keys(self, start: int, end: int) -> torch.Tensor:
+        """Dense keys of slots ``[start, end)``: (B, H_kv, end - start, D)."""
+        return self.read(end)[0][:, :, start:]
+
+    def read_values(self, start: int, end: int) -> torch.Tensor:
+        """Dense values of slots ``[start, end)``: (B, H_kv, end - start, D_v)."""
+        return self.read(end)[1][:, :, start:]
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (any order, repeats allowed)."""

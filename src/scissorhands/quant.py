@@ -147,10 +147,10 @@ class PackedTensor:
     def select_batch(self, index: torch.Tensor) -> None:
         self._set(tuple(t.index_select(0, index) for t in self.parts))
 
-    def read(self, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """The first ``length`` slots, dequantised: (B, H_kv, length, D)."""
-        return dequantize(self.data[:, :, :length], self.scale[:, :, :length], self.zero[:, :, :length],
-                          self.bits, self.group, dtype)
+    def read(self, length: int, dtype: torch.dtype, start: int = 0) -> torch.Tensor:
+        """Slots ``[start, length)``, dequantised: (B, H_kv, length - start, D)."""
+        return dequantize(self.data[:, :, start:length], self.scale[:, :, start:length],
+                          self.zero[:, :, start:length], self.bits, self.group, dtype)
 
     def data_bytes(self) -> int:
         return self.data.nbytes
@@ -177,13 +177,18 @@ class PackedKVStore(KVStore):
         Channels per group along the head dimension; a head smaller than this
         is one group, and a head it does not divide takes the largest divisor
         below it.
+    read_tile : int
+        Most slots attention dequantises at once (:func:`.kernel.attend_stored`):
+        the transient dense copy is one tile of K or V, never the whole layer.
     """
 
-    def __init__(self, bits: int = 4, group_size: int = 32, key_bits: int | None = None):
+    def __init__(self, bits: int = 4, group_size: int = 32, key_bits: int | None = None, read_tile: int = 512):
         _check_bits(bits)
         if key_bits is not None and key_bits not in BITS:
             raise ValueError(f"kv_key_bits: must be one of {BITS} or None, got {key_bits!r}")
-        self.bits, self.group_size = bits, group_size
+        if isinstance(read_tile, bool) or not isinstance(read_tile, int) or read_tile < 1:
+            raise ValueError(f"kv_tile: must be an integer >= 1, got {read_tile!r}")
+        self.bits, self.group_size, self.read_tile = bits, group_size, read_tile
         self.key_bits = bits if key_bits is None else key_bits
         self.reset()
 
@@ -234,6 +239,12 @@ class PackedKVStore(KVStore):
         k, v = self._parts()
         return k.read(length, self.dtype), v.read(length, self.dtype)
 
+    def read_keys(self, start: int, end: int) -> torch.Tensor:
+        return self._parts()[0].read(end, self.dtype, start)
+
+    def read_values(self, start: int, end: int) -> torch.Tensor:
+        return self._parts()[1].read(end, self.dtype, start)
+
     def select_batch(self, index: torch.Tensor) -> None:
         for p in self._parts():
             p.select_batch(index)
@@ -257,8 +268,8 @@ class PackedKVStore(KVStore):
         return (k.dim + v.dim) * itemsize
 
 
-def make_store(bits: int | None, group_size: int, key_bits: int | None = None) -> KVStore:
+def make_store(bits: int | None, group_size: int, key_bits: int | None = None, read_tile: int = 512) -> KVStore:
     """The store for ``kv_bits`` (and ``kv_key_bits``): dense in the model's dtype for None or 16, else packed."""
     if bits is None or bits == 16:
         return DenseKVStore()
-    return PackedKVStore(bits, group_size, key_bits)
+    return PackedKVStore(bits, group_size, key_bits, read_tile)

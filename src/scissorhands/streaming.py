@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .budgeted import BudgetedKV
-from .kernel import attention_output, attention_probs
+from .kernel import attend_stored
 
 
 def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -98,10 +98,8 @@ def _decode_step(kv: BudgetedKV, query, key, value, scaling, softcap) -> torch.T
     seen = kv.slots.uniform_state()[1]  # compression keeps rows aligned
     length = kv.append_token(key, value)
     q = query.view(b, h, h_q // h, d)  # (B, H_kv, g, D)
-    keys, values = kv.store.read(length)  # (B, H_kv, L, D) each
     bias = None if kv.merge is None else kv.merge.bias(length)[:, :, None, :]  # (B, H_kv, 1, L)
-    probs = attention_probs(q, keys, scaling, softcap, bias=bias)  # (B, H_kv, g, L)
-    ctx = attention_output(probs, values)  # (B, H_kv, g, D_v)
+    probs, ctx = attend_stored(q, kv.store, length, scaling, softcap, bias=bias)  # (B, H_kv, g, L), (B, H_kv, g, D_v)
     if kv.state.wants_attention:
         kv.state.observe(probs.unsqueeze(3), length, seen, None)  # (B, H_kv, g, 1, L)
     return ctx.view(b, h_q, 1, -1)
@@ -156,7 +154,6 @@ def _attend_block(kv: BudgetedKV, q, out, base, cum, valid, scaling, softcap, qu
         n = e - a
         limit = base[:, None] + cum[:, a:e]  # (B, n) slots each query sees
         length = int(limit.max())
-        keys, values = kv.store.read(length)  # (B, H_kv, L, D) each
         qt = q[:, :, :, a:e].reshape(b, h, g * n, d)  # (B, H_kv, g*n, D)
         allowed = None
         lo = int(limit.min())  # every query of the tile sees all slots before this one: only the rest is masked
@@ -164,11 +161,11 @@ def _attend_block(kv: BudgetedKV, q, out, base, cum, valid, scaling, softcap, qu
             slot = torch.arange(lo, length, device=device)
             allowed = (slot < limit.to(device)[:, :, None])[:, None, None]  # (B, 1, 1, n, L - lo)
         bias = None if kv.merge is None else kv.merge.bias(length)[:, :, None, None, :]  # (B, H_kv, 1, 1, L)
-        probs = attention_probs(qt, keys, scaling, softcap, allowed, shape=(b, h, g, n, length),
-                                bias=bias, mask_from=lo)  # (B, H_kv, g, n, L)
-        if valid is not None:
-            probs = probs * valid[:, a:e].to(device=device, dtype=probs.dtype)[:, None, None, :, None]
-        ctx = attention_output(probs.view(b, h, g * n, length), values)  # (B, H_kv, g*n, D_v)
+        weight = None if valid is None else valid[:, a:e].to(device=device, dtype=torch.float32)
+        # probs (B, H_kv, g, n, L); ctx (B, H_kv, g*n, D_v)
+        probs, ctx = attend_stored(qt, kv.store, length, scaling, softcap, allowed, shape=(b, h, g, n, length),
+                                   bias=bias, mask_from=lo,
+                                   query_weight=None if weight is None else weight[:, None, None, :, None])
         out[:, :, :, a:e] = ctx.view(b, h, g, n, -1)
         if snap is not None:
             marked = snap[0][:, a:e].to(device=device, dtype=probs.dtype)[:, None, None, :, None]  # (B, 1, 1, n, 1)
