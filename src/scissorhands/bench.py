@@ -271,13 +271,19 @@ def _tokens(model, batch: int, length: int, seed: int) -> torch.Tensor:
     """Token ids (B, length): seeded, away from the special ids at the start of the vocabulary."""
     vocab = text_config(model).vocab_size
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(min(16, vocab - 1), vocab, (batch, length), generator=gen)
+    return torch.randint(min(16, vocab - 1), vocab, (batch, length), generator=gen).to(model.device)
 
 
 def _forward(model, ids: torch.Tensor, cache) -> torch.Tensor:
-    """One forward over ``ids`` through ``cache``; the next token per row (greedy)."""
+    """One forward over ``ids`` through ``cache``; the next token per row (greedy).
+
+    On an accelerator it waits for the queued work, so that wall-clock timings cover it.
+    """
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+    nxt = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+    if nxt.device.type == "cuda":
+        torch.cuda.synchronize(nxt.device)
+    return nxt
 
 
 def _prefill(model, ids: torch.Tensor, cache, chunk: int | None) -> torch.Tensor:
@@ -434,15 +440,23 @@ def generation_trial(model, make_cache: Callable[[], object], batch: int, prompt
     -------
     dict
         ``rss_growth_bytes`` (peak RSS during the run minus RSS before it, None
-        where the kernel does not let the peak be reset), ``cache_bytes`` (K/V
+        where the kernel does not let the peak be reset; for a model on a CUDA
+        device, the device's peak allocated memory minus what was allocated
+        before), ``cache_bytes`` (K/V
         + importance + positions from tensor storage, the larger of after the
         prefill and at the end), ``decode_tokens_per_s`` (aggregate over the
         batch), ``seconds``.
     """
     ids = _tokens(model, batch, prompt, seed)
+    on_cuda = ids.device.type == "cuda"
+    before: int | None
     _release_free_memory()
-    before = rss_bytes()
-    resettable = _reset_peak()
+    if on_cuda:  # the cap is on the accelerator's memory: its allocator's own peak, exact
+        torch.cuda.reset_peak_memory_stats(ids.device)
+        before, resettable = torch.cuda.memory_allocated(ids.device), True
+    else:
+        before = rss_bytes()
+        resettable = _reset_peak()
     cache = make_cache()
     start = time.perf_counter()
     with torch.no_grad():
@@ -453,7 +467,7 @@ def generation_trial(model, make_cache: Callable[[], object], batch: int, prompt
             nxt = _forward(model, nxt, cache)
     end = time.perf_counter()
     held = sum(cache_bytes(cache)[k] for k in ("kv_bytes", "importance_bytes", "position_bytes"))
-    hwm = _hwm_bytes()
+    hwm = torch.cuda.max_memory_allocated(ids.device) if on_cuda else _hwm_bytes()
     growth = None if not resettable or hwm is None or before is None else max(0, hwm - before)
     del cache
     return {"batch": batch, "rss_growth_bytes": growth, "cache_bytes": max(after_prefill, held),

@@ -124,7 +124,7 @@ def run(args, settings, check_model_args) -> int:
     out = check_output_folder(args.out, "out", _OUTPUT_FILES)
     if threads:
         torch.set_num_threads(threads)
-    model, _ = load_model(args.model, dtype=resolve_dtype(args.dtype))
+    model, _ = load_model(args.model, dtype=resolve_dtype(args.dtype), device=args.device)
     result = run_bench(model, cfg, progress=lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
     result["model_name"] = args.model
     out.mkdir(parents=True, exist_ok=True)

@@ -134,6 +134,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (embedded default), a Hugging Face id, a folder or a .gguf file")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default cpu)")
 
 
 _CACHE_FLAGS = ("recent", "sinks", "window", "window_buckets", "drop", "importance", "value_weighted", "merge",
@@ -292,9 +293,10 @@ def _write_audit(args, audit, cache, watched: dict) -> None:
 
 
 def _check_model_args(args) -> None:
-    from .models import resolve_dtype
+    from .models import resolve_device, resolve_dtype
 
     resolve_dtype(args.dtype)
+    resolve_device(args.device)
     if not str(args.model).strip():
         raise ValueError("model: is empty")
 
@@ -392,7 +394,7 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
     _check_generation_args(args)
     _check_trust_args(args)
     _check_model_args(args)
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompt, spans, watched = _protection(args, model, tokenizer, prompt, config)
     audit = None
     if args.audit is not None:
@@ -487,7 +489,7 @@ def _run_eval(args) -> int:
             check()
     out = check_output_folder(args.out, "out", (RESULTS_FILE, "summary.md", *(f"{t.name}.png" for t in tasks)))
     check_results_file(out / RESULTS_FILE)
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     results = run_grid(model, tokenizer, model_name=args.model, tasks=tasks, methods=methods, budgets=budgets,
                        base=base, out_dir=out, limit=args.limit, seed=args.seed, resume=not args.no_resume)
     table = summary_table(results)

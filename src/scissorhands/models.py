@@ -115,6 +115,31 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype: unsupported dtype {name!r}; choose one of {choices}") from None
 
 
+def resolve_device(name: str | torch.device) -> torch.device:
+    """Turn ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or ``"mps"`` into a :class:`torch.device` this machine has.
+
+    Raises
+    ------
+    ValueError
+        One line naming ``device`` when the name is not a device or the
+        machine has no such accelerator.
+    """
+    try:
+        device = torch.device(str(name).strip())
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device: {name!r} is not a device; use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {name!r} asked for, but this machine's torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {name!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device: {name!r} asked for, but MPS is not available here")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device: {name!r} is not supported; use cpu, cuda, cuda:N or mps")
+    return device
+
+
 def cache_dir() -> pathlib.Path:
     """Directory where converted models are kept.
 
