@@ -8,6 +8,12 @@ separate losses (eviction alone at that budget, quantisation alone without
 eviction), mean and 95% interval over windows.
 
     python benchmarks/kvbits_tables.py docs/results/kvbits/grid.jsonl
+    python benchmarks/kvbits_tables.py --fewshot docs/results/kvbits/fewshot/results.jsonl
+
+With ``--fewshot`` it reads ``scissorhands eval`` records instead: accuracy per
+cell (bits x budget; the ``full`` method is budget 1.0) and its change against
+the bf16 full cache of the same file, paired over the same questions, per task
+and pooled over the tasks, with the K/V reduction measured by the eval.
 """
 
 import json
@@ -74,5 +80,65 @@ def main(path):
         print(f"| {LABELS[n]} | " + " | ".join(vals) + " |")
 
 
+def bits_label(config):
+    bits, key = config.get("kv_bits"), config.get("kv_key_bits")
+    if bits in (None, 16):
+        return "16 (bf16)"
+    return f"K {key} / V {bits}" if key not in (None, bits) else str(bits)
+
+
+def kv_reduction(r):
+    """A bf16 full cache's K/V bytes over this cell's, from the record's lengths, budget and packing."""
+    from scissorhands.quant import packed_bytes_per_token_head
+
+    c, d = r["config"], r["key"]["model"]["signature"]["head_dim"]
+    dense = 2 * d * 2  # K and V in bf16, per token and KV head
+    stored = dense if c.get("kv_bits") in (None, 16) else packed_bytes_per_token_head(
+        d, d, c["kv_bits"], c.get("kv_key_bits"), c.get("kv_group_size", 32))
+    return r["mean_length"] / r["mean_budget"] * dense / stored
+
+
+def fewshot(path):
+    from scissorhands.stats import mean_ci
+
+    recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    tasks = list(dict.fromkeys(r["task"] for r in recs))
+    cells = {}
+    for r in recs:
+        budget = 1.0 if r["method"] == "full" else r["budget"]
+        cells[(bits_label(r["config"]), budget, r["task"])] = r
+    ref = {t: cells.get(("16 (bf16)", 1.0, t)) for t in tasks}
+    keys = sorted({(b, f) for b, f, _ in cells}, key=lambda k: (list(LABELS.values()).index(k[0])
+                                                               if k[0] in LABELS.values() else 9, -k[1]))
+    print("| bits | budget | " + " | ".join(f"{t} acc | Δ {t}" for t in tasks)
+          + " | Δ pooled | K/V reduction vs bf16 |")
+    print("|---|---|" + "---|---|" * len(tasks) + "---|---|")
+    for bits, budget in keys:
+        row, pooled, reduction = [], [], []
+        for t in tasks:
+            r = cells.get((bits, budget, t))
+            if r is None:
+                row += ["", ""]
+                continue
+            row.append(f"{r['value']:.3f}")
+            reduction.append(kv_reduction(r))
+            base = ref[t]
+            if base is None or base is r:
+                row.append("—")
+                continue
+            d = [100 * (float(a["correct"]) - float(b["correct"]))
+                 for a, b in zip(r["item_scores"], base["item_scores"])]
+            pooled += d
+            m, h = mean_ci(d)
+            row.append(f"{m:+.1f} ±{h:.1f}")
+        m, h = mean_ci(pooled) if pooled else (float("nan"), 0.0)
+        red = sum(reduction) / len(reduction) if reduction else float("nan")
+        print(f"| {bits} | {budget} | " + " | ".join(row) + (f" | {m:+.1f} ±{h:.1f}" if pooled else " | —")
+              + f" | {red:.1f}x |")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--fewshot":
+        fewshot(sys.argv[2])
+    else:
+        main(sys.argv[1])

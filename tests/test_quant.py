@@ -426,6 +426,10 @@ def test_cli_generate_and_eval_with_packed_kv(capsys, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in records} == {"full", "scissorhands"}
     assert all(r["key"]["settings"]["kv_bits"] == 4 and r["key"]["settings"]["kv_group_size"] == 8 for r in records)
+    # the recorded K/V bytes are the packed ones: 4-bit K and V of 16 channels in groups of 8, 8 + 2 * 4 bytes each,
+    # against 2 * 16 * 4 bytes in float32, for every token the cell keeps
+    for r in records:
+        assert r["kv_bytes"] == pytest.approx(r["mean_budget"] / r["mean_length"] * r["full_kv_bytes"] * 32 / 128)
 
 
 def test_beam_search_reorders_packed_rows():

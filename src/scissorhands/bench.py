@@ -43,6 +43,7 @@ from transformers import DynamicCache
 from .cache import ScissorhandsCache
 from .config import PREFILL_MODES, CacheSettings
 from .modelinfo import FULL, model_facts, text_config
+from .quant import packed_bytes_per_token_head
 
 logger = logging.getLogger(__name__)
 
@@ -240,10 +241,8 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
     if config is not None and getattr(config, "kv_bits", None) not in (None, 16):
         # Packed: ceil(D * bits / 8) data bytes, and an fp16 scale and zero-point per group, for K and for V.
         d = facts.head_dim
-        group = next(g for g in range(min(config.kv_group_size, d), 0, -1) if d % g == 0)  # as the store cuts it
-        budgeted_per_token = facts.num_kv_heads * sum(
-            math.ceil(d * bits / 8) + (d // group) * 2 * 2 for bits in (config.kv_key_bits or config.kv_bits,
-                                                                          config.kv_bits))
+        budgeted_per_token = facts.num_kv_heads * packed_bytes_per_token_head(d, d, config.kv_bits,
+                                                                              config.kv_key_bits, config.kv_group_size)
     kv, importance = 0, 0
     full_idx = 0
     for layer_type, window in zip(facts.layer_types, facts.sliding_windows):

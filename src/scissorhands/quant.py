@@ -98,6 +98,19 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     return x.reshape(*lead, d).to(dtype)  # (..., D)
 
 
+def group_for(dim: int, group_size: int) -> int:
+    """The largest divisor of ``dim`` not above ``group_size``: the group a packed store cuts a head into."""
+    return next(g for g in range(min(group_size, dim), 0, -1) if dim % g == 0)
+
+
+def packed_bytes_per_token_head(dim_k: int, dim_v: int, bits: int, key_bits: int | None, group_size: int) -> int:
+    """Bytes one token costs per KV head in a packed store: K and V data, and an fp16 scale and zero per group."""
+    total = 0
+    for dim, b in ((dim_k, bits if key_bits is None else key_bits), (dim_v, bits)):
+        total += packed_width(dim, b) + (dim // group_for(dim, group_size)) * 2 * 2
+    return total
+
+
 class PackedTensor:
     """One of K or V, packed: data (B, H_kv, capacity, ceil(D * bits / 8)), scale and zero (B, H_kv, capacity, G).
 
@@ -199,7 +212,7 @@ class PackedKVStore(KVStore):
 
     def _group(self, dim: int) -> int:
         """The largest divisor of ``dim`` not above ``group_size`` (``group_size`` itself for power-of-two heads)."""
-        return next(g for g in range(min(self.group_size, dim), 0, -1) if dim % g == 0)
+        return group_for(dim, self.group_size)
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         b, h, _, dk = key.shape

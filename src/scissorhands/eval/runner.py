@@ -17,6 +17,7 @@ from ..budget import resolve_budget
 from ..config import CacheSettings
 from ..methods import EvictionMethod
 from ..modelinfo import model_facts
+from ..quant import packed_bytes_per_token_head
 from ..scoring import ScoreSetup
 from ..stats import paired_difference
 from .tasks import Task
@@ -24,9 +25,18 @@ from .tasks import Task
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(model) -> int:
-    """Bytes of K and V per token, summed over the budgeted (full-attention) layers."""
-    return model_facts(model).kv_bytes_per_token(next(model.parameters()).element_size())
+def kv_bytes_per_token(model, settings=None) -> int:
+    """Bytes of K and V per token, summed over the budgeted (full-attention) layers.
+
+    With packed K/V in ``settings`` (``kv_bits`` below 16): the packed bytes,
+    scales and zero-points included; otherwise the model's dtype.
+    """
+    facts = model_facts(model)
+    if settings is not None and settings.quantized:
+        d = facts.head_dim
+        per_head = packed_bytes_per_token_head(d, d, settings.kv_bits, settings.kv_key_bits, settings.kv_group_size)
+        return len(facts.full_layers) * facts.num_kv_heads * per_head
+    return facts.kv_bytes_per_token(next(model.parameters()).element_size())
 
 
 RESULTS_FILE = "results.jsonl"
@@ -284,7 +294,8 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                     "task": task.name, "method": method.name, "budget": _jsonable(spec), "model": model_name,
                     "metric": task.main_metric, "value": metrics[task.main_metric], "metrics": metrics,
                     "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
-                    "kv_bytes": mean_budget * per_token, "full_kv_bytes": mean_len * per_token,
+                    "kv_bytes": mean_budget * kv_bytes_per_token(model, method.resolve(base)),
+                    "full_kv_bytes": mean_len * per_token,
                     "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
                     "config": _jsonable(method.resolve(base).as_dict()),
                     "key_id": kid, "key": key,
