@@ -104,6 +104,35 @@ def test_batch_equals_each_sequence_alone(arch_name):
             assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
 
 
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_ragged_batch_compacts_only_the_rows_that_evict(kv_bits):
+    """Rows of a ragged batch fill at different steps: each eviction reorders only the rows that drop tokens
+    (the others are not touched), and every row still equals that sequence alone."""
+    model = tiny_model("llama", torch.float64)
+    lengths = [30, 21, 9]
+    ids, mask = left_padded(lengths, seed=4)
+    cfg = ScissorhandsConfig(budget=12, recent=3, drop=4, window=8, window_buckets=4, kv_bits=kv_bits)
+    cache = ScissorhandsCache(model, cfg)
+    calls = []
+    for layer in cache.budgeted_layers:
+        reorder = layer.kv.store.reorder
+
+        def spy(order, rows=None, reorder=reorder):
+            calls.append(None if rows is None else rows.tolist())
+            reorder(order, rows)
+
+        layer.kv.store.reorder = spy
+    batch = greedy(model, ids, mask, cache, n=15)
+    subsets = [c for c in calls if c is not None]
+    assert subsets and all(0 < len(c) < len(lengths) for c in subsets)
+    for row, n in enumerate(lengths):
+        alone_cache = ScissorhandsCache(model, cfg)
+        alone = greedy(model, ids[row:row + 1, -n:], mask[row:row + 1, -n:], alone_cache, n=15)
+        assert torch.equal(batch[row, -(n + 15):], alone[0])
+        for lb, la in zip(cache.budgeted_layers, alone_cache.budgeted_layers):
+            assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
+
+
 def test_sampling_runs_and_matches_full_cache_when_nothing_is_evicted():
     model = tiny_model("llama")
     ids, mask = left_padded([20, 20], seed=5)

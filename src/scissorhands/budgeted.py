@@ -175,21 +175,33 @@ class BudgetedKV:
         for part in self.shields:
             mask = part.mask(positions)
             shield = mask if shield is None else shield | mask
-        keep = keep_order(scores, self.slots.lengths, self.recent, n_drop, shield)
+        # Only the rows that drop tokens are ranked and compacted (a ragged batch compresses its rows at
+        # different steps); merging folds across every row's slots, so it takes the whole batch.
+        dropping = n_drop > 0
+        rows = None if self.merge is not None or bool(dropping.all()) else dropping.nonzero().squeeze(1)
+        sel = None if rows is None else rows.to(scores.device)
+        if sel is None:
+            keep = keep_order(scores, self.slots.lengths, self.recent, n_drop, shield)
+        else:
+            sub_shield = None if shield is None else shield.expand_as(scores)[sel]
+            keep = keep_order(scores[sel], self.slots.lengths[rows], self.recent, n_drop[rows], sub_shield)
         if self.listeners:
             # Slot keep[b, h, j] is dropped when its rank j is among the last n_drop[b].
             rank = torch.arange(length, device=keep.device)
-            last = rank[None, None, :] >= (length - n_drop.to(keep.device))[:, None, None]  # (B, 1, L)
+            sub_drop = n_drop if rows is None else n_drop[rows]
+            last = rank[None, None, :] >= (length - sub_drop.to(keep.device))[:, None, None]  # (B', 1, L)
             dropped = torch.zeros_like(keep, dtype=torch.bool).scatter_(2, keep, last.expand_as(keep))
+            if sel is not None:
+                dropped = torch.zeros_like(scores, dtype=torch.bool).index_copy_(0, sel, dropped)  # (B, H_kv, L)
             for listener in self.listeners:
                 listener.evicted_tokens(self.layer_idx, self.slots.seen, positions, scores, dropped)
         if self.merge is not None:
             keys, values = self.store.read(length)
             self.store.write(0, keys, self.merge.fold(keys, values, keep, self.slots.lengths, n_drop))
-        self.store.reorder(keep)
+        self.store.reorder(keep, sel)
         for state in self.states:
-            state.compact(keep)
-        self.slots.compact(keep, n_drop)
+            state.compact(keep, sel)
+        self.slots.compact(keep, n_drop, sel)
         self.compressions += 1
 
     def select_batch(self, index: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .kvstore import gather_rows
 from .state import TokenState
 
 
@@ -226,17 +227,16 @@ class ImportanceState(TokenState):
         """How many queries inside the window each stored token has been scored by (see :func:`queries_in_window`)."""
         return queries_in_window(positions, seen, self.bucket_steps, self.n_buckets)
 
-    def compact(self, keep: torch.Tensor) -> None:
+    def compact(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Reorder the first ``L`` slots by ``keep`` (kept slots first, in stored order).
 
         Parameters
         ----------
-        keep : LongTensor, shape (B, H_kv, L)
+        keep : LongTensor, shape (B, H_kv, L), or (len(rows), H_kv, L) with ``rows``
+        rows : LongTensor, optional
+            Only these rows (a device index).
         """
-        order = keep
-        k = order.shape[-1]
-        idx = order.unsqueeze(0).expand(self.n_buckets, -1, -1, -1)  # (NB, B, H, L)
-        self.acc[..., :k] = self.acc.gather(3, idx)
+        gather_rows(self.acc, keep, rows, dim=3)  # acc: (NB, B, H, capacity)
 
     def select_batch(self, index: torch.Tensor) -> None:
         self.acc = self.acc.index_select(1, index)

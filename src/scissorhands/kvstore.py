@@ -24,6 +24,23 @@ from __future__ import annotations
 import torch
 
 
+def gather_rows(t: torch.Tensor, order: torch.Tensor, rows: torch.Tensor | None, dim: int = 2) -> None:
+    """Permute the first ``L`` slots of ``t`` by ``order``, in place.
+
+    ``t`` is laid out as (..., B, H_kv, capacity, ...) with the slot axis at
+    ``dim`` (K/V: (B, H_kv, capacity, D), dim 2; a bucketed state:
+    (NB, B, H_kv, capacity), dim 3). ``rows`` None: every row, ``order``
+    (B, H_kv, L). Otherwise only the rows ``rows`` (a device index) are read
+    and written, with ``order`` (len(rows), H_kv, L): compacting a few rows of
+    a ragged batch costs what those rows hold.
+    """
+    lead, trail = dim - 2, t.dim() - dim - 1
+    idx = order.view((1,) * lead + tuple(order.shape) + (1,) * trail)
+    idx = idx.expand(*t.shape[:lead], *order.shape, *t.shape[dim + 1:])
+    where = (slice(None),) * lead + (slice(None) if rows is None else rows, slice(None), slice(0, order.shape[-1]))
+    t[where] = t[where].gather(dim, idx)
+
+
 class KVStore:
     """Interface of a K/V store; see the module docstring for the contract."""
 
@@ -53,8 +70,11 @@ class KVStore:
         """Write token ``i`` (key[i]: (H_kv, D)) at slot ``slots[i]`` of row ``rows[i]``."""
         raise NotImplementedError
 
-    def reorder(self, order: torch.Tensor) -> None:
-        """Permute the first ``L`` slots of each (row, head) by ``order`` (B, H_kv, L)."""
+    def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Permute the first ``L`` slots of each (row, head) by ``order`` (B, H_kv, L).
+
+        With ``rows`` (a device index), only those rows, and ``order`` is (len(rows), H_kv, L).
+        """
         raise NotImplementedError
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,11 +153,9 @@ class DenseKVStore(KVStore):
         self.keys[rows, :, slots] = key
         self.values[rows, :, slots] = value
 
-    def reorder(self, order: torch.Tensor) -> None:
-        length = order.shape[-1]
+    def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         for t in (self.keys, self.values):
-            idx = order.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])  # (B, H_kv, L, D)
-            t[:, :, :length] = t[:, :, :length].gather(2, idx)
+            gather_rows(t, order, rows)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :length], self.values[:, :, :length]

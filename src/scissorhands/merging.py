@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .kvstore import gather_rows
 from .state import TokenState
 
 
@@ -45,8 +46,8 @@ class MergeState(TokenState):
     def clear_slots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         self.mass[rows, :, slots] = 1.0
 
-    def compact(self, keep: torch.Tensor) -> None:
-        self.mass[..., : keep.shape[-1]] = self.mass.gather(2, keep)
+    def compact(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        gather_rows(self.mass, keep, rows)  # mass: (B, H_kv, capacity)
 
     def select_batch(self, index: torch.Tensor) -> None:
         self.mass = self.mass.index_select(0, index)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .kvstore import DenseKVStore, KVStore
+from .kvstore import DenseKVStore, KVStore, gather_rows
 
 BITS = (2, 4, 8)
 _MIN_SCALE = 2.0**-14  # the smallest normal float16: a constant group still gets a usable scale
@@ -151,11 +151,9 @@ class PackedTensor:
         for t, new in zip(self.parts, quantize(x, self.bits, self.group)):
             t[rows, :, slots] = new
 
-    def reorder(self, order: torch.Tensor) -> None:
-        length = order.shape[-1]
+    def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         for t in self.parts:
-            idx = order.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])  # (B, H_kv, L, ·)
-            t[:, :, :length] = t[:, :, :length].gather(2, idx)
+            gather_rows(t, order, rows)
 
     def select_batch(self, index: torch.Tensor) -> None:
         self._set(tuple(t.index_select(0, index) for t in self.parts))
@@ -244,9 +242,9 @@ class PackedKVStore(KVStore):
         k.write_at(rows, slots, key)
         v.write_at(rows, slots, value)
 
-    def reorder(self, order: torch.Tensor) -> None:
+    def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         for p in self._parts():
-            p.reorder(order)
+            p.reorder(order, rows)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._parts()

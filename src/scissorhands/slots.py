@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .kvstore import gather_rows
+
 
 class SlotTable:
     """Per-row stored lengths and tokens seen (CPU), and per-slot positions (device).
@@ -99,10 +101,13 @@ class SlotTable:
         self.uniform = (length + 1, seen + 1)
         self.peak = max(self.peak, length + 1)
 
-    def compact(self, keep: torch.Tensor, dropped: torch.Tensor) -> None:
-        """Reorder the first ``L`` slots by ``keep`` (B, H_kv, L) and forget ``dropped`` (B,) tokens per row."""
+    def compact(self, keep: torch.Tensor, dropped: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Reorder the first ``L`` slots by ``keep`` (B, H_kv, L) and forget ``dropped`` (B,) tokens per row.
+
+        With ``rows`` (a device index) only those rows are reordered, and ``keep`` is (len(rows), H_kv, L).
+        """
         length = keep.shape[-1]
-        self.positions[:, :, :length] = self.positions[:, :, :length].gather(2, keep)
+        gather_rows(self.positions, keep, rows)
         self.lengths -= dropped
         slot = torch.arange(length, device=self.device)
         empty = slot[None, :] >= self.lengths.to(self.device)[:, None]  # (B, L)

@@ -54,8 +54,11 @@ class TokenState:
             False for padding queries; None when all are real.
         """
 
-    def compact(self, keep: torch.Tensor) -> None:
-        """Reorder the first ``L`` slots by ``keep`` (B, H_kv, L): kept slots first, in stored order."""
+    def compact(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Reorder the first ``L`` slots by ``keep`` (B, H_kv, L): kept slots first, in stored order.
+
+        With ``rows`` (a device index), only those rows, and ``keep`` is (len(rows), H_kv, L).
+        """
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (any order, repeats allowed)."""
