@@ -118,6 +118,15 @@ def test_soak_memory_is_flat_once_the_cache_is_full():
     assert result["flat"] and len(filled) >= 5
     assert len({r["cache_bytes"] for r in filled}) == 1  # bytes at the end == bytes after the cache filled
     assert result["records"][-1]["tokens"] == 60
+    # the speed ratio compares equal windows of steady records: total tokens over total time in each
+    steady = [r for r in result["records"] if r["seen"] > 24][1:]
+    k = result["speed_window_tokens"] // 6
+    assert 1 <= k <= len(steady) // 2
+
+    def rate(rs):
+        return len(rs) * 6 / sum(6 / r["tokens_per_s"] for r in rs)
+
+    assert result["speed_last_over_first"] == pytest.approx(rate(steady[-k:]) / rate(steady[:k]))
 
 
 def test_parse_size():

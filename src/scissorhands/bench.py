@@ -542,11 +542,18 @@ def soak_part(model, cfg: BenchConfig) -> dict:
         rss = [r["rss_bytes"] for r in filled if r["rss_bytes"] is not None]
         if rss:
             out["rss_growth_after_fill"] = (rss[-1] - rss[0]) / rss[0]
-        k = max(1, len(filled) // 4)
-        first = statistics.median(r["tokens_per_s"] for r in filled[:k])
-        last = statistics.median(r["tokens_per_s"] for r in filled[-k:])
-        out["speed_last_over_first"] = last / first
+        # Tokens/s over the last 2,000 tokens against the first 2,000 after warm-up (the first full interval
+        # after the fill is the warm-up); windows shrink to half the steady records on shorter runs.
+        steady = filled[1:] if len(filled) > 2 else filled
+        k = max(1, min(2000 // cfg.soak_every, len(steady) // 2))
+        out["speed_window_tokens"] = k * cfg.soak_every
+        out["speed_last_over_first"] = _rate(steady[-k:], cfg.soak_every) / _rate(steady[:k], cfg.soak_every)
     return out
+
+
+def _rate(records: list[dict], every: int) -> float:
+    """Tokens/s over consecutive records of ``every`` tokens each: total tokens over total time."""
+    return len(records) * every / sum(every / r["tokens_per_s"] for r in records)
 
 
 # -- the whole run ---------------------------------------------------------------------------------------------
@@ -640,7 +647,8 @@ def tables(result: dict) -> str:
         s = result["soak"]
         lines.append(f"soak: {s['tokens']} tokens at budget {s['budget']}: cache bytes flat after fill: {s['flat']}; "
                      f"RSS growth after fill {s.get('rss_growth_after_fill', float('nan')):+.2%}; "
-                     f"tokens/s last/first quarter {s.get('speed_last_over_first', float('nan')):.3f}")
+                     f"tokens/s last/first {s.get('speed_window_tokens', 0)} tokens "
+                     f"{s.get('speed_last_over_first', float('nan')):.3f}")
     lines.append(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB")
     return "\n".join(lines)
 
