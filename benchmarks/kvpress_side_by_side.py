@@ -27,6 +27,15 @@ What is measured, per method, at one budget:
 
 A press that fails on this model or transformers version is recorded with its
 error, not left out.
+
+``--speed-context T`` measures decode speed where attention matters instead:
+a ``T``-token prompt (the text, repeated) at batch ``--speed-batch`` is
+prefilled once per engine, then each cache decodes ``--speed-steps`` greedy
+tokens; the median step after ``--speed-warmup`` steps is reported, with the
+K/V bytes held. The budget is ``--budget`` tokens per layer. kvpress's presses
+share one full-cache prefill (a copy each): ``DecodingPress`` only compresses
+while decoding, so its first compressions fall in the warm-up. Ours prefills
+through its own cache.
 """
 
 from __future__ import annotations
@@ -149,6 +158,75 @@ def run_ours(args, ids) -> list[dict]:
     return rows
 
 
+def _prompt(tok, context: int, batch: int) -> torch.Tensor:
+    ids = tok(TEXT.read_text())["input_ids"]
+    reps = -(-context // len(ids))
+    return torch.tensor([(ids * reps)[:context]] * batch)
+
+
+def _decode_speed(model, cache, nxt, steps: int, warmup: int, memory, context=None) -> dict:
+    times, peak = [], 0
+    with torch.no_grad(), (context if context is not None else _null()):
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            peak = max(peak, memory(cache))
+    step = statistics.median(times[warmup:])
+    return {"step_s": step, "step_s_all": times, "tokens_per_s": nxt.shape[0] / step,
+            "kv_bytes_end": memory(cache), "kv_bytes_peak_decode": peak}
+
+
+def speed_kvpress(args) -> list[dict]:
+    import copy
+
+    import kvpress
+    from transformers import DynamicCache
+
+    model, tok = load()
+    ids = _prompt(tok, args.speed_context, args.speed_batch)
+    cache = DynamicCache()
+    start = time.perf_counter()
+    with torch.no_grad():
+        nxt = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    prefill_s = time.perf_counter() - start
+    rows = []
+    presses = {"full (DynamicCache)": None, "DecodingPress(tova)": kvpress.TOVAPress,
+               "DecodingPress(streaming_llm)": kvpress.StreamingLLMPress, "DecodingPress(knorm)": kvpress.KnormPress}
+    for name, make in presses.items():
+        row = {"engine": "kvpress", "method": name, "budget": None if make is None else args.budget,
+               "context": args.speed_context, "batch": args.speed_batch, "prefill_s": prefill_s}
+        try:
+            ctx = None if make is None else kvpress.DecodingPress(
+                base_press=make(), compression_interval=args.steps_between, target_size=args.budget)(model)
+            row.update(_decode_speed(model, copy.deepcopy(cache), nxt, args.speed_steps, args.speed_warmup,
+                                     kv_bytes, ctx))
+        except Exception as e:  # a press that fails here is a result, recorded with its error
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        rows.append(row)
+    return rows
+
+
+def speed_ours(args) -> list[dict]:
+    from scissorhands import CacheSettings, ScissorhandsCache
+    from scissorhands.methods import get_method
+
+    model, tok = load()
+    ids = _prompt(tok, args.speed_context, args.speed_batch)
+    method = get_method("scissorhands")
+    cache = ScissorhandsCache(model, method.configure(CacheSettings(), args.budget), method())
+    start = time.perf_counter()
+    with torch.no_grad():
+        nxt = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    row = {"engine": "scissorhands", "method": "scissorhands", "budget": args.budget, "context": args.speed_context,
+           "batch": args.speed_batch, "prefill_s": time.perf_counter() - start}
+    row.update(_decode_speed(model, cache, nxt, args.speed_steps, args.speed_warmup,
+                             lambda c: c.memory_report()["model_kv_bytes"]))
+    row["importance_bytes"] = cache.memory_report()["importance_bytes"]
+    return [row]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--engine", choices=("kvpress", "scissorhands"))
@@ -159,6 +237,10 @@ def main():
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens prefilled before token-by-token scoring")
     p.add_argument("--tokens", type=int, default=1024, help="text tokens in all (prompt included)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--speed-context", type=int, default=None, help="measure decode speed after a prompt this long")
+    p.add_argument("--speed-batch", type=int, default=1)
+    p.add_argument("--speed-steps", type=int, default=48)
+    p.add_argument("--speed-warmup", type=int, default=16)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.merge:
@@ -168,6 +250,20 @@ def main():
             rows += data["rows"]
             configs.append(data["config"])
         Path(args.out).write_text(json.dumps({"config": configs, "rows": rows}, indent=1))
+        return
+    if args.speed_context is not None:
+        if not 0 < args.budget < args.speed_context or args.speed_warmup >= args.speed_steps:
+            raise SystemExit("speed-context: needs 0 < budget < speed-context and speed-warmup < speed-steps")
+        torch.set_num_threads(args.threads)
+        rows = speed_kvpress(args) if args.engine == "kvpress" else speed_ours(args)
+        import transformers
+
+        Path(args.out).write_text(json.dumps({"config": vars(args), "machine": {
+            "machine": platform.machine(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "threads": torch.get_num_threads()}, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}, indent=1))
+        for r in rows:
+            print(json.dumps({k: r.get(k) for k in ("engine", "method", "tokens_per_s", "step_s", "kv_bytes_end",
+                                                      "kv_bytes_peak_decode", "prefill_s", "error")}))
         return
     if args.prompt >= args.budget:
         raise SystemExit(f"prompt: must be below the budget ({args.budget}), so that both caches start under it")
