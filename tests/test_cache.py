@@ -88,6 +88,17 @@ def test_invariants_during_generate(arch, importance):
     assert all(layer.compressions > 0 for layer in cache.budgeted_layers)
 
 
+def assert_rows_equal_alone(model, cfg, lengths, ids, mask, batch_cache, n=15):
+    """Greedy generation of a left-padded batch: each row's tokens and kept positions = its sequence alone."""
+    batch = greedy(model, ids, mask, batch_cache, n=n)
+    for row, length in enumerate(lengths):
+        alone_cache = ScissorhandsCache(model, cfg)
+        alone = greedy(model, ids[row:row + 1, -length:], mask[row:row + 1, -length:], alone_cache, n=n)
+        assert torch.equal(batch[row, -(length + n):], alone[0])
+        for lb, la in zip(batch_cache.budgeted_layers, alone_cache.budgeted_layers):
+            assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
+
+
 @pytest.mark.parametrize("arch_name", ["llama", "gemma3", "gpt2", "opt"])
 def test_batch_equals_each_sequence_alone(arch_name):
     model = tiny_model(arch_name, torch.float64)
@@ -95,13 +106,7 @@ def test_batch_equals_each_sequence_alone(arch_name):
     ids, mask = left_padded(lengths, seed=4)
     cfg = ScissorhandsConfig(budget=12, recent=3, drop=4, window=8, window_buckets=4)
     batch_cache = ScissorhandsCache(model, cfg)
-    batch = greedy(model, ids, mask, batch_cache, n=15)
-    for row, n in enumerate(lengths):
-        alone_cache = ScissorhandsCache(model, cfg)
-        alone = greedy(model, ids[row:row + 1, -n:], mask[row:row + 1, -n:], alone_cache, n=15)
-        assert torch.equal(batch[row, -(n + 15):], alone[0])
-        for lb, la in zip(batch_cache.budgeted_layers, alone_cache.budgeted_layers):
-            assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
+    assert_rows_equal_alone(model, cfg, lengths, ids, mask, batch_cache)
 
 
 @pytest.mark.parametrize("kv_bits", [None, 4])
@@ -122,15 +127,9 @@ def test_ragged_batch_compacts_only_the_rows_that_evict(kv_bits):
             reorder(order, rows)
 
         layer.kv.store.reorder = spy
-    batch = greedy(model, ids, mask, cache, n=15)
+    assert_rows_equal_alone(model, cfg, lengths, ids, mask, cache)
     subsets = [c for c in calls if c is not None]
     assert subsets and all(0 < len(c) < len(lengths) for c in subsets)
-    for row, n in enumerate(lengths):
-        alone_cache = ScissorhandsCache(model, cfg)
-        alone = greedy(model, ids[row:row + 1, -n:], mask[row:row + 1, -n:], alone_cache, n=15)
-        assert torch.equal(batch[row, -(n + 15):], alone[0])
-        for lb, la in zip(cache.budgeted_layers, alone_cache.budgeted_layers):
-            assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
 
 
 def test_sampling_runs_and_matches_full_cache_when_nothing_is_evicted():
