@@ -7,6 +7,11 @@ cache of a ``defaults_sweep.py`` run (its ``.full.json``, same windows).
   ``group`` channels within each token); ``token:4:32:8`` gives keys 8 bits.
 * ``keys`` / ``values``: only keys (or only values) quantised per token, the
   other kept exact: which of the two the loss comes from.
+* ``calib``: per-token groups, after each key channel is centred and scaled by
+  statistics measured once on a calibration text (``--calib-text``, not the
+  evaluation text): ``(k - mean_c) / std_c`` is quantised and read back as
+  ``q * std_c + mean_c``; ``calib-center`` only centres. Keys stay per token,
+  so eviction could still move them as rows. Values per token as ``token``.
 * ``channel``: keys grouped per channel over ``group`` consecutive tokens,
   values per token (KIVI). Simulated in a dense store that quantises and
   dequantises each chunk as it is written; the last partial group of tokens
@@ -73,6 +78,58 @@ class PerChannelKeyStore(DenseKVStore):
         super().write(start, key, fake_quant(value, self.bits, min(32, value.shape[-1])))
 
 
+class KeyStats(DenseKVStore):
+    """Dense store that also accumulates each KV head's per-channel key mean and spread (calibration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n, self.sum, self.sq = 0, 0.0, 0.0
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        k = key.float()
+        self.n += k.shape[0] * k.shape[2]
+        self.sum = self.sum + k.sum(dim=(0, 2))  # (H_kv, D)
+        self.sq = self.sq + (k * k).sum(dim=(0, 2))
+        super().write(start, key, value)
+
+    def stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = self.sum / self.n
+        return mean, (self.sq / self.n - mean * mean).clamp(min=1e-6).sqrt()
+
+
+class CalibratedKeyStore(DenseKVStore):
+    """Keys centred (and scaled) per channel by calibration statistics, then quantised per token; values per token."""
+
+    def __init__(self, bits: int, group: int, mean: torch.Tensor, std: torch.Tensor | None):
+        super().__init__()
+        self.bits, self.group, self.mean, self.std = bits, group, mean[None, :, None], std
+        if std is not None:
+            self.std = std[None, :, None]
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        k = key.float() - self.mean
+        if self.std is not None:
+            k = k / self.std
+        k = fake_quant(k, self.bits, min(self.group, k.shape[-1]))
+        if self.std is not None:
+            k = k * self.std
+        key = (k + self.mean).to(key.dtype)
+        super().write(start, key, fake_quant(value, self.bits, min(self.group, value.shape[-1])))
+
+
+def calibrate(model, tok, path: str, tokens: int = 2048) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: each KV head's per-channel key mean and standard deviation over ``tokens`` tokens of a text."""
+    full = get_method("full")
+    ids = torch.tensor(tok(Path(path).read_text())["input_ids"][:tokens])
+    cache = ScissorhandsCache(model, full.configure(CacheSettings(), len(ids)), full())
+    stores = []
+    for layer in cache.budgeted_layers:
+        layer.kv.store = KeyStats()
+        stores.append(layer.kv.store)
+    token_logprobs(model, ids, ScoreSetup(full, None, CacheSettings()), cache=cache)
+    return [s.stats() for s in stores]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variants", required=True,
@@ -80,12 +137,15 @@ def main():
     p.add_argument("--baseline", required=True, help="the .full.json of a defaults_sweep run (same windows)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--calib-text", default="docs/performance.md",
+                   help="text whose keys give the per-channel statistics of the calib layouts")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     base = json.loads(Path(args.baseline).read_text())
     model, tok = load_model(args.model, dtype=args.dtype)
     items = Perplexity(base["seq_len"], base["num_samples"]).items(tok, None)
     full = get_method("full")
+    stats = calibrate(model, tok, args.calib_text) if "calib" in args.variants else None
     for variant in args.variants.split(","):
         layout, bits, group, *key_bits = variant.split(":")
         start = time.perf_counter()
@@ -103,6 +163,10 @@ def main():
                     layer.kv.store = PerChannelKeyStore(int(bits), int(group))
                 elif layout in ("keys", "values"):
                     layer.kv.store = OneSideStore(int(bits), int(group), layout)
+                elif layout in ("calib", "calib-center"):
+                    assert stats is not None
+                    mean, std = stats[cache.budgeted_layers.index(layer)]
+                    layer.kv.store = CalibratedKeyStore(int(bits), int(group), mean, std if layout == "calib" else None)
             lp, _ = token_logprobs(model, ids, setup, cache=cache)
             nll.append(float(-lp.mean()))
         delta, half = paired_difference(nll, base["nll"])
