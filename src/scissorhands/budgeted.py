@@ -20,6 +20,8 @@ Two extension points let features join an eviction without editing it:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .kvstore import DenseKVStore, KVStore
@@ -29,6 +31,34 @@ from .protect import Protection
 from .selection import keep_order
 from .slots import SlotTable
 from .state import TokenState
+
+
+def _takes_rows(fn) -> bool:
+    """Whether a store's ``reorder`` or a state's ``compact`` accepts ``rows`` (parts written before it did not)."""
+    try:
+        return "rows" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _whole_batch(keep: torch.Tensor, sel: torch.Tensor, batch: int):
+    """A function giving ``keep`` (len(sel), H_kv, L) widened to every row, the identity order elsewhere."""
+    def build() -> torch.Tensor:
+        b, h, length = batch, keep.shape[1], keep.shape[2]
+        order = torch.arange(length, device=keep.device).expand(b, h, length).clone()
+        return order.index_copy_(0, sel, keep)
+
+    return build
+
+
+def _apply(fn, keep: torch.Tensor, sel, whole) -> None:
+    """Call ``fn(keep, sel)``, or ``fn(whole_batch_keep)`` for a part that compacts whole batches only."""
+    if sel is None:
+        fn(keep)
+    elif _takes_rows(fn):
+        fn(keep, sel)
+    else:
+        fn(whole())
 
 
 class BudgetedKV:
@@ -198,9 +228,10 @@ class BudgetedKV:
         if self.merge is not None:
             keys, values = self.store.read(length)
             self.store.write(0, keys, self.merge.fold(keys, values, keep, self.slots.lengths, n_drop))
-        self.store.reorder(keep, sel)
+        whole = None if sel is None else _whole_batch(keep, sel, scores.shape[0])
+        _apply(self.store.reorder, keep, sel, whole)
         for state in self.states:
-            state.compact(keep, sel)
+            _apply(state.compact, keep, sel, whole)
         self.slots.compact(keep, n_drop, sel)
         self.compressions += 1
 
