@@ -22,7 +22,8 @@ from pathlib import Path
 
 from scissorhands.stats import mean_ci
 
-LABELS = {"kv16": "16 (bf16)", "kv8": "8", "k8v4": "K 8 / V 4", "kv4": "4", "k8v2": "K 8 / V 2", "kv2": "2"}
+LABELS = {"kv16": "16 (bf16)", "kv8": "8", "k8v4": "K 8 / V 4", "kv4c16": "4, keys centred, groups of 16",
+          "kv4c": "4, keys centred", "kv4": "4", "k8v2": "K 8 / V 2", "kv2": "2"}
 
 
 def load(path):

@@ -12,6 +12,7 @@ from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
 from scissorhands.budgeted import BudgetedKV
 from scissorhands.kvstore import DenseKVStore
 from scissorhands.methods import get_method
+from scissorhands.modelinfo import model_facts
 from scissorhands.quant import PackedKVStore, dequantize, make_store, pack, quantize, unpack
 from scissorhands.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 from test_scoring import BASE, decode_logprobs
@@ -446,3 +447,90 @@ def test_beam_search_reorders_packed_rows():
     assert outs[0].shape == outs[1].shape
     assert caches[1].memory_report()["peak_stored"] <= 12
     assert caches[1].memory_report()["kv_scale_bytes"] > 0
+
+
+# -- per-channel key centres (calibrate) ------------------------------------------------------------
+
+def _packed(key, value, **kw):
+    store = PackedKVStore(4, 8, **kw)
+    store.allocate(key, value)
+    store.resize(key.shape[2])
+    store.write(0, key, value)
+    return store
+
+
+def test_key_centres_of_zero_change_nothing_and_centring_shrinks_offset_channels():
+    gen = torch.Generator().manual_seed(3)
+    offset = torch.zeros(2, 16)
+    offset[:, ::4] = 40.0  # a few channels with a large, nearly constant value, as RoPE's slow pairs carry
+    key = torch.randn(1, 2, 30, 16, generator=gen) + offset[None, :, None]
+    value = torch.randn(1, 2, 30, 16, generator=gen)
+    plain = _packed(key, value)
+    zero = _packed(key, value, key_center=torch.zeros(2, 16))
+    assert torch.equal(plain.read(30)[0], zero.read(30)[0]) and torch.equal(plain.read(30)[1], zero.read(30)[1])
+    centred = _packed(key, value, key_center=offset)
+    k_plain, k_centred = plain.read(30)[0], centred.read(30)[0]
+    # each element within half a step of its centred group, and the steps are far finer
+    step = per_element(centred.k.scale, 8).view(1, 2, 30, 16)
+    assert bool(((key - k_centred).abs() <= step / 2 + 1e-4).all())
+    assert float((key - k_centred).abs().mean()) < 0.2 * float((key - k_plain).abs().mean())
+    assert torch.equal(centred.read(30)[1], plain.read(30)[1])  # values are not centred
+    assert centred.scale_bytes() == plain.scale_bytes() + 2 * 16 * 4  # the centres are counted, once per layer
+
+
+def test_cache_with_key_centres_scores_exactly_and_rejects_bad_files(tmp_path):
+    import json
+
+    from scissorhands.calibrate import measure_key_centers, save_key_centers
+
+    model = tiny_model("gemma3")  # sliding layers: only the full-attention layers get centres
+    record = measure_key_centers(model, lambda text: {"input_ids": [3 + b % 250 for b in text.encode()]},
+                                 "the calibration text " * 20, tokens=200)
+    path = tmp_path / "centres.json"
+    save_key_centers(record, path)
+    assert record["tokens"] == 200 and len(record["layers"]) == len(model_facts(model).full_layers)
+    ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(1))
+    base = replace(BASE, kv_bits=4, kv_group_size=8, kv_key_centers=str(path))
+    fast, _ = token_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
+    slow, cache = decode_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
+    store = cache.budgeted_layers[0].kv.store
+    assert store.k.center is not None and cache.memory_report()["peak_stored"] <= 16
+    plain_setup = ScoreSetup(get_method("scissorhands"), 16, replace(base, kv_key_centers=None))
+    plain, _ = token_logprobs(model, ids, plain_setup)
+    assert not torch.equal(fast, plain)  # the centres are really used
+
+    bad = tmp_path / "bad.json"
+    for content, message in [("{", "is not a key-centre file"), ('{"format": "x"}', "is not a key-centre file"),
+                             (json.dumps({**record, "signature": {"layer_types": []}}), "another model"),
+                             (json.dumps({**record, "layers": {}}), "no valid centres")]:
+        bad.write_text(content)
+        with pytest.raises(ValueError, match="^kv_key_centers: .*" + message):
+            ScissorhandsCache(model, ScissorhandsConfig(budget=16, recent=4, kv_bits=4, kv_key_centers=str(bad)))
+    with pytest.raises(ValueError, match="^kv_key_centers: no such file"):
+        ScissorhandsCache(model, ScissorhandsConfig(budget=16, recent=4, kv_bits=4,
+                                                    kv_key_centers=str(tmp_path / "none.json")))
+    with pytest.raises(ValueError, match="^kv_key_centers: needs packed K/V"):
+        CacheSettings(kv_key_centers=str(path))
+
+
+def test_cli_calibrate_then_generate_with_centres(capsys, tmp_path):
+    from conftest import save_tiny_model
+
+    tiny = str(save_tiny_model(tmp_path / "tiny"))
+    text = tmp_path / "calib.txt"
+    text.write_text("A calibration text of plain prose, not the data under test. " * 20)
+    out = tmp_path / "c.json"
+    code, _, err = _cli(capsys, "calibrate", "--model", tiny, "--text", str(text), "--tokens", "128", "--out", str(out))
+    assert code == 0, err
+    assert out.is_file() and "key centres of" in err
+    code, _, err = _cli(capsys, "generate", "--model", tiny, "--budget", "32", "--recent", "4", "--kv-bits", "4",
+                        "--kv-key-centers", str(out), "--prompt", "the quick brown fox " * 8, "--max-new-tokens", "5",
+                        "--ignore-eos")
+    assert code == 0, err
+    for args, param in [(["--text", str(tmp_path / "missing.txt")], "text"), (["--tokens", "1"], "tokens")]:
+        code, _, err = _cli(capsys, "calibrate", "--model", tiny, "--text", str(text), "--out", str(out), *args)
+        assert code == 2 and err.strip().count("\n") == 0 and param in err
+    code, _, err = _cli(capsys, "generate", "--model", tiny, "--budget", "32", "--kv-key-centers", str(out),
+                        "--prompt", "hi")
+    assert code == 2 and "kv_key_centers" in err

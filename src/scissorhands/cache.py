@@ -16,6 +16,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 from .audit import EvictionAudit
 from .budgeted import BudgetedKV
+from .calibrate import load_key_centers
 from .config import ScissorhandsConfig
 from .guard import ModelGuard, check_continues, reuse_message
 from .methods import EvictionMethod
@@ -241,6 +242,7 @@ class ScissorhandsCache(Cache):
         per_layer = layer_budgets(config, len(facts.full_layers))
         check_room(protection, [(b, config.recent_for(b), config.drop_for(b)) for b in per_layer])
         budgets = iter(per_layer)
+        centers = {} if config.kv_key_centers is None else load_key_centers(config.kv_key_centers, model)
         layers: list = []
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
             if layer_type != FULL:
@@ -255,7 +257,7 @@ class ScissorhandsCache(Cache):
                                       sinks=config.sinks, merge=config.merge, prefill=config.prefill,
                                       observe=config.observe, protect=protection,
                                       store=make_store(config.kv_bits, config.kv_group_size, config.kv_key_bits,
-                                                       config.kv_tile))
+                                                       config.kv_tile, centers.get(idx)))
             if audit is not None:
                 layer.kv.listeners.append(audit)
                 audit.attach(idx)

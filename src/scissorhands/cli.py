@@ -101,6 +101,8 @@ def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = Non
                    "is the measured choice")
     g.add_argument("--kv-group-size", type=int, default=None,
                    help=f"channels per quantisation group along the head dimension (default {DEFAULTS.kv_group_size})")
+    g.add_argument("--kv-key-centers", default=None, metavar="FILE.json",
+                   help="packed K/V: quantise keys around per-channel centres measured by 'scissorhands calibrate'")
     g.add_argument("--kv-tile", type=int, default=None,
                    help=f"packed K/V: most stored slots attention dequantises at once (default {DEFAULTS.kv_tile})")
 
@@ -139,7 +141,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 _CACHE_FLAGS = ("recent", "sinks", "window", "window_buckets", "drop", "importance", "value_weighted", "merge",
                 "prefill", "observe", "schedule", "kv_bits", "kv_key_bits", "kv_group_size",
-                "kv_tile")
+                "kv_key_centers", "kv_tile")
 _UNSET = object()
 
 
@@ -196,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench_cli import add_parser as add_bench_parser
 
     add_bench_parser(sub, _add_model_args, _add_cache_args)
+
+    cal = sub.add_parser("calibrate", allow_abbrev=False,
+                         help="measure per-channel key centres for packed K/V (--kv-key-centers)")
+    _add_model_args(cal)
+    cal.add_argument("--text", type=Path, required=True, help="calibration text (any prose; not your test data)")
+    cal.add_argument("--tokens", type=int, default=2048, help="tokens of the text to run through the model")
+    cal.add_argument("--out", type=Path, required=True, help="JSON file to write")
 
     demo = sub.add_parser("demo", allow_abbrev=False, help="generate from the opening of Hamlet on the default model")
     _add_model_args(demo)
@@ -550,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
             from .bench_cli import run as run_bench
 
             return run_bench(args, _settings(args), _check_model_args)
+        if args.command == "calibrate":
+            return _run_calibrate(args)
         if args.command == "demo":
             from .generation import demo_prompt
 
@@ -562,6 +573,27 @@ def main(argv: list[str] | None = None) -> int:
         return say("interrupted", 130)
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _run_calibrate(args) -> int:
+    from .calibrate import measure_key_centers, save_key_centers
+    from .models import load_model
+    from .text import load_texts
+
+    _check_range("tokens", args.tokens, 2)
+    _check_model_args(args)
+    if not args.text.expanduser().is_file():
+        raise ValueError(f"text: no such file {str(args.text)!r}")
+    text = "\n\n".join(t for _, t in load_texts(str(args.text), "text"))
+    if args.out.suffix != ".json":
+        raise ValueError(f"out: must be a .json file, got {str(args.out)!r}")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    record = measure_key_centers(model, tokenizer, text, args.tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_key_centers(record, args.out)
+    print(f"key centres of {len(record['layers'])} layers from {record['tokens']} tokens: {args.out}",
+          file=sys.stderr)
+    return 0
 
 
 def first_line(exc: BaseException) -> str:

@@ -96,6 +96,10 @@ class CacheSettings:
     kv_group_size : int
         Channels per quantisation group along the head dimension (a smaller
         head is one group); each group costs 4 bytes of scale and zero-point.
+    kv_key_centers : str or None
+        With packed K/V: a JSON file of per-channel key centres for this model
+        (``scissorhands calibrate``); keys are quantised around them, which
+        halves the 4-bit loss (docs/quantization.md).
     kv_tile : int
         With packed K/V: the most stored slots attention dequantises at once.
         Keys, then values, are read back tile by tile, so the transient dense
@@ -124,6 +128,7 @@ class CacheSettings:
     kv_bits: int | None = None
     kv_key_bits: int | None = None
     kv_group_size: int = 32
+    kv_key_centers: str | None = None
     kv_tile: int = 512
     preset: str | None = None
 
@@ -182,6 +187,11 @@ class CacheSettings:
         if self.kv_group_size & (self.kv_group_size - 1) or self.kv_group_size < 4:
             raise ValueError(f"kv_group_size: must be a power of two >= 4, got {self.kv_group_size}")
         check_int("kv_tile", self.kv_tile, 1)
+        if self.kv_key_centers is not None:
+            if not isinstance(self.kv_key_centers, str) or not self.kv_key_centers.strip():
+                raise ValueError(f"kv_key_centers: must be a file path, got {self.kv_key_centers!r}")
+            if not self.quantized:
+                raise ValueError(f"kv_key_centers: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
 
     def _apply_preset(self) -> None:
         if self.preset not in PRESETS:

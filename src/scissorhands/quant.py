@@ -118,11 +118,17 @@ class PackedTensor:
     index moves a token's whole packed row.
     """
 
-    def __init__(self, bits: int, group: int, batch: int, heads: int, dim: int, device):
+    def __init__(self, bits: int, group: int, batch: int, heads: int, dim: int, device,
+                 center: torch.Tensor | None = None):
         self.bits, self.group, self.dim = bits, group, dim
         self.data = torch.zeros(batch, heads, 0, packed_width(dim, bits), dtype=torch.uint8, device=device)
         self.scale = torch.zeros(batch, heads, 0, dim // group, dtype=torch.float16, device=device)
         self.zero = torch.zeros_like(self.scale)
+        # A per-(head, channel) offset taken off before quantising and added back when reading (H_kv, 1, D).
+        self.center = None if center is None else center.to(device=device, dtype=torch.float32)[:, None, :]
+
+    def _quantize(self, x: torch.Tensor):
+        return quantize(x if self.center is None else x.float() - self.center, self.bits, self.group)
 
     @property
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,11 +149,12 @@ class PackedTensor:
     def write(self, start: int, x: torch.Tensor) -> None:
         """Quantise a block ``x`` (B, H_kv, c, D) into slots ``[start, start + c)``."""
         c = x.shape[-2]
-        for t, new in zip(self.parts, quantize(x, self.bits, self.group)):
+        for t, new in zip(self.parts, self._quantize(x)):
             t[:, :, start : start + c] = new
 
     def write_at(self, rows: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Quantise token ``i`` (x[i]: (H_kv, D)) into slot ``slots[i]`` of row ``rows[i]``."""
+        x = x if self.center is None else x.float() - self.center[:, 0]  # x: (N, H_kv, D)
         for t, new in zip(self.parts, quantize(x, self.bits, self.group)):
             t[rows, :, slots] = new
 
@@ -160,14 +167,17 @@ class PackedTensor:
 
     def read(self, length: int, dtype: torch.dtype, start: int = 0) -> torch.Tensor:
         """Slots ``[start, length)``, dequantised: (B, H_kv, length - start, D)."""
-        return dequantize(self.data[:, :, start:length], self.scale[:, :, start:length],
-                          self.zero[:, :, start:length], self.bits, self.group, dtype)
+        x = dequantize(self.data[:, :, start:length], self.scale[:, :, start:length],
+                       self.zero[:, :, start:length], self.bits, self.group,
+                       dtype if self.center is None else torch.float32)
+        return x if self.center is None else (x + self.center).to(dtype)
 
     def data_bytes(self) -> int:
         return self.data.nbytes
 
     def scale_bytes(self) -> int:
-        return self.scale.nbytes + self.zero.nbytes
+        """Scales and zero-points, and the per-channel centres when there are any."""
+        return self.scale.nbytes + self.zero.nbytes + (0 if self.center is None else self.center.nbytes)
 
     def bytes_per_token_head(self) -> int:
         return sum(t.shape[-1] * t.element_size() for t in self.parts)
@@ -191,15 +201,20 @@ class PackedKVStore(KVStore):
     read_tile : int
         Most slots attention dequantises at once (:func:`.kernel.attend_stored`):
         the transient dense copy is one tile of K or V, never the whole layer.
+    key_center : Tensor, optional
+        (H_kv, D): each key channel's offset, taken off before quantising and
+        added back when reading (see :mod:`.calibrate`).
     """
 
-    def __init__(self, bits: int = 4, group_size: int = 32, key_bits: int | None = None, read_tile: int = 512):
+    def __init__(self, bits: int = 4, group_size: int = 32, key_bits: int | None = None, read_tile: int = 512,
+                 key_center: torch.Tensor | None = None):
         _check_bits(bits)
         if key_bits is not None and key_bits not in BITS:
             raise ValueError(f"kv_key_bits: must be one of {BITS} or None, got {key_bits!r}")
         if isinstance(read_tile, bool) or not isinstance(read_tile, int) or read_tile < 1:
             raise ValueError(f"kv_tile: must be an integer >= 1, got {read_tile!r}")
         self.bits, self.group_size, self.read_tile = bits, group_size, read_tile
+        self.key_center = key_center
         self.key_bits = bits if key_bits is None else key_bits
         self.reset()
 
@@ -215,7 +230,10 @@ class PackedKVStore(KVStore):
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         b, h, _, dk = key.shape
         dv = value.shape[-1]
-        self.k = PackedTensor(self.key_bits, self._group(dk), b, h, dk, key.device)
+        if self.key_center is not None and tuple(self.key_center.shape) != (h, dk):
+            raise ValueError(f"kv_key_centers: centres of shape {tuple(self.key_center.shape)} do not fit "
+                             f"{h} KV heads of {dk} channels")
+        self.k = PackedTensor(self.key_bits, self._group(dk), b, h, dk, key.device, self.key_center)
         self.v = PackedTensor(self.bits, self._group(dv), b, h, dv, value.device)
         self.dtype = key.dtype
 
@@ -279,8 +297,9 @@ class PackedKVStore(KVStore):
         return (k.dim + v.dim) * itemsize
 
 
-def make_store(bits: int | None, group_size: int, key_bits: int | None = None, read_tile: int = 512) -> KVStore:
+def make_store(bits: int | None, group_size: int, key_bits: int | None = None, read_tile: int = 512,
+               key_center: torch.Tensor | None = None) -> KVStore:
     """The store for ``kv_bits`` (and ``kv_key_bits``): dense in the model's dtype for None or 16, else packed."""
     if bits is None or bits == 16:
         return DenseKVStore()
-    return PackedKVStore(bits, group_size, key_bits, read_tile)
+    return PackedKVStore(bits, group_size, key_bits, read_tile, key_center)
