@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from scissorhands import CacheSettings, ScissorhandsCache, get_method
+from scissorhands.calibrate import KeyStats as CalibrationStats
 from scissorhands.eval.tasks import Perplexity
 from scissorhands.kvstore import DenseKVStore
 from scissorhands.models import load_model
@@ -78,23 +79,20 @@ class PerChannelKeyStore(DenseKVStore):
         super().write(start, key, fake_quant(value, self.bits, min(32, value.shape[-1])))
 
 
-class KeyStats(DenseKVStore):
-    """Dense store that also accumulates each KV head's per-channel key mean and spread (calibration)."""
+class KeyStats(CalibrationStats):
+    """The library's calibration store, also summing squares: each channel's spread as well as its mean."""
 
     def __init__(self):
         super().__init__()
-        self.n, self.sum, self.sq = 0, 0.0, 0.0
+        self.sq = torch.zeros(())
 
     def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        k = key.float()
-        self.n += k.shape[0] * k.shape[2]
-        self.sum = self.sum + k.sum(dim=(0, 2))  # (H_kv, D)
-        self.sq = self.sq + (k * k).sum(dim=(0, 2))
+        self.sq = self.sq + (key.float() ** 2).sum(dim=(0, 2))
         super().write(start, key, value)
 
     def stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        mean = self.sum / self.n
-        return mean, (self.sq / self.n - mean * mean).clamp(min=1e-6).sqrt()
+        mean = self.mean()
+        return mean, (self.sq / self.count - mean * mean).clamp(min=1e-6).sqrt()
 
 
 class CalibratedKeyStore(DenseKVStore):
