@@ -248,6 +248,8 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
     for layer_type, window in zip(facts.layer_types, facts.sliding_windows):
         if layer_type == FULL and budgets:
             kv += batch * budgets[full_idx] * budgeted_per_token
+            if config is not None and getattr(config, "kv_key_centers", None) is not None:
+                kv += facts.num_kv_heads * facts.head_dim * 4  # one float32 centre per KV head and channel
             full_idx += 1
             continue
         tokens = min(seen, window - 1) if window is not None else seen
