@@ -112,8 +112,8 @@ def fewshot(path):
     keys = sorted({(b, f) for b, f, _ in cells}, key=lambda k: (list(LABELS.values()).index(k[0])
                                                                if k[0] in LABELS.values() else 9, -k[1]))
     print("| bits | budget | " + " | ".join(f"{t} acc | Δ {t}" for t in tasks)
-          + " | Δ pooled | K/V reduction vs bf16 |")
-    print("|---|---|" + "---|---|" * len(tasks) + "---|---|")
+          + " | Δ pooled | K/V reduction vs bf16 | compounding, pooled |")
+    print("|---|---|" + "---|---|" * len(tasks) + "---|---|---|")
     for bits, budget in keys:
         row, pooled, reduction = [], [], []
         for t in tasks:
@@ -135,7 +135,25 @@ def fewshot(path):
         m, h = mean_ci(pooled) if pooled else (float("nan"), 0.0)
         red = sum(reduction) / len(reduction) if reduction else float("nan")
         print(f"| {bits} | {budget} | " + " | ".join(row) + (f" | {m:+.1f} ±{h:.1f}" if pooled else " | —")
-              + f" | {red:.1f}x |")
+              + f" | {red:.1f}x | {excess(cells, tasks, bits, budget)} |")
+
+
+def excess(cells, tasks, bits, budget):
+    """Compounding, pooled over tasks: per question, combination - eviction alone - quantisation alone + full."""
+    from scissorhands.stats import mean_ci
+
+    if bits == "16 (bf16)" or budget == 1.0:
+        return "—"
+    d = []
+    for t in tasks:
+        parts = [cells.get(k) for k in ((bits, budget, t), ("16 (bf16)", budget, t), (bits, 1.0, t),
+                                         ("16 (bf16)", 1.0, t))]
+        if any(x is None for x in parts):
+            return ""
+        for c, e, q, f in zip(*(x["item_scores"] for x in parts)):
+            d.append(100 * (float(c["correct"]) - float(e["correct"]) - float(q["correct"]) + float(f["correct"])))
+    m, h = mean_ci(d)
+    return f"{m:+.1f} ±{h:.1f}"
 
 
 if __name__ == "__main__":
