@@ -39,7 +39,21 @@ SETTINGS = {
     "prompt-aware": {"prefill": "prompt-aware", "observe": 4},
     "packed 8/4, tiles of 5": {"kv_bits": 4, "kv_key_bits": 8, "kv_group_size": 8, "kv_tile": 5},
     "merge + sinks": {"merge": True, "sinks": 2},
+    "packed 4-bit, centred keys": {"kv_bits": 4, "kv_group_size": 8, "kv_key_centers": "CENTRES"},
 }
+
+
+def centres_for(model, arch: str) -> str:
+    """Key centres of a tiny model, measured on the CPU, in a temporary file."""
+    import tempfile
+
+    from scissorhands.calibrate import measure_key_centers, save_key_centers
+
+    path = Path(tempfile.gettempdir()) / f"device_check_centres_{arch}.json"
+    record = measure_key_centers(model, lambda t: {"input_ids": [3 + b % 250 for b in t.encode()]},
+                                 "calibration prose for the tiny model " * 10, tokens=200)
+    save_key_centers(record, path)
+    return str(path)
 
 
 def decode_batch(model, device, config: ScissorhandsConfig, protect=None, audit=False):
@@ -80,6 +94,8 @@ def scorer(model, device, settings: CacheSettings, decode: bool):
 
 def check(arch: str, name: str, extra: dict, device: torch.device, atol: float) -> dict:
     model = tiny_model(arch)
+    if extra.get("kv_key_centers") == "CENTRES":
+        extra = {**extra, "kv_key_centers": centres_for(model.to("cpu"), arch)}
     config = ScissorhandsConfig(budget=16, recent=4, **extra)
     protect = [(0, 3)] if name == "merge + sinks" else None
     row: dict = {"arch": arch, "setting": name}
