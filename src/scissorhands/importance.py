@@ -151,6 +151,12 @@ class ImportanceState(TokenState):
     # -- updates ---------------------------------------------------------------------------
     def observe(self, probs: torch.Tensor, attended, steps, valid: torch.Tensor | None) -> None:
         """Accumulate new queries' attention (see :meth:`TokenState.observe`)."""
+        if (not isinstance(attended, int) and self.form != "count" and self.bucket_steps is None and valid is None
+                and not isinstance(steps, int)):
+            # No window and no padding: every query of the tile adds to the one bucket, so sum over the group
+            # and the queries in one pass instead of writing each query's row first.
+            self.acc[0, :, :, : probs.shape[-1]] += probs.sum(dim=(2, 3)).to(self.acc.dtype)
+            return
         if isinstance(attended, int):  # decode: one query per row, all attended over the same slots
             contrib = probs.sum(dim=2) if self.form != "count" else (probs > 1.0 / attended).sum(
                 dim=2, dtype=torch.float32)  # (B, H_kv, n, L)
