@@ -114,12 +114,19 @@ def save_tiny_model(folder, arch: str = "llama", max_positions: int = 1024):
     return folder
 
 
-def run_in_process(capsys, *args):
-    """The CLI's main() in this process (fast); argparse errors exit through SystemExit."""
+def run_cli(capsys, *args):
+    """The CLI's main() in this process (fast): (exit code, stdout, stderr); argparse errors exit through SystemExit."""
     from scissorhands.cli import main
 
     try:
         code = main(list(args))
     except SystemExit as e:
         code = e.code
-    return code, capsys.readouterr().err
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_in_process(capsys, *args):
+    """(exit code, stderr) of :func:`run_cli`."""
+    code, _, err = run_cli(capsys, *args)
+    return code, err

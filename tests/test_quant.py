@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import left_padded, tiny_model
+from conftest import left_padded, run_cli, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
 from scissorhands.budgeted import BudgetedKV
 from scissorhands.kvstore import DenseKVStore
@@ -385,15 +385,7 @@ def test_batched_generation_equals_each_sequence_alone_quantised():
 
 # -- the command line -----------------------------------------------------------------------------
 
-def _cli(capsys, *args):
-    from scissorhands.cli import main
-
-    try:
-        code = main(list(args))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+_cli = run_cli
 
 
 @pytest.mark.parametrize("flag,value,param", [("--kv-bits", "3", "kv_bits"), ("--kv-group-size", "6", "kv_group_size"),

@@ -17,10 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import scissorhands
-from conftest import ByteTokenizer, left_padded, save_tiny_model, tiny_config, tiny_model
+from conftest import ByteTokenizer, left_padded, run_cli, save_tiny_model, tiny_config, tiny_model
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
 from scissorhands import models as models_module
-from scissorhands.cli import main, memory_line
+from scissorhands.cli import memory_line
 from scissorhands.eval import run_grid
 from scissorhands.eval.runner import RESULTS_FILE, load_results
 from scissorhands.eval.tasks import Perplexity, read_requests
@@ -33,13 +33,7 @@ BASE = ScissorhandsConfig(budget=16, recent=4, drop=0.4, window=16).settings
 SRC = str(Path(scissorhands.__file__).resolve().parents[1])
 
 
-def cli(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+cli = run_cli
 
 
 def one_line(err: str) -> str:

@@ -20,6 +20,7 @@ Two extension points let features join an eviction without editing it:
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -33,12 +34,20 @@ from .slots import SlotTable
 from .state import TokenState
 
 
-def _takes_rows(fn) -> bool:
-    """Whether a store's ``reorder`` or a state's ``compact`` accepts ``rows`` (parts written before it did not)."""
+@functools.cache
+def _accepts_rows(func) -> bool:
     try:
-        return "rows" in inspect.signature(fn).parameters
+        return "rows" in inspect.signature(func).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _takes_rows(fn) -> bool:
+    """Whether a store's ``reorder`` or a state's ``compact`` accepts ``rows`` (parts written before it did not).
+
+    Asked once per class's function, not at every eviction.
+    """
+    return _accepts_rows(getattr(fn, "__func__", fn))
 
 
 def _whole_batch(keep: torch.Tensor, sel: torch.Tensor, batch: int):

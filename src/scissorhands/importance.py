@@ -151,10 +151,9 @@ class ImportanceState(TokenState):
     # -- updates ---------------------------------------------------------------------------
     def observe(self, probs: torch.Tensor, attended, steps, valid: torch.Tensor | None) -> None:
         """Accumulate new queries' attention (see :meth:`TokenState.observe`)."""
-        if (not isinstance(attended, int) and self.form != "count" and self.bucket_steps is None and valid is None
-                and not isinstance(steps, int)):
-            # No window and no padding: every query of the tile adds to the one bucket, so sum over the group
-            # and the queries in one pass instead of writing each query's row first.
+        if self.bucket_steps is None and self.form != "count" and not isinstance(steps, int):
+            # One bucket (no window): every query of the tile adds to it, and padding queries' probabilities
+            # are already 0, so one sum over the group and the queries replaces per-query rows and their routing.
             self.acc[0, :, :, : probs.shape[-1]] += probs.sum(dim=(2, 3)).to(self.acc.dtype)
             return
         if isinstance(attended, int):  # decode: one query per row, all attended over the same slots
