@@ -60,10 +60,11 @@ def test_decode_bytes_count_sliding_layers():
     assert full["measured"]["kv_bytes"] == 2 * (2 * 64 + 2 * 7) * per_token  # 2 full layers, 2 sliding (window 8)
 
 
-@pytest.mark.parametrize("bits,key_bits", [(4, None), (4, 8), (2, None)])
-def test_decode_bytes_of_a_packed_store_match_the_analytic_size(bits, key_bits):
-    """With --kv-bits the budgeted layers hold packed bytes + fp16 scales/zeros, and the bench counts them."""
-    settings = CacheSettings(recent=4, kv_bits=bits, kv_key_bits=key_bits)
+@pytest.mark.parametrize("bits,key_bits,residual", [(4, None, 0), (4, 8, 0), (2, None, 0), (4, None, 3)])
+def test_decode_bytes_of_a_packed_store_match_the_analytic_size(bits, key_bits, residual):
+    """With --kv-bits the budgeted layers hold packed bytes + fp16 scales/zeros (+ the residual), and the bench
+    counts them."""
+    settings = CacheSettings(recent=4, kv_bits=bits, kv_key_bits=key_bits, kv_residual=residual)
     point = decode_point(tiny_model("llama"), small(contexts=(64,), batches=(2,), settings=settings), 64, 2)
     ours = [v for v in point["variants"] if v["name"].startswith("scissorhands")]
     assert ours
@@ -72,7 +73,8 @@ def test_decode_bytes_of_a_packed_store_match_the_analytic_size(bits, key_bits):
     # Llama tiny: 2 KV heads of 16 channels, one group each; K and V at their bits + 4 bytes of scale/zero.
     per_token_head = sum(16 * b // 8 + 4 for b in (key_bits or bits, bits))
     v = ours[0]
-    assert v["measured"]["kv_bytes"] == 2 * 2 * 2 * 32 * per_token_head  # layers x batch x heads x budget
+    residual_bytes = 2 * 2 * 2 * residual * 16 * 2 * 4  # layers x batch x heads x r x (K+V) channels, float32
+    assert v["measured"]["kv_bytes"] == 2 * 2 * 2 * 32 * per_token_head + residual_bytes  # ... x budget
 
 
 def test_decode_bytes_with_key_centres_count_the_centres_once_per_layer(tmp_path):

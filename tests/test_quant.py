@@ -169,7 +169,12 @@ def test_make_store_picks_dense_for_16_and_none():
                                          ({"kv_group_size": 24}, "kv_group_size:"),
                                          ({"kv_key_bits": 16, "kv_bits": 4}, "kv_key_bits:"),
                                          ({"kv_key_bits": 8}, "kv_key_bits:"),
-                                         ({"kv_tile": 0}, "kv_tile:"), ({"kv_tile": 2.5}, "kv_tile:")])
+                                         ({"kv_tile": 0}, "kv_tile:"), ({"kv_tile": 2.5}, "kv_tile:"),
+                                         ({"kv_residual": -1, "kv_bits": 4}, "kv_residual:"),
+                                         ({"kv_residual": 1.5, "kv_bits": 4}, "kv_residual:"),
+                                         ({"kv_residual": 8}, "kv_residual:"),
+                                         ({"kv_residual": 8, "kv_bits": 16}, "kv_residual:"),
+                                         ({"kv_residual": 8, "kv_bits": 4, "merge": True}, "kv_residual:")])
 def test_bad_settings_are_one_line_errors_naming_the_parameter(bad, message):
     with pytest.raises(ValueError) as e:
         CacheSettings(**bad)
@@ -389,7 +394,9 @@ _cli = run_cli
 
 
 @pytest.mark.parametrize("flag,value,param", [("--kv-bits", "3", "kv_bits"), ("--kv-group-size", "6", "kv_group_size"),
-                                              ("--kv-key-bits", "8", "kv_key_bits")])
+                                              ("--kv-key-bits", "8", "kv_key_bits"),
+                                              ("--kv-residual", "-1", "kv_residual"),
+                                              ("--kv-residual", "4", "kv_residual")])
 def test_cli_rejects_bad_kv_flags_in_one_line(capsys, flag, value, param):
     code, _, err = _cli(capsys, "generate", "--budget", "50", flag, value, "--prompt", "hi")
     assert code == 2 and err.strip().count("\n") == 0 and param in err
@@ -410,6 +417,10 @@ def test_cli_generate_and_eval_with_packed_kv(capsys, tmp_path):
                         "--prompt", prompt, "--max-new-tokens", "5", "--ignore-eos")
     assert code == 0, err
     assert "budget none" in err and "packed: data" in err and "no saving" not in err
+    code, _, err = _cli(capsys, "generate", "--model", tiny, "--budget", "32", "--recent", "8", "--kv-bits", "4",
+                        "--kv-residual", "8", "--prompt", prompt, "--max-new-tokens", "5", "--ignore-eos")
+    assert code == 0, err
+    assert "full-precision residual" in err
     data = tmp_path / "text.txt"
     data.write_text("All the world's a stage, and all the men and women merely players. " * 30)
     code, _, err = _cli(capsys, "eval", "--model", tiny, "--methods", "full,scissorhands", "--budgets", "0.5",
@@ -526,3 +537,202 @@ def test_cli_calibrate_then_generate_with_centres(capsys, tmp_path):
     code, _, err = _cli(capsys, "generate", "--model", tiny, "--budget", "32", "--kv-key-centers", str(out),
                         "--prompt", "hi")
     assert code == 2 and "kv_key_centers" in err
+
+
+# -- the full-precision residual of the newest tokens ---------------------------------------------
+
+def _exact_reference(q, packed_k, packed_v, exact_k, exact_v, limits, r, scaling):
+    """Naive: each query (row b, column j) attends to its first limits[b, j] slots, the last r of them exact."""
+    b, h, m, _ = q.shape
+    n = limits.shape[1]
+    g = m // n
+    out = torch.zeros(b, h, m, exact_v.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for j in range(n):
+            lim = int(limits[bi, j])
+            cut = max(0, lim - r)
+            keys = torch.cat([packed_k[bi, :, :cut], exact_k[bi, :, cut:lim]], dim=1).double()  # (H, lim, D)
+            vals = torch.cat([packed_v[bi, :, :cut], exact_v[bi, :, cut:lim]], dim=1).double()
+            for gi in range(g):
+                row = gi * n + j
+                p = torch.softmax(q[bi, :, row].double()[:, None, :] @ keys.transpose(1, 2) * scaling, dim=-1)
+                out[bi, :, row] = (p @ vals)[:, 0]
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(first=st.lists(st.integers(0, 20), min_size=1, max_size=3), new=st.integers(1, 6), r=st.integers(1, 9),
+       tile=st.integers(1, 12), seed=st.integers(0, 99))
+def test_residual_attention_equals_the_naive_per_query_choice(first, new, r, tile, seed):
+    """Rows of different lengths get a block of new tokens; every query of the block reads its own last r slots
+    exact and the older ones packed, as a naive per-query loop does."""
+    from scissorhands.kernel import attend_stored
+
+    gen = torch.Generator().manual_seed(seed)
+    b, h, g, d = len(first), 2, 2, 16
+    lengths = [f + new for f in first]
+    top = max(lengths)
+    key, value = torch.randn(b, h, top, d, generator=gen) * 3, torch.randn(b, h, top, d, generator=gen)
+    store = PackedKVStore(4, 8, read_tile=tile, residual=r)
+    store.allocate(key, value)
+    store.resize(top)
+    for lo, hi in ((0, first), (first, lengths)):  # the old tokens, then the block, each row's tokens in order
+        lo = [0] * b if lo == 0 else lo
+        rows = torch.tensor([bi for bi in range(b) for _ in range(lo[bi], hi[bi])], dtype=torch.long)
+        slots = torch.tensor([s for bi in range(b) for s in range(lo[bi], hi[bi])], dtype=torch.long)
+        if rows.numel():
+            store.write_at(rows, slots, key[rows, :, slots], value[rows, :, slots])
+    assert store.residual_bytes() == store.tail.keys.nbytes * 2 and store.tail.width >= new
+    limits = torch.tensor([[f + 1 + j for j in range(new)] for f in first])  # (B, n): the block's queries
+    q = torch.randn(b, h, g * new, d, generator=gen)
+    length = int(limits.max())
+    lo = int(limits.min())
+    slot = torch.arange(lo, length)
+    allowed = (slot[None, None, :] < limits[:, :, None])[:, None, None]  # (B, 1, 1, n, L - lo)
+    probs, out = attend_stored(q, store, length, 0.3, allowed=allowed, shape=(b, h, g, new, length), mask_from=lo,
+                               limits=limits, ends=torch.tensor(lengths))
+    pk, pv = store.read(top)
+    ref = _exact_reference(q, pk, pv, key, value, limits, r, 0.3)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=2, max_size=2), st.booleans()),
+                      min_size=1, max_size=8), r=st.integers(1, 4), seed=st.integers(0, 99))
+def test_residual_holds_each_rows_newest_tokens_through_evictions(steps, r, seed):
+    """Ragged appends and evictions that keep the recent window: the tail always reads back, exact, the last r
+    stored tokens of every row, and it holds exactly r per row once settled."""
+    from scissorhands.selection import keep_order
+
+    gen = torch.Generator().manual_seed(seed)
+    b, h, d, recent = 2, 2, 8, 4
+    store = PackedKVStore(4, 8, residual=r)
+    store.allocate(torch.zeros(b, h, 1, d), torch.zeros(b, h, 1, d))
+    store.resize(64)
+    held_k = [torch.empty(h, 0, d) for _ in range(b)]  # what each row stores, in slot order, exact
+    for counts, evict in steps:
+        rows = torch.tensor([bi for bi in range(b) for _ in range(counts[bi])], dtype=torch.long)
+        slots = torch.tensor([held_k[bi].shape[1] + i for bi in range(b) for i in range(counts[bi])],
+                             dtype=torch.long)
+        k = torch.randn(len(rows), h, d, generator=gen)
+        if rows.numel():
+            store.write_at(rows, slots, k, k + 1)
+        for bi in range(b):
+            held_k[bi] = torch.cat([held_k[bi], k[rows == bi].transpose(0, 1)], dim=1)
+        lengths = torch.tensor([x.shape[1] for x in held_k])
+        if evict and bool((lengths > recent).all()):
+            n_drop = torch.ones(b, dtype=torch.long)
+            keep = keep_order(torch.randn(b, h, int(lengths.max()), generator=gen), lengths, recent, n_drop)
+            store.reorder(keep)
+            for bi in range(b):
+                kept = keep[bi, :, : int(lengths[bi]) - 1]  # (H, L_b - 1)
+                held_k[bi] = held_k[bi].gather(1, kept[:, :, None].expand(-1, -1, d))
+        store.settle()
+        lengths = torch.tensor([x.shape[1] for x in held_k])
+        assert min(r, int(lengths.max())) <= store.tail.width <= r
+        for bi in range(b):
+            n = min(r, int(lengths[bi]))
+            if n:
+                got = store.read_exact_keys(int(lengths[bi]) - n, int(lengths[bi]), lengths)[bi]
+                assert torch.equal(got, held_k[bi][:, -n:])
+                assert torch.equal(store.read_exact_values(int(lengths[bi]) - n, int(lengths[bi]), lengths)[bi],
+                                   held_k[bi][:, -n:] + 1)
+
+
+@pytest.mark.parametrize("r,tile,arch", [(1, 512, "llama"), (3, 512, "llama"), (3, 5, "qwen2"), (2, 1, "gemma3"),
+                                         (3, 512, "gemma3")])
+def test_scorer_equals_decoding_with_a_residual(r, tile, arch):
+    """Blocked scoring (query tiles of 4, so limits spread across a tile) = token-by-token decoding, where each
+    step reads its newest r tokens exact; and the residual is really in the path."""
+    model = tiny_model(arch)
+    ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(1))
+    base = replace(BASE, kv_bits=4, kv_group_size=8, kv_tile=tile, kv_residual=r, query_tile=4)
+    setup = ScoreSetup(get_method("scissorhands"), 16, base)
+    fast, _ = token_logprobs(model, ids, setup)
+    slow, cache = decode_logprobs(model, ids, setup)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
+    assert all(layer.compressions > 0 for layer in cache.budgeted_layers)
+    without, _ = token_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, replace(base, kv_residual=0)))
+    assert not torch.equal(fast, without)
+    facts = model_facts(model)
+    per_layer = r * facts.num_kv_heads * facts.head_dim * 2 * 4  # r tokens of K and V per KV head, float32
+    report = cache.memory_report()
+    assert report["kv_residual_bytes"] == len(facts.full_layers) * per_layer
+    assert report["budgeted_kv_bytes"] == report["kv_data_bytes"] + report["kv_scale_bytes"] + per_layer * len(
+        facts.full_layers)
+
+
+def test_a_residual_covering_every_token_is_the_unquantised_cache():
+    """Identity: when every query's residual reaches back to the first token, nothing is read packed."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(6))
+    plain, _ = token_logprobs(model, ids, ScoreSetup(get_method("full"), None, CacheSettings()))
+    covered, _ = token_logprobs(model, ids, ScoreSetup(get_method("full"), None,
+                                                       CacheSettings(kv_bits=2, kv_group_size=8, kv_residual=40)))
+    packed, _ = token_logprobs(model, ids, ScoreSetup(get_method("full"), None,
+                                                      CacheSettings(kv_bits=2, kv_group_size=8)))
+    torch.testing.assert_close(covered, plain, rtol=0, atol=1e-5)
+    assert float((packed - plain).abs().max()) > 1e-3  # 2-bit without the residual is far off
+
+
+@pytest.mark.parametrize("prefill", ["stream", "prompt-aware"])
+def test_batched_generation_with_a_residual_equals_each_sequence_alone(prefill):
+    """Left-padded rows of different lengths (ragged appends and evictions), with the residual."""
+    model = tiny_model("llama", torch.float64)
+    lengths = [30, 21, 9]
+    ids, mask = left_padded(lengths, seed=4)
+    cfg = ScissorhandsConfig(budget=12, recent=3, drop=4, window=8, window_buckets=4, kv_bits=4, kv_group_size=8,
+                             kv_residual=3, prefill=prefill, observe=4)
+
+    def greedy(i, m):
+        cache = ScissorhandsCache(model, cfg)
+        with torch.no_grad():
+            out = model.generate(i, attention_mask=m, cache=cache, max_new_tokens=12, do_sample=False,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        return out, cache
+
+    batch, batch_cache = greedy(ids, mask)
+    for row, n in enumerate(lengths):
+        alone, _ = greedy(ids[row:row + 1, -n:], mask[row:row + 1, -n:])
+        assert torch.equal(batch.sequences[row, -(n + 12):], alone.sequences[0])
+        for a, b in zip(batch.logits, alone.logits):
+            torch.testing.assert_close(a[row], b[0], rtol=0, atol=1e-9)
+    report = batch_cache.memory_report()
+    assert report["kv_residual_bytes"] == 3 * 2 * 2 * 3 * 16 * 2 * 8  # rows x layers x heads x r x (K+V) x fp64
+    assert report["max_stored"] <= 12 and (prefill == "prompt-aware" or report["peak_stored"] <= 12)
+
+
+def test_continuations_with_a_residual_equal_each_sequence_alone():
+    model = tiny_model("gemma3")
+    gen = torch.Generator().manual_seed(3)
+    context = torch.randint(3, 256, (40,), generator=gen).tolist()
+    conts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 5, 3)]
+    setup = ScoreSetup(get_method("scissorhands"), 20, replace(BASE, kv_bits=4, kv_group_size=8, kv_residual=3))
+    for (lp, _), c in zip(continuation_logprobs(model, context, conts, setup), conts):
+        alone, _ = token_logprobs(model, torch.tensor(context + c), setup)
+        assert lp == pytest.approx(float(alone[-len(c):].sum()), abs=1e-4)
+
+
+def test_beam_search_and_tile_reads_with_a_residual():
+    """Beams reorder the residual with the packed rows; packed reads stay within a tile."""
+    model = tiny_model("llama")
+    ids, mask = left_padded([20, 14], seed=12)
+    cfg = ScissorhandsConfig(budget=12, recent=3, kv_bits=4, kv_group_size=8, kv_residual=3, kv_tile=5)
+    cache = ScissorhandsCache(model, cfg)
+    spies = [ReadSpy(layer.kv.store) for layer in cache.budgeted_layers]
+    for layer, spy in zip(cache.budgeted_layers, spies):
+        layer.kv.store = spy
+    with torch.no_grad():
+        out = model.generate(ids, cache=cache, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False,
+                             pad_token_id=0)
+    assert out.shape[0] == 2 and all(0 < spy.widest <= 5 for spy in spies)
+    assert cache.memory_report()["kv_residual_bytes"] == 6 * 2 * 2 * 3 * 32 * 4  # 6 beams, residual of 3
+
+
+def test_residual_must_fit_the_recent_window_of_every_layer():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError) as e:
+        ScissorhandsCache(model, ScissorhandsConfig(budget=40, recent=0.1, kv_bits=4, kv_residual=8))
+    assert str(e.value).startswith("kv_residual:") and "\n" not in str(e.value)
+    ScissorhandsCache(model, ScissorhandsConfig(budget=40, recent=0.2, kv_bits=4, kv_residual=8))

@@ -105,6 +105,9 @@ def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = Non
                    help="packed K/V: quantise keys around per-channel centres measured by 'scissorhands calibrate'")
     g.add_argument("--kv-tile", type=int, default=None,
                    help=f"packed K/V: most stored slots attention dequantises at once (default {DEFAULTS.kv_tile})")
+    g.add_argument("--kv-residual", type=int, default=None, metavar="R",
+                   help="packed K/V: keep each row's newest R tokens also in full precision; every query reads its "
+                   f"last R tokens exact (must be <= the recent window; default {DEFAULTS.kv_residual})")
 
 
 def _add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, compare_full: bool) -> None:
@@ -141,7 +144,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 _CACHE_FLAGS = ("recent", "sinks", "window", "window_buckets", "drop", "importance", "value_weighted", "merge",
                 "prefill", "observe", "schedule", "kv_bits", "kv_key_bits", "kv_group_size",
-                "kv_key_centers", "kv_tile")
+                "kv_key_centers", "kv_tile", "kv_residual")
 _UNSET = object()
 
 
@@ -379,9 +382,12 @@ def memory_line(mem: dict) -> str:
                  f"{b_full / b_held:.2f}x smaller")
     line += f"; {peak}"
     if packed:
+        residual = (f", full-precision residual {_mib(mem['kv_residual_bytes'])}"
+                    if mem.get("kv_residual_bytes") else "")
         line += (f"; packed: data {_mib(mem['kv_data_bytes'])}, scales and zero-points "
-                 f"{_mib(mem['kv_scale_bytes'])}; against a bf16 full cache {mem['kv_reduction_vs_bf16']:.2f}x "
-                 f"(K/V), {mem['total_reduction_vs_bf16']:.2f}x (with importance state and positions)")
+                 f"{_mib(mem['kv_scale_bytes'])}{residual}; against a bf16 full cache "
+                 f"{mem['kv_reduction_vs_bf16']:.2f}x (K/V), {mem['total_reduction_vs_bf16']:.2f}x "
+                 "(with importance state and positions)")
     return line
 
 

@@ -104,6 +104,13 @@ class CacheSettings:
         With packed K/V: the most stored slots attention dequantises at once.
         Keys, then values, are read back tile by tile, so the transient dense
         copy is one tile, not a whole layer (:func:`.kernel.attend_stored`).
+    kv_residual : int
+        With packed K/V: each query reads the newest ``kv_residual`` tokens
+        (its own included) exact, from a full-precision copy of each row's
+        newest tokens kept beside the packed ones (:mod:`.residual`); 0 for
+        none. The copy costs that many tokens in the model's dtype per layer,
+        row and KV head, counted in the memory report. It must fit in every
+        layer's recent window, so that an eviction never touches it.
     preset : str or None
         ``"paper"`` reproduces the published algorithm (see :data:`PRESETS`):
         its values replace the library defaults; any field set to a
@@ -130,6 +137,7 @@ class CacheSettings:
     kv_group_size: int = 32
     kv_key_centers: str | None = None
     kv_tile: int = 512
+    kv_residual: int = 0
     preset: str | None = None
 
     def __post_init__(self):
@@ -192,6 +200,13 @@ class CacheSettings:
                 raise ValueError(f"kv_key_centers: must be a file path, got {self.kv_key_centers!r}")
             if not self.quantized:
                 raise ValueError(f"kv_key_centers: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
+        check_int("kv_residual", self.kv_residual, 0)
+        if self.kv_residual:
+            if not self.quantized:
+                raise ValueError(f"kv_residual: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
+            if self.merge:
+                raise ValueError("kv_residual: cannot be combined with merge (merging rewrites kept tokens' values, "
+                                 "and the residual's exact copies would go stale)")
 
     def _apply_preset(self) -> None:
         if self.preset not in PRESETS:

@@ -97,6 +97,8 @@ def attend_stored(
     bias: torch.Tensor | None = None,
     mask_from: int = 0,
     query_weight: torch.Tensor | None = None,
+    limits: int | torch.Tensor | None = None,
+    ends: int | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` (B, H_kv, M, D) over the first ``length`` slots of a K/V store.
 
@@ -110,7 +112,16 @@ def attend_stored(
     logits, the softmax runs over the whole row (eviction needs every
     probability anyway), then value tiles are dequantised one at a time and
     their products summed. So no more than one tile of K or V is ever dense.
+
+    A store with a residual (``store.residual`` = R > 0) needs ``limits``, the
+    slots each query sees (an int for all, or (B, n) for the ``n`` queries of
+    ``shape`` = (B, H_kv, g, n, L)), and ``ends``, each row's stored length:
+    a query that sees ``limit`` slots reads slots ``[limit - R, limit)`` exact
+    and the ones before packed, as it would have when it was decoded alone.
     """
+    if store.residual and limits is not None:
+        return _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, mask_from, query_weight,
+                                limits, ends if ends is not None else limits)
     tile = store.read_tile
     if tile is None or length <= tile:
         keys, values = store.read(length)
@@ -137,4 +148,64 @@ def attend_stored(
         part = torch.matmul(flat[..., start:end].to(values.dtype), values)  # summed in float32 across tiles
         out, dtype = (part.float() if out is None else out.add_(part)), values.dtype
     assert out is not None
+    return probs, out.to(dtype)
+
+
+def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, mask_from, query_weight, limits,
+                     ends) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_stored` over a store whose newest ``R`` tokens per query are read exact.
+
+    Slots below ``x_lo`` are packed for every query of the tile and slots from
+    ``x_hi`` on are exact for every query that sees them; in between (at most
+    the tile's spread of limits), each query takes its own choice, so both
+    forms are scored there and the probabilities are split between the two
+    value reads.
+    """
+    r = store.residual
+    lo, hi = (limits, limits) if isinstance(limits, int) else (int(limits.min()), int(limits.max()))
+    x_lo, x_hi = min(length, max(0, lo - r)), min(length, max(0, hi - r))
+    tile = store.read_tile or max(length, 1)
+    device = q.device
+    exact = _exact_scale(q, scaling)
+    qs = q * scaling if exact else q
+    logits = torch.empty(*q.shape[:-1], length, dtype=torch.promote_types(q.dtype, torch.float32),
+                         device=device)  # (B, H_kv, M, L)
+    for start in range(0, x_hi, tile):
+        end = min(x_hi, start + tile)
+        logits[..., start:end] = torch.matmul(qs, store.read_keys(start, end).transpose(-1, -2))
+    exact_logits = torch.matmul(qs, store.read_exact_keys(x_lo, length, ends).transpose(-1, -2))  # (.., L - x_lo)
+    choose = None  # (B, 1, M, x_hi - x_lo): the mixed slots each query reads exact
+    if x_hi > x_lo:
+        assert isinstance(limits, torch.Tensor)
+        lim = limits.to(device)  # (B, n)
+        b, n = lim.shape
+        slot = torch.arange(x_lo, x_hi, device=device)
+        mixed = slot[None, None, :] >= (lim - r)[:, :, None]  # (B, n, Z)
+        g = q.shape[2] // n
+        choose = mixed[:, None, None].expand(b, 1, g, n, x_hi - x_lo).reshape(b, 1, g * n, x_hi - x_lo)
+        logits[..., x_lo:x_hi] = torch.where(choose, exact_logits[..., : x_hi - x_lo], logits[..., x_lo:x_hi])
+    logits[..., x_hi:] = exact_logits[..., x_hi - x_lo:]
+    probs = _softmax(logits if shape is None else logits.view(shape), scaling, exact, softcap, allowed, bias,
+                     mask_from)
+    if query_weight is not None:
+        probs = probs * query_weight
+    flat = probs.view(*q.shape[:-1], length)  # (B, H_kv, M, L)
+    out, dtype = None, q.dtype
+    for start in range(0, x_hi, tile):
+        end = min(x_hi, start + tile)
+        part_probs = flat[..., start:end]
+        if choose is not None and end > x_lo:
+            a = max(start, x_lo)
+            part_probs = part_probs.clone()
+            part_probs[..., a - start:].masked_fill_(choose[..., a - x_lo : end - x_lo], 0)
+        values = store.read_values(start, end)
+        part = torch.matmul(part_probs.to(values.dtype), values)
+        out, dtype = (part.float() if out is None else out.add_(part)), values.dtype
+    exact_probs = flat[..., x_lo:]
+    if choose is not None:
+        exact_probs = exact_probs.clone()
+        exact_probs[..., : x_hi - x_lo].masked_fill_(~choose, 0)
+    values = store.read_exact_values(x_lo, length, ends)
+    part = torch.matmul(exact_probs.to(values.dtype), values)
+    out, dtype = (part.float() if out is None else out.add_(part)), values.dtype
     return probs, out.to(dtype)

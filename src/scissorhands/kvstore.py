@@ -16,7 +16,11 @@ tensors. Its contract:
   at a time (``read_tile`` None: the store is dense and reads are views);
 * ``resize`` grows the slots (geometrically, up to the budget), or shrinks
   them back to the budget after a prompt-aware prefill held a whole prompt;
-* ``nbytes`` counts what is really allocated, scales and zero-points included.
+* ``nbytes`` counts what is really allocated, scales and zero-points included;
+* a store with a full-precision residual (``residual`` > 0) also keeps each
+  row's newest tokens exact; ``read_exact_keys``/``read_exact_values`` read
+  them, and ``settle`` (called when a chunk's attention is done) drops the
+  exact copies no later query needs.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class KVStore:
 
     #: Most slots attention reads back at once; None when a read costs nothing (dense views).
     read_tile: int | None = None
+    #: Newest tokens of each row a query reads exact (0: the store has no residual).
+    residual: int = 0
 
     @property
     def capacity(self) -> int:
@@ -88,6 +94,17 @@ class KVStore:
     def read_values(self, start: int, end: int) -> torch.Tensor:
         """Dense values of slots ``[start, end)``: (B, H_kv, end - start, D_v)."""
         return self.read(end)[1][:, :, start:]
+
+    def read_exact_keys(self, start: int, end: int, ends) -> torch.Tensor:
+        """Exact keys of slots ``[start, end)`` for a store with a residual; ``ends``: each row's stored length."""
+        raise NotImplementedError
+
+    def read_exact_values(self, start: int, end: int, ends) -> torch.Tensor:
+        """Exact values of slots ``[start, end)``, as :meth:`read_exact_keys`."""
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """A chunk's attention is done: free what only its queries needed (nothing, by default)."""
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (any order, repeats allowed)."""

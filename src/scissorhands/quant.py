@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .kvstore import DenseKVStore, KVStore, gather_rows
+from .residual import ExactTail
 
 BITS = (2, 4, 8)
 _MIN_SCALE = 2.0**-14  # the smallest normal float16: a constant group still gets a usable scale
@@ -204,23 +205,33 @@ class PackedKVStore(KVStore):
     key_center : Tensor, optional
         (H_kv, D): each key channel's offset, taken off before quantising and
         added back when reading (see :mod:`.calibrate`).
+    residual : int
+        Each query reads the newest ``residual`` tokens of its row (its own
+        included) exact, from a full-precision copy kept beside the packed
+        rows (:mod:`.residual`); 0 for none. Every token is still packed once,
+        when written; the copy costs ``residual`` tokens in the model's dtype
+        per row and KV head, counted in ``residual_bytes``.
     """
 
     def __init__(self, bits: int = 4, group_size: int = 32, key_bits: int | None = None, read_tile: int = 512,
-                 key_center: torch.Tensor | None = None):
+                 key_center: torch.Tensor | None = None, residual: int = 0):
         _check_bits(bits)
         if key_bits is not None and key_bits not in BITS:
             raise ValueError(f"kv_key_bits: must be one of {BITS} or None, got {key_bits!r}")
         if isinstance(read_tile, bool) or not isinstance(read_tile, int) or read_tile < 1:
             raise ValueError(f"kv_tile: must be an integer >= 1, got {read_tile!r}")
         self.bits, self.group_size, self.read_tile = bits, group_size, read_tile
+        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
+            raise ValueError(f"kv_residual: must be an integer >= 0, got {residual!r}")
         self.key_center = key_center
         self.key_bits = bits if key_bits is None else key_bits
+        self.residual = residual
         self.reset()
 
     def reset(self) -> None:
         self.k: PackedTensor | None = None
         self.v: PackedTensor | None = None
+        self.tail = ExactTail(self.residual) if self.residual else None
         self.dtype = torch.float32
 
     def _group(self, dim: int) -> int:
@@ -236,6 +247,8 @@ class PackedKVStore(KVStore):
         self.k = PackedTensor(self.key_bits, self._group(dk), b, h, dk, key.device, self.key_center)
         self.v = PackedTensor(self.bits, self._group(dv), b, h, dv, value.device)
         self.dtype = key.dtype
+        if self.tail is not None:
+            self.tail.allocate(key, value)
 
     def _parts(self) -> tuple[PackedTensor, PackedTensor]:
         if self.k is None or self.v is None:
@@ -254,15 +267,22 @@ class PackedKVStore(KVStore):
         k, v = self._parts()
         k.write(start, key)
         v.write(start, value)
+        if self.tail is not None:
+            self.tail.append(key, value)
 
     def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         k, v = self._parts()
         k.write_at(rows, slots, key)
         v.write_at(rows, slots, value)
+        if self.tail is not None:
+            self.tail.append_at(rows, key, value)
 
     def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         for p in self._parts():
             p.reorder(order, rows)
+        if self.tail is not None:
+            # The newest ``residual`` tokens are recent, hence kept, and stay the last slots: the tail holds.
+            self.tail.trim()
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._parts()
@@ -274,12 +294,32 @@ class PackedKVStore(KVStore):
     def read_values(self, start: int, end: int) -> torch.Tensor:
         return self._parts()[1].read(end, self.dtype, start)
 
+    def _tail(self) -> ExactTail:
+        if self.tail is None:
+            raise RuntimeError("PackedKVStore: no residual (kv_residual is 0)")
+        return self.tail
+
+    def read_exact_keys(self, start: int, end: int, ends) -> torch.Tensor:
+        return self._tail().read("keys", start, end, ends)
+
+    def read_exact_values(self, start: int, end: int, ends) -> torch.Tensor:
+        return self._tail().read("values", start, end, ends)
+
+    def settle(self) -> None:
+        if self.tail is not None:
+            self.tail.trim()
+
     def select_batch(self, index: torch.Tensor) -> None:
         for p in self._parts():
             p.select_batch(index)
+        if self.tail is not None:
+            self.tail.select_batch(index)
 
     def nbytes(self) -> int:
-        return self.data_bytes() + self.scale_bytes()
+        return self.data_bytes() + self.scale_bytes() + self.residual_bytes()
+
+    def residual_bytes(self) -> int:
+        return 0 if self.tail is None else self.tail.nbytes()
 
     def data_bytes(self) -> int:
         return 0 if self.k is None or self.v is None else self.k.data_bytes() + self.v.data_bytes()
@@ -298,8 +338,8 @@ class PackedKVStore(KVStore):
 
 
 def make_store(bits: int | None, group_size: int, key_bits: int | None = None, read_tile: int = 512,
-               key_center: torch.Tensor | None = None) -> KVStore:
+               key_center: torch.Tensor | None = None, residual: int = 0) -> KVStore:
     """The store for ``kv_bits`` (and ``kv_key_bits``): dense in the model's dtype for None or 16, else packed."""
     if bits is None or bits == 16:
         return DenseKVStore()
-    return PackedKVStore(bits, group_size, key_bits, read_tile, key_center)
+    return PackedKVStore(bits, group_size, key_bits, read_tile, key_center, residual)

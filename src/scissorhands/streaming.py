@@ -64,6 +64,7 @@ def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.
     out = query.new_empty(b, h, g, total, value.shape[-1])  # (B, H_kv, g, T, D_v)
     if kv.prefill == "prompt-aware" and kv.slots.length == 0 and int(cum[:, -1].max()) > kv.budget:
         _prompt_aware_prefill(kv, q, out, key, value, valid, cum, scaling, softcap, query_tile)
+        kv.store.settle()
         return out.view(b, h_q, total, -1)
     lengths = kv.slots.lengths
     i = 0
@@ -86,6 +87,7 @@ def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.
         kv.append(key[:, :, i:e], value[:, :, i:e], bvalid, bcum)
         _attend_block(kv, q[:, :, :, i:e], out[:, :, :, i:e], base, bcum, bvalid, scaling, softcap, query_tile)
         i = e
+    kv.store.settle()
     return out.view(b, h_q, total, -1)
 
 
@@ -99,7 +101,8 @@ def _decode_step(kv: BudgetedKV, query, key, value, scaling, softcap) -> torch.T
     length = kv.append_token(key, value)
     q = query.view(b, h, h_q // h, d)  # (B, H_kv, g, D)
     bias = None if kv.merge is None else kv.merge.bias(length)[:, :, None, :]  # (B, H_kv, 1, L)
-    probs, ctx = attend_stored(q, kv.store, length, scaling, softcap, bias=bias)  # (B, H_kv, g, L), (B, H_kv, g, D_v)
+    # probs (B, H_kv, g, L), ctx (B, H_kv, g, D_v)
+    probs, ctx = attend_stored(q, kv.store, length, scaling, softcap, bias=bias, limits=length, ends=length)
     if kv.state.wants_attention:
         kv.state.observe(probs.unsqueeze(3), length, seen, None)  # (B, H_kv, g, 1, L)
     return ctx.view(b, h_q, 1, -1)
@@ -165,7 +168,8 @@ def _attend_block(kv: BudgetedKV, q, out, base, cum, valid, scaling, softcap, qu
         # probs (B, H_kv, g, n, L); ctx (B, H_kv, g*n, D_v)
         probs, ctx = attend_stored(qt, kv.store, length, scaling, softcap, allowed, shape=(b, h, g, n, length),
                                    bias=bias, mask_from=lo,
-                                   query_weight=None if weight is None else weight[:, None, None, :, None])
+                                   query_weight=None if weight is None else weight[:, None, None, :, None],
+                                   limits=limit, ends=kv.slots.lengths)
         out[:, :, :, a:e] = ctx.view(b, h, g, n, -1)
         if snap is not None:
             marked = snap[0][:, a:e].to(device=device, dtype=probs.dtype)[:, None, None, :, None]  # (B, 1, 1, n, 1)
