@@ -201,7 +201,26 @@ def test_model_args_string(tiny, tokenizer):
     assert lm.prefix_token_id == tokenizer.bos_token_id
 
 
+def test_packed_kv_with_a_residual_scores_as_the_library_does(tiny, tokenizer):
+    """model_args reach the cache: kv_bits/kv_residual give the same log-likelihood as the scorer with them."""
+    from scissorhands import CacheSettings, get_method
+    from scissorhands.scoring import ScoreSetup, continuation_logprobs
+
+    lm = ScissorhandsLM.create_from_arg_string("budget=24,recent=8,kv_bits=4,kv_group_size=8,kv_residual=8",
+                                               {"model": (tiny, tokenizer)})
+    assert (lm.base.kv_bits, lm.base.kv_residual) == (4, 8)
+    ctx, cont = list(range(5, 45)), [7, 9, 11]
+    setup = ScoreSetup(get_method("scissorhands"), 24, CacheSettings(recent=8, kv_bits=4, kv_group_size=8,
+                                                                      kv_residual=8))
+    want = continuation_logprobs(tiny, ctx, [cont], setup)[0]
+    got = lm.setup_for(len(ctx) + len(cont))
+    assert got.base == setup.base and got.budget == 24
+    assert continuation_logprobs(tiny, ctx, [cont], got)[0] == want
+
+
 @pytest.mark.parametrize("args, name", [
+    ("budget=0.5,kv_bits=3", "kv_bits"),
+    ("budget=0.5,kv_residual=4", "kv_residual"),
     ("budget=0", "budget"),
     ("budget=-0.5", "budget"),
     ("budget=2.5", "budget"),

@@ -163,9 +163,13 @@ class ScissorhandsLM(LM):
         Tokens each budgeted layer may store. Up to 1: a fraction of each
         sequence's own length; above 1: a token count. Never below
         ``recent + 1``. Required unless ``method=full``.
-    recent, window, window_buckets, drop, importance, schedule, sinks, value_weighted, prefill, observe, preset
+    recent, window, window_buckets, drop, importance, schedule, sinks, value_weighted, merge, prefill, observe, preset
         Shared cache settings, as in :class:`scissorhands.CacheSettings`
         (methods such as ``h2o`` or ``tova`` override some of them).
+    kv_bits, kv_key_bits, kv_group_size, kv_key_centers, kv_tile, kv_residual
+        Packed low-bit K/V, as in :class:`scissorhands.CacheSettings`
+        (``kv_bits=4,kv_residual=32``; with ``method=full``, a quantised cache
+        without eviction).
     seed : int
         Seed of the ``random`` method.
     dtype : str
@@ -205,9 +209,16 @@ class ScissorhandsLM(LM):
         schedule: str | tuple[int, ...] = DEFAULTS.schedule,
         sinks: int = DEFAULTS.sinks,
         value_weighted: bool = DEFAULTS.value_weighted,
+        merge: bool = DEFAULTS.merge,
         prefill: str = DEFAULTS.prefill,
         observe: int = DEFAULTS.observe,
         preset: str | None = None,
+        kv_bits: int | None = DEFAULTS.kv_bits,
+        kv_key_bits: int | None = DEFAULTS.kv_key_bits,
+        kv_group_size: int = DEFAULTS.kv_group_size,
+        kv_key_centers: str | None = DEFAULTS.kv_key_centers,
+        kv_tile: int = DEFAULTS.kv_tile,
+        kv_residual: int = DEFAULTS.kv_residual,
         seed: int = 0,
         dtype: str = "float32",
         device: str | None = None,
@@ -228,7 +239,10 @@ class ScissorhandsLM(LM):
         self.budget_spec = _check_budget(budget, self.method)
         self.base = CacheSettings(recent=recent, window=window, window_buckets=window_buckets, drop=drop,
                                   importance=importance, schedule=schedule, sinks=sinks,
-                                  value_weighted=value_weighted, prefill=prefill, observe=observe, preset=preset)
+                                  value_weighted=value_weighted, merge=merge, prefill=prefill, observe=observe,
+                                  preset=preset, kv_bits=kv_bits, kv_key_bits=kv_key_bits,
+                                  kv_group_size=kv_group_size, kv_key_centers=kv_key_centers, kv_tile=kv_tile,
+                                  kv_residual=kv_residual)
         self.seed = _check_int("seed", seed)
         self._max_gen_toks = _check_positive_int("max_gen_toks", max_gen_toks)
         max_length = None if max_length is None else _check_positive_int("max_length", max_length)
@@ -312,6 +326,8 @@ class ScissorhandsLM(LM):
             "scissorhands_recent": self.base.recent,
             "scissorhands_window": self.base.window,
             "scissorhands_drop": self.base.drop,
+            "scissorhands_kv_bits": self.base.kv_bits,
+            "scissorhands_kv_residual": self.base.kv_residual,
             "max_length": self._max_length,
             "prefix_token_id": self._prefix_token_id,
         }
