@@ -37,7 +37,7 @@ SETTINGS = {
     "defaults": {},
     "paper": {"preset": "paper"},
     "prompt-aware": {"prefill": "prompt-aware", "observe": 4},
-    "packed 8/4, tiles of 5": {"kv_bits": 4, "kv_key_bits": 8, "kv_group_size": 8, "kv_tile": 5},
+    "packed 8/4, tiles of 5": {"kv_bits": 4, "kv_key_bits": 8, "kv_group_size": 8, "kv_tile": 5, "kv_residual": 0},
     "merge + sinks": {"merge": True, "sinks": 2},
     "packed 4-bit, centred keys": {"kv_bits": 4, "kv_group_size": 8, "kv_key_centers": "CENTRES"},
 }

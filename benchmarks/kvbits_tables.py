@@ -22,8 +22,10 @@ from pathlib import Path
 
 from scissorhands.stats import mean_ci
 
-LABELS = {"kv16": "16 (bf16)", "kv8": "8", "k8v4": "K 8 / V 4", "kv4c16": "4, keys centred, groups of 16",
-          "kv4c": "4, keys centred", "kv4": "4", "k8v2": "K 8 / V 2", "kv2": "2"}
+LABELS = {"kv16": "16 (bf16)", "kv8": "8", "k8v4": "K 8 / V 4", "kv4r32": "4, residual 32", "kv4r16": "4, residual 16",
+          "kv4cr16": "4, keys centred, residual 16", "k4v2r16": "K 4 / V 2, residual 16",
+          "kv4c16": "4, keys centred, groups of 16", "kv4c": "4, keys centred", "kv4": "4", "k8v2": "K 8 / V 2",
+          "kv2": "2"}
 
 
 def load(path):
@@ -85,18 +87,25 @@ def bits_label(config):
     bits, key = config.get("kv_bits"), config.get("kv_key_bits")
     if bits in (None, 16):
         return "16 (bf16)"
-    return f"K {key} / V {bits}" if key not in (None, bits) else str(bits)
+    label = f"K {key} / V {bits}" if key not in (None, bits) else str(bits)
+    residual = config.get("kv_residual", 0)  # records made before the residual existed had none
+    if residual is None:
+        return label + ", residual (default)"
+    return label + (f", residual {residual}" if residual else "")
 
 
 def kv_reduction(r):
     """A bf16 full cache's K/V bytes over this cell's, from the record's lengths, budget and packing."""
+    from scissorhands import CacheSettings
     from scissorhands.quant import packed_bytes_per_token_head
 
     c, d = r["config"], r["key"]["model"]["signature"]["head_dim"]
     dense = 2 * d * 2  # K and V in bf16, per token and KV head
     stored = dense if c.get("kv_bits") in (None, 16) else packed_bytes_per_token_head(
         d, d, c["kv_bits"], c.get("kv_key_bits"), c.get("kv_group_size", 32))
-    return r["mean_length"] / r["mean_budget"] * dense / stored
+    settings = CacheSettings(**{k: v for k, v in c.items() if k in CacheSettings.__dataclass_fields__})
+    residual = min(settings.residual_for(round(r["mean_budget"]), evicts=r["method"] != "full"), r["mean_budget"])
+    return r["mean_length"] * dense / (r["mean_budget"] * stored + residual * dense)
 
 
 def fewshot(path):

@@ -84,7 +84,7 @@ def test_decode_bytes_with_key_centres_count_the_centres_once_per_layer(tmp_path
     path = tmp_path / "c.json"
     save_key_centers(measure_key_centers(model, lambda t: {"input_ids": [3 + b for b in t.encode()]}, "x y z " * 30,
                                          tokens=64), path)
-    settings = CacheSettings(recent=4, kv_bits=4, kv_key_centers=str(path))
+    settings = CacheSettings(recent=4, kv_bits=4, kv_key_centers=str(path), kv_residual=0)
     point = decode_point(model, small(contexts=(64,), batches=(2,), settings=settings), 64, 2)
     for v in point["variants"]:
         assert v["bytes_match"], v

@@ -283,7 +283,7 @@ def test_scorer_equals_decoding_with_quantisation(bits, key_bits, tile, arch):
     whether attention reads the stored slots at once or a few at a time."""
     model = tiny_model(arch)
     ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(1))
-    base = replace(BASE, kv_bits=bits, kv_key_bits=key_bits, kv_group_size=8, kv_tile=tile)
+    base = replace(BASE, kv_bits=bits, kv_key_bits=key_bits, kv_group_size=8, kv_tile=tile, kv_residual=0)
     fast, _ = token_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
     slow, cache = decode_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
@@ -315,7 +315,7 @@ def test_kv_bits_16_or_none_is_the_unquantised_cache(bits):
 def test_quantised_full_cache_evicts_nothing_and_holds_packed_bytes():
     model = tiny_model("llama")  # 2 layers, 2 KV heads, head_dim 16
     ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(5))
-    setup = ScoreSetup(get_method("full"), None, CacheSettings(kv_bits=4, kv_group_size=8))
+    setup = ScoreSetup(get_method("full"), None, CacheSettings(kv_bits=4, kv_group_size=8, kv_residual=0))
     cache = setup.make_cache(model, 40)
     assert isinstance(cache, ScissorhandsCache)
     lp, _ = token_logprobs(model, ids, setup, cache=cache)
@@ -336,7 +336,8 @@ def test_quantised_full_cache_evicts_nothing_and_holds_packed_bytes():
 def test_memory_report_counts_packed_bytes_under_eviction():
     model = tiny_model("llama")
     ids, mask = left_padded([50], seed=9)
-    cfg = ScissorhandsConfig(budget=32, recent=4, window=400, window_buckets=8, kv_bits=2, kv_group_size=16)
+    cfg = ScissorhandsConfig(budget=32, recent=4, window=400, window_buckets=8, kv_bits=2, kv_group_size=16,
+                             kv_residual=0)
     cache = ScissorhandsCache(model, cfg)
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -425,7 +426,7 @@ def test_cli_generate_and_eval_with_packed_kv(capsys, tmp_path):
     data.write_text("All the world's a stage, and all the men and women merely players. " * 30)
     code, _, err = _cli(capsys, "eval", "--model", tiny, "--methods", "full,scissorhands", "--budgets", "0.5",
                         "--tasks", "ppl", "--data", str(data), "--seq-len", "64", "--num-samples", "2",
-                        "--kv-bits", "4", "--kv-group-size", "8", "--out", str(tmp_path / "out"))
+                        "--kv-bits", "4", "--kv-group-size", "8", "--kv-residual", "0", "--out", str(tmp_path / "out"))
     assert code == 0, err
     records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in records} == {"full", "scissorhands"}
@@ -736,3 +737,27 @@ def test_residual_must_fit_the_recent_window_of_every_layer():
         ScissorhandsCache(model, ScissorhandsConfig(budget=40, recent=0.1, kv_bits=4, kv_residual=8))
     assert str(e.value).startswith("kv_residual:") and "\n" not in str(e.value)
     ScissorhandsCache(model, ScissorhandsConfig(budget=40, recent=0.2, kv_bits=4, kv_residual=8))
+
+
+def test_default_residual_is_32_tokens_capped_by_each_layers_recent_window():
+    """kv_residual=None (the default): 32 exact tokens with packed K/V, at most the recent window of a layer that
+    evicts; none without packing, with merge, or in the paper preset; an explicit number is taken as given."""
+    from scissorhands.config import DEFAULT_RESIDUAL
+
+    assert DEFAULT_RESIDUAL == 32 and CacheSettings().kv_residual is None
+    assert CacheSettings(kv_bits=4).residual_for(400) == 32
+    assert CacheSettings(kv_bits=4).residual_for(64) == 16  # recent 0.25 x 64
+    assert CacheSettings(kv_bits=4).residual_for(64, evicts=False) == 32
+    assert CacheSettings().residual_for(400) == 0
+    assert CacheSettings(kv_bits=4, merge=True).residual_for(400) == 0
+    assert CacheSettings(kv_bits=4, preset="paper").residual_for(400) == 0
+    assert CacheSettings(kv_bits=4, kv_residual=5).residual_for(400) == 5
+    model = tiny_model("llama")
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=40, kv_bits=4, schedule=(24, 56)))
+    assert [layer.kv.store.residual for layer in cache.budgeted_layers] == [6, 14]
+    ids = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(2))
+    full = ScoreSetup(get_method("full"), None, CacheSettings(kv_bits=4, kv_group_size=8))
+    cache = full.make_cache(model, 60)
+    assert [layer.kv.store.residual for layer in cache.budgeted_layers] == [32, 32]
+    token_logprobs(model, ids, full, cache=cache)
+    assert cache.memory_report()["kv_residual_bytes"] == 2 * 2 * 32 * 32 * 4  # layers x heads x 32 x (K+V) x fp32

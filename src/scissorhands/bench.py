@@ -245,13 +245,14 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
                                                                               config.kv_key_bits, config.kv_group_size)
     kv, importance = 0, 0
     full_idx = 0
-    residual = int(getattr(config, "kv_residual", None) or 0)
+    layers = getattr(cache, "budgeted_layers", [])
     for layer_type, window in zip(facts.layer_types, facts.sliding_windows):
         if layer_type == FULL and budgets:
             kv += batch * budgets[full_idx] * budgeted_per_token
             if config is not None and getattr(config, "kv_key_centers", None) is not None:
                 kv += facts.num_kv_heads * facts.head_dim * 4  # one float32 centre per KV head and channel
             # A full-precision residual: each row's newest tokens again, in the model's dtype.
+            residual = getattr(layers[full_idx].kv.store, "residual", 0)
             kv += batch * min(residual, budgets[full_idx], seen) * per_token
             full_idx += 1
             continue

@@ -252,7 +252,8 @@ class ScissorhandsCache(Cache):
             if budget <= config.protected:
                 raise ValueError(f"schedule: a layer budget ({budget}) must be > the protected tokens "
                                  f"(recent + sinks = {config.protected})")
-            if config.kv_residual > config.recent_for(budget) and not self.method.is_full:
+            residual = config.residual_for(budget, evicts=not self.method.is_full)
+            if residual > config.recent_for(budget) and not self.method.is_full:
                 raise ValueError(f"kv_residual: must be <= the recent window of every layer, so that no eviction "
                                  f"touches it; a layer of budget {budget} keeps {config.recent_for(budget)} recent "
                                  f"tokens, got kv_residual={config.kv_residual} (raise recent or lower kv_residual)")
@@ -261,7 +262,7 @@ class ScissorhandsCache(Cache):
                                       sinks=config.sinks, merge=config.merge, prefill=config.prefill,
                                       observe=config.observe, protect=protection,
                                       store=make_store(config.kv_bits, config.kv_group_size, config.kv_key_bits,
-                                                       config.kv_tile, centers.get(idx), config.kv_residual))
+                                                       config.kv_tile, centers.get(idx), residual))
             if audit is not None:
                 layer.kv.listeners.append(audit)
                 audit.attach(idx)

@@ -107,7 +107,8 @@ def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = Non
                    help=f"packed K/V: most stored slots attention dequantises at once (default {DEFAULTS.kv_tile})")
     g.add_argument("--kv-residual", type=int, default=None, metavar="R",
                    help="packed K/V: keep each row's newest R tokens also in full precision; every query reads its "
-                   f"last R tokens exact (must be <= the recent window; default {DEFAULTS.kv_residual})")
+                   "last R tokens exact (at most the recent window; default 32, capped at each layer's recent "
+                   "window; 0 for none)")
 
 
 def _add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, compare_full: bool) -> None:

@@ -218,7 +218,7 @@ class ScissorhandsLM(LM):
         kv_group_size: int = DEFAULTS.kv_group_size,
         kv_key_centers: str | None = DEFAULTS.kv_key_centers,
         kv_tile: int = DEFAULTS.kv_tile,
-        kv_residual: int = DEFAULTS.kv_residual,
+        kv_residual: int | None = DEFAULTS.kv_residual,
         seed: int = 0,
         dtype: str = "float32",
         device: str | None = None,

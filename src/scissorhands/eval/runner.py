@@ -39,13 +39,12 @@ def kv_bytes_per_token(model, settings=None) -> int:
     return facts.kv_bytes_per_token(next(model.parameters()).element_size())
 
 
-def kv_residual_bytes(model, settings=None, length: float | None = None) -> float:
-    """Bytes of a sequence's full-precision residual (``kv_residual`` newest tokens, model dtype), 0 without one."""
-    r = 0 if settings is None else getattr(settings, "kv_residual", 0)
+def kv_residual_bytes(model, settings, budget: float, evicts: bool = True) -> float:
+    """Bytes of a sequence's full-precision residual at a layer ``budget`` (model dtype), 0 without one."""
+    r = settings.residual_for(round(budget), evicts)
     if not r:
         return 0
-    held = r if length is None else min(r, length)
-    return held * model_facts(model).kv_bytes_per_token(next(model.parameters()).element_size())
+    return min(r, budget) * model_facts(model).kv_bytes_per_token(next(model.parameters()).element_size())
 
 
 RESULTS_FILE = "results.jsonl"
@@ -304,7 +303,7 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                     "metric": task.main_metric, "value": metrics[task.main_metric], "metrics": metrics,
                     "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
                     "kv_bytes": mean_budget * kv_bytes_per_token(model, method.resolve(base))
-                    + kv_residual_bytes(model, method.resolve(base), mean_budget),
+                    + kv_residual_bytes(model, method.resolve(base), mean_budget, evicts=not method.is_full),
                     "full_kv_bytes": mean_len * per_token,
                     "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
                     "config": _jsonable(method.resolve(base).as_dict()),
