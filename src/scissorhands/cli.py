@@ -98,7 +98,7 @@ def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = Non
                    "dtype); below 16 K/V are packed. With --method full: a quantised cache without eviction")
     g.add_argument("--kv-key-bits", type=int, default=None,
                    help="bits per stored key element when packed (default: --kv-bits); 8 with --kv-bits 4 "
-                   "is the measured choice")
+                   "meets the 4-bit target without a residual")
     g.add_argument("--kv-group-size", type=int, default=None,
                    help=f"channels per quantisation group along the head dimension (default {DEFAULTS.kv_group_size})")
     g.add_argument("--kv-key-centers", default=None, metavar="FILE.json",
