@@ -146,7 +146,7 @@ def attend_stored(
         end = min(length, start + tile)
         values = store.read_values(start, end)  # (B, H_kv, tile, D_v), the only dense copy alive
         part = torch.matmul(flat[..., start:end].to(values.dtype), values)  # summed in float32 across tiles
-        out, dtype = (part.float() if out is None else out.add_(part)), values.dtype
+        out, dtype = (_widened(part) if out is None else out.add_(part)), values.dtype
     assert out is not None
     return probs, out.to(dtype)
 
@@ -165,6 +165,17 @@ def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, m
     lo, hi = (limits, limits) if isinstance(limits, int) else (int(limits.min()), int(limits.max()))
     x_lo, x_hi = min(length, max(0, lo - r)), min(length, max(0, hi - r))
     tile = store.read_tile or max(length, 1)
+    if x_lo == x_hi and length <= tile:
+        # Every query splits at the same slot (decoding): the packed slots, then the exact ones, as one dense
+        # tile, and the one-read arithmetic of a short layer.
+        keys, values = store.read_exact_keys(x_hi, length, ends), store.read_exact_values(x_hi, length, ends)
+        if x_hi:
+            keys = torch.cat([store.read_keys(0, x_hi), keys], dim=2)
+            values = torch.cat([store.read_values(0, x_hi), values], dim=2)
+        probs = attention_probs(q, keys, scaling, softcap, allowed, shape, bias, mask_from)
+        if query_weight is not None:
+            probs = probs * query_weight
+        return probs, attention_output(probs.view(*q.shape[:-1], length), values)
     device = q.device
     exact = _exact_scale(q, scaling)
     qs = q * scaling if exact else q
@@ -200,12 +211,17 @@ def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, m
             part_probs[..., a - start:].masked_fill_(choose[..., a - x_lo : end - x_lo], 0)
         values = store.read_values(start, end)
         part = torch.matmul(part_probs.to(values.dtype), values)
-        out, dtype = (part.float() if out is None else out.add_(part)), values.dtype
+        out, dtype = (_widened(part) if out is None else out.add_(part)), values.dtype
     exact_probs = flat[..., x_lo:]
     if choose is not None:
         exact_probs = exact_probs.clone()
         exact_probs[..., : x_hi - x_lo].masked_fill_(~choose, 0)
     values = store.read_exact_values(x_lo, length, ends)
     part = torch.matmul(exact_probs.to(values.dtype), values)
-    out, dtype = (part.float() if out is None else out.add_(part)), values.dtype
+    out, dtype = (_widened(part) if out is None else out.add_(part)), values.dtype
     return probs, out.to(dtype)
+
+
+def _widened(part: torch.Tensor) -> torch.Tensor:
+    """The first tile's product as the accumulator: at least float32 (float64 stays float64)."""
+    return part.to(torch.promote_types(part.dtype, torch.float32))

@@ -45,10 +45,12 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     if per == 1:
         return q.to(torch.uint8)
     d = q.shape[-1]
-    q = torch.nn.functional.pad(q.to(torch.uint8), (0, packed_width(d, bits) * per - d))  # (..., whole bytes)
+    q = q.to(torch.uint8)
+    if d % per:
+        q = torch.nn.functional.pad(q, (0, packed_width(d, bits) * per - d))  # (..., whole bytes)
     q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per)  # (..., bytes, per)
-    out = q[..., 0].clone()
-    for i in range(1, per):
+    out = q[..., 0] | (q[..., 1] << bits)
+    for i in range(2, per):
         out |= q[..., i] << (bits * i)
     return out
 
@@ -59,8 +61,10 @@ def unpack(packed: torch.Tensor, bits: int, dim: int | None = None) -> torch.Ten
     if per == 1:
         return packed
     mask = 2**bits - 1
-    # One masked shift per position in the byte, stacked: faster than broadcasting a shift tensor.
-    q = torch.stack([(packed >> (bits * i)) & mask for i in range(per)], dim=-1)  # (..., bytes, per)
+    # One masked shift per position in the byte, stacked: faster than broadcasting a shift tensor (or a
+    # lookup table). The lowest position needs no shift and the highest no mask.
+    parts = [packed & mask] + [(packed >> (bits * i)) & mask for i in range(1, per - 1)]
+    q = torch.stack(parts + [packed >> (bits * (per - 1))], dim=-1)  # (..., bytes, per)
     q = q.reshape(*packed.shape[:-1], packed.shape[-1] * per)  # (..., bytes * per)
     return q if dim is None else q[..., :dim]
 
@@ -77,14 +81,15 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     """
     *lead, d = x.shape
     xg = x.float().reshape(*lead, d // group, group)  # (..., G, group)
-    lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)  # (..., G)
+    lo, hi = torch.aminmax(xg, dim=-1)  # (..., G)
     zero = lo.half()
     # Round the zero-point down so that no element lies below it.
     zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, float("-inf"))), zero)
+    zf = zero.float()
     levels = 2**bits - 1
     # Inflate by more than float16's rounding error: the rounded scale still reaches the maximum, nothing is clipped.
-    scale = ((hi - zero.float()) / levels).clamp(min=_MIN_SCALE).mul(1 + 2.0**-10).half()
-    q = ((xg - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, levels)
+    scale = ((hi - zf) / levels).clamp_(min=_MIN_SCALE).mul_(1 + 2.0**-10).half()
+    q = (xg - zf.unsqueeze(-1)).div_(scale.float().unsqueeze(-1)).round_().clamp_(0, levels)
     return pack(q.reshape(*lead, d), bits), scale, zero
 
 
@@ -94,7 +99,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     groups = scale.shape[-1]
     q = unpack(packed, bits, groups * group)  # (..., D)
     *lead, d = q.shape
-    q = q.reshape(*lead, groups, group).float()  # (..., G, group)
+    q = q.reshape(*lead, groups, group).to(torch.float32)  # (..., G, group)
     x = torch.addcmul(zero.float().unsqueeze(-1), q, scale.float().unsqueeze(-1))  # q * scale + zero, float32
     return x.reshape(*lead, d).to(dtype)  # (..., D)
 
