@@ -35,7 +35,9 @@ def test_budget_holds_on_real_text_and_identity_when_it_fits(smollm):
     assert tok.decode(out[0, ids.shape[1]:]).strip()
 
 
-def test_packed_prefill_matches_token_by_token_in_the_mean_on_real_model(smollm):
+@pytest.mark.parametrize("packing", [dict(kv_bits=4, kv_key_bits=8, kv_residual=0, recent=4),
+                                     dict(kv_bits=4, kv_residual=16, recent=16)])
+def test_packed_prefill_matches_token_by_token_in_the_mean_on_real_model(smollm, packing):
     """Packed K/V on SmolLM2: blocked prefill against one token at a time.
 
     Not bitwise: the two paths compute K/V with different matmul shapes, which differ in the last float
@@ -45,7 +47,7 @@ def test_packed_prefill_matches_token_by_token_in_the_mean_on_real_model(smollm)
     """
     model, tok = smollm
     ids = tok(demo_prompt(), return_tensors="pt").input_ids[:, :96]
-    cfg = ScissorhandsConfig(budget=40, recent=4, drop=12, window=16, window_buckets=4, kv_bits=4, kv_key_bits=8)
+    cfg = ScissorhandsConfig(budget=40, drop=12, window=16, window_buckets=4, **packing)
     with torch.no_grad():
         one = ScissorhandsCache(model, cfg)
         lp_one = model(ids, cache=one).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])
@@ -54,6 +56,8 @@ def test_packed_prefill_matches_token_by_token_in_the_mean_on_real_model(smollm)
         lp_step = logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])
     assert abs(float(lp_one.mean() - lp_step.mean())) < 0.01
     assert one.memory_report()["peak_stored"] <= 40 and step.memory_report()["peak_stored"] <= 40
+    assert one.memory_report()["kv_residual_bytes"] == step.memory_report()["kv_residual_bytes"] == (
+        30 * 3 * packing["kv_residual"] * 128 * 4)  # layers x KV heads x R x (K + V channels) x float32
 
 
 def test_prefill_equals_token_by_token_on_real_model(smollm):
