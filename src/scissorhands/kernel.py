@@ -123,24 +123,15 @@ def attend_stored(
         return _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, mask_from, query_weight,
                                 limits, ends if ends is not None else limits)
     tile = store.read_tile
+    mask = (softcap, allowed, shape, bias, mask_from, query_weight)
     if tile is None or length <= tile:
         keys, values = store.read(length)
-        probs = attention_probs(q, keys, scaling, softcap, allowed, shape, bias, mask_from)
-        if query_weight is not None:
-            probs = probs * query_weight
-        return probs, attention_output(probs.view(*q.shape[:-1], length), values)
-    exact = _exact_scale(q, scaling)
-    qs = q * scaling if exact else q
-    logits = torch.empty(*q.shape[:-1], length, dtype=torch.promote_types(q.dtype, torch.float32),
-                         device=q.device)  # (B, H_kv, M, L)
+        return _one_read(q, keys, values, scaling, *mask)
+    qs, exact, logits = _logits_row(q, scaling, length)
     for start in range(0, length, tile):
         end = min(length, start + tile)
         logits[..., start:end] = torch.matmul(qs, store.read_keys(start, end).transpose(-1, -2))
-    probs = _softmax(logits if shape is None else logits.view(shape), scaling, exact, softcap, allowed, bias,
-                     mask_from)
-    if query_weight is not None:
-        probs = probs * query_weight
-    flat = probs.view(*q.shape[:-1], length)  # (B, H_kv, M, L)
+    probs, flat = _probs(logits, q, scaling, exact, *mask)
     out, dtype = None, q.dtype
     for start in range(0, length, tile):
         end = min(length, start + tile)
@@ -165,6 +156,7 @@ def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, m
     lo, hi = (limits, limits) if isinstance(limits, int) else (int(limits.min()), int(limits.max()))
     x_lo, x_hi = min(length, max(0, lo - r)), min(length, max(0, hi - r))
     tile = store.read_tile or max(length, 1)
+    mask = (softcap, allowed, shape, bias, mask_from, query_weight)
     if x_lo == x_hi and length <= tile:
         # Every query splits at the same slot (decoding): the packed slots, then the exact ones, as one dense
         # tile, and the one-read arithmetic of a short layer.
@@ -172,15 +164,9 @@ def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, m
         if x_hi:
             keys = torch.cat([store.read_keys(0, x_hi), keys], dim=2)
             values = torch.cat([store.read_values(0, x_hi), values], dim=2)
-        probs = attention_probs(q, keys, scaling, softcap, allowed, shape, bias, mask_from)
-        if query_weight is not None:
-            probs = probs * query_weight
-        return probs, attention_output(probs.view(*q.shape[:-1], length), values)
+        return _one_read(q, keys, values, scaling, *mask)
     device = q.device
-    exact = _exact_scale(q, scaling)
-    qs = q * scaling if exact else q
-    logits = torch.empty(*q.shape[:-1], length, dtype=torch.promote_types(q.dtype, torch.float32),
-                         device=device)  # (B, H_kv, M, L)
+    qs, exact, logits = _logits_row(q, scaling, length)
     for start in range(0, x_hi, tile):
         end = min(x_hi, start + tile)
         logits[..., start:end] = torch.matmul(qs, store.read_keys(start, end).transpose(-1, -2))
@@ -196,11 +182,7 @@ def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, m
         choose = mixed[:, None, None].expand(b, 1, g, n, x_hi - x_lo).reshape(b, 1, g * n, x_hi - x_lo)
         logits[..., x_lo:x_hi] = torch.where(choose, exact_logits[..., : x_hi - x_lo], logits[..., x_lo:x_hi])
     logits[..., x_hi:] = exact_logits[..., x_hi - x_lo:]
-    probs = _softmax(logits if shape is None else logits.view(shape), scaling, exact, softcap, allowed, bias,
-                     mask_from)
-    if query_weight is not None:
-        probs = probs * query_weight
-    flat = probs.view(*q.shape[:-1], length)  # (B, H_kv, M, L)
+    probs, flat = _probs(logits, q, scaling, exact, *mask)
     out, dtype = None, q.dtype
     for start in range(0, x_hi, tile):
         end = min(x_hi, start + tile)
@@ -225,3 +207,27 @@ def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, m
 def _widened(part: torch.Tensor) -> torch.Tensor:
     """The first tile's product as the accumulator: at least float32 (float64 stays float64)."""
     return part.to(torch.promote_types(part.dtype, torch.float32))
+
+
+def _one_read(q, keys, values, scaling, softcap, allowed, shape, bias, mask_from, query_weight):
+    """Probabilities and output over dense ``keys``/``values`` (B, H_kv, L, ·) read at once."""
+    probs = attention_probs(q, keys, scaling, softcap, allowed, shape, bias, mask_from)
+    if query_weight is not None:
+        probs = probs * query_weight
+    return probs, attention_output(probs.view(*q.shape[:-1], keys.shape[-2]), values)
+
+
+def _logits_row(q, scaling, length):
+    """Queries with the scale folded in when exact, whether it was, and an empty logits row (B, H_kv, M, L)."""
+    exact = _exact_scale(q, scaling)
+    logits = torch.empty(*q.shape[:-1], length, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    return (q * scaling if exact else q), exact, logits
+
+
+def _probs(logits, q, scaling, exact, softcap, allowed, shape, bias, mask_from, query_weight):
+    """Softmax of a filled logits row (viewed as ``shape``), times ``query_weight``; and its (B, H_kv, M, L) view."""
+    probs = _softmax(logits if shape is None else logits.view(shape), scaling, exact, softcap, allowed, bias,
+                     mask_from)
+    if query_weight is not None:
+        probs = probs * query_weight
+    return probs, probs.view(*q.shape[:-1], logits.shape[-1])
