@@ -103,7 +103,9 @@ def kv_reduction(r):
     dense = 2 * d * 2  # K and V in bf16, per token and KV head
     stored = dense if c.get("kv_bits") in (None, 16) else packed_bytes_per_token_head(
         d, d, c["kv_bits"], c.get("kv_key_bits"), c.get("kv_group_size", 32))
-    settings = CacheSettings(**{k: v for k, v in c.items() if k in CacheSettings.__dataclass_fields__})
+    fields = {k: v for k, v in c.items() if k in CacheSettings.__dataclass_fields__}
+    fields.setdefault("kv_residual", 0)  # records made before the residual existed had none
+    settings = CacheSettings(**fields)
     residual = min(settings.residual_for(round(r["mean_budget"]), evicts=r["method"] != "full"), r["mean_budget"])
     return r["mean_length"] * dense / (r["mean_budget"] * stored + residual * dense)
 
