@@ -422,6 +422,10 @@ def test_cli_generate_and_eval_with_packed_kv(capsys, tmp_path):
                         "--kv-residual", "8", "--prompt", prompt, "--max-new-tokens", "5", "--ignore-eos")
     assert code == 0, err
     assert "full-precision residual" in err
+    code, _, err = _cli(capsys, "generate", "--model", tiny, "--budget", "400", "--kv-bits", "4", "--prompt", "hi",
+                        "--max-new-tokens", "3", "--ignore-eos")
+    assert code == 0, err
+    assert "no saving, on" in err and "residual" in err  # 32 exact tokens outweigh what packing saves on 5
     data = tmp_path / "text.txt"
     data.write_text("All the world's a stage, and all the men and women merely players. " * 30)
     code, _, err = _cli(capsys, "eval", "--model", tiny, "--methods", "full,scissorhands", "--budgets", "0.5",

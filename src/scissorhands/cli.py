@@ -375,8 +375,11 @@ def memory_line(mem: dict) -> str:
     packed = mem.get("kv_scale_bytes", 0) > 0
     scope = f"all {len(layers)} layers"
     if b_full <= b_held or (seen <= budget and not packed):
-        return (f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): no saving, the {seen} tokens "
-                f"seen fit within the budget, nothing was evicted; {peak}")
+        why = f"the {seen} tokens seen fit within the budget, nothing was evicted"
+        if packed and mem.get("kv_residual_bytes"):
+            why = (f"on {seen} tokens the full-precision residual ({_mib(mem['kv_residual_bytes'])}) costs more "
+                   "than packing saves (--kv-residual 0 or a smaller R suits short texts)")
+        return f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): no saving, {why}; {peak}"
     line = f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): {full / held:.2f}x smaller"
     if n_budgeted < len(layers):
         line += (f"; the {n_budgeted} budgeted layers alone: {_mib(b_held)} vs {_mib(b_full)}, "
