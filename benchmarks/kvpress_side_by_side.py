@@ -28,6 +28,12 @@ What is measured, per method, at one budget:
 A press that fails on this model or transformers version is recorded with its
 error, not left out.
 
+``--kv-bits B`` runs the same with B-bit K/V on both sides: kvpress's presses
+on top of transformers' ``QuantizedCache`` (the optimum-quanto backend, which
+kvpress documents for quantised caches: groups of 64, a 128-token residual
+re-quantised when full), and ours with ``kv_bits=B`` (its default 32-token
+residual); bytes are counted from the quantised tensors' own storage.
+
 ``--speed-context T`` measures decode speed where attention matters instead:
 a ``T``-token prompt (the text, repeated) at batch ``--speed-batch`` is
 prefilled once per engine, then each cache decodes ``--speed-steps`` greedy
@@ -73,12 +79,22 @@ def load(attn: str = "sdpa"):
 
 
 def kv_bytes(cache) -> int:
-    """K/V bytes of a transformers cache, whichever layout its version uses."""
+    """K/V bytes of a transformers cache, whichever layout its version uses (quantised layers included)."""
     layers = getattr(cache, "layers", None)
     if layers is not None:
-        return sum(x.keys.nbytes + x.values.nbytes for x in layers
-                   if getattr(x, "keys", None) is not None and x.keys.numel())
+        names = ("keys", "values", "_quantized_keys", "_quantized_values")
+        return sum(_storage_bytes(getattr(x, n, None)) for x in layers for n in names)
     return sum(k.nbytes + v.nbytes for k, v in zip(cache.key_cache, cache.value_cache))
+
+
+def _storage_bytes(t) -> int:
+    """Bytes a tensor holds; a tensor subclass (a quanto QTensor) is the sum of its inner tensors."""
+    if t is None:
+        return 0
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_storage_bytes(getattr(t, n)) for n in names)
+    return t.nbytes
 
 
 def teacher_forced(model, ids: torch.Tensor, prompt: int, cache, context=None, memory=None) -> dict:
@@ -116,6 +132,14 @@ def run_kvpress(args, ids) -> list[dict]:
     import kvpress
     from transformers import DynamicCache
 
+    def fresh(model):
+        if args.kv_bits is None:
+            return DynamicCache()
+        from transformers import QuantizedCache
+
+        return QuantizedCache(backend="quanto", config=model.config, nbits=args.kv_bits)
+
+    full_name = "full (DynamicCache)" if args.kv_bits is None else f"full (QuantizedCache, quanto {args.kv_bits}-bit)"
     scorers = {"streaming_llm": lambda: kvpress.StreamingLLMPress(),
                "tova": lambda: kvpress.TOVAPress(),
                "observed_attention": lambda: kvpress.ObservedAttentionPress(),
@@ -128,15 +152,15 @@ def run_kvpress(args, ids) -> list[dict]:
                                       target_size=args.budget)
         row = {"engine": "kvpress", "version": getattr(kvpress, "__version__", "0.5.5"),
                "method": f"DecodingPress({name})", "budget": args.budget, "compression_interval": args.steps_between,
-               "attn": attn}
+               "attn": attn, "kv_bits": args.kv_bits}
         try:
-            row.update(teacher_forced(model, ids, args.prompt, DynamicCache(), press(model)))
+            row.update(teacher_forced(model, ids, args.prompt, fresh(model), press(model)))
         except Exception as e:  # a press that fails here is a result, recorded with its error
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         rows.append(row)
     model, _ = load()
-    rows.append({"engine": "kvpress", "method": "full (DynamicCache)", "budget": None,
-                 **teacher_forced(model, ids, args.prompt, DynamicCache())})
+    rows.append({"engine": "kvpress", "method": full_name, "budget": None, "kv_bits": args.kv_bits,
+                 **teacher_forced(model, ids, args.prompt, fresh(model))})
     return rows
 
 
@@ -146,11 +170,15 @@ def run_ours(args, ids) -> list[dict]:
 
     model, _ = load()
     rows = []
-    for name in ("scissorhands", "tova", "streaming", "h2o"):
+    settings = CacheSettings(kv_bits=args.kv_bits)
+    names = ("scissorhands", "tova", "streaming", "h2o") + (() if args.kv_bits is None else ("full",))
+    for name in names:
         method = get_method(name)
-        config = method.configure(CacheSettings(), args.budget)
+        # The full method quantises without evicting: a cache as large as the text.
+        config = method.configure(settings, args.tokens if method.is_full else args.budget)
         cache = ScissorhandsCache(model, config, method())
-        row = {"engine": "scissorhands", "method": name, "budget": args.budget}
+        row = {"engine": "scissorhands", "method": name, "budget": None if method.is_full else args.budget,
+               "kv_bits": args.kv_bits}
         row.update(teacher_forced(model, ids, args.prompt, cache,
                                   memory=lambda c: c.memory_report()["model_kv_bytes"]))
         row["importance_bytes"] = cache.memory_report()["importance_bytes"]
@@ -237,6 +265,8 @@ def main():
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens prefilled before token-by-token scoring")
     p.add_argument("--tokens", type=int, default=1024, help="text tokens in all (prompt included)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--kv-bits", type=int, default=None, choices=(2, 4, 8),
+                   help="quantised K/V on both sides (kvpress: QuantizedCache with optimum-quanto)")
     p.add_argument("--speed-context", type=int, default=None, help="measure decode speed after a prompt this long")
     p.add_argument("--speed-batch", type=int, default=1)
     p.add_argument("--speed-steps", type=int, default=48)
