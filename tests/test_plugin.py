@@ -134,3 +134,45 @@ def test_registry_rejects_unnamed_and_duplicate_methods():
 
     with pytest.raises(ValueError, match="already registered"):
         register(Clash)
+
+
+class OldStore:
+    """A K/V store written against the first store interface: no ``residual``, no ``settle``, no ``rows``
+    in ``reorder``, and no base class. It must keep working as new features join the interface."""
+
+    read_tile = None
+
+    def __init__(self):
+        from scissorhands.kvstore import DenseKVStore
+
+        self.inner = DenseKVStore()
+
+    @property
+    def capacity(self):
+        return self.inner.capacity
+
+    def __getattr__(self, name):
+        if name in ("residual", "settle", "read_exact_keys", "read_exact_values"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def reorder(self, order):
+        self.inner.reorder(order)
+
+
+def test_a_store_written_before_the_residual_still_works():
+    """Ragged batch, evictions, packed-free: the old store gives what the shipped dense store gives."""
+    model = tiny_model("llama")
+    ids, mask = left_padded([30, 14], seed=5)
+    cfg = ScissorhandsConfig(budget=12, recent=3, drop=4)
+    outs = []
+    for old in (True, False):
+        cache = ScissorhandsCache(model, cfg)
+        if old:
+            for layer in cache.budgeted_layers:
+                layer.kv.store = OldStore()
+        with torch.no_grad():
+            outs.append(model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=10, do_sample=False,
+                                       pad_token_id=0))
+        assert cache.memory_report()["peak_stored"] <= 12
+    assert torch.equal(*outs)

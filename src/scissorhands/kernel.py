@@ -119,7 +119,7 @@ def attend_stored(
     a query that sees ``limit`` slots reads slots ``[limit - R, limit)`` exact
     and the ones before packed, as it would have when it was decoded alone.
     """
-    if store.residual and limits is not None:
+    if getattr(store, "residual", 0) and limits is not None:  # stores written before residuals have none
         return _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, mask_from, query_weight,
                                 limits, ends if ends is not None else limits)
     tile = store.read_tile

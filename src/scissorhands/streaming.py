@@ -64,7 +64,7 @@ def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.
     out = query.new_empty(b, h, g, total, value.shape[-1])  # (B, H_kv, g, T, D_v)
     if kv.prefill == "prompt-aware" and kv.slots.length == 0 and int(cum[:, -1].max()) > kv.budget:
         _prompt_aware_prefill(kv, q, out, key, value, valid, cum, scaling, softcap, query_tile)
-        kv.store.settle()
+        _settle(kv)
         return out.view(b, h_q, total, -1)
     lengths = kv.slots.lengths
     i = 0
@@ -87,8 +87,15 @@ def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.
         kv.append(key[:, :, i:e], value[:, :, i:e], bvalid, bcum)
         _attend_block(kv, q[:, :, :, i:e], out[:, :, :, i:e], base, bcum, bvalid, scaling, softcap, query_tile)
         i = e
-    kv.store.settle()
+    _settle(kv)
     return out.view(b, h_q, total, -1)
+
+
+def _settle(kv: BudgetedKV) -> None:
+    """The chunk's attention is done: the store may free what only its queries needed (see ``KVStore.settle``)."""
+    settle = getattr(kv.store, "settle", None)  # stores written before the interface had it need nothing
+    if settle is not None:
+        settle()
 
 
 def _decode_step(kv: BudgetedKV, query, key, value, scaling, softcap) -> torch.Tensor:
