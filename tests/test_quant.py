@@ -765,3 +765,83 @@ def test_default_residual_is_32_tokens_capped_by_each_layers_recent_window():
     assert [layer.kv.store.residual for layer in cache.budgeted_layers] == [32, 32]
     token_logprobs(model, ids, full, cache=cache)
     assert cache.memory_report()["kv_residual_bytes"] == 2 * 2 * 32 * 32 * 4  # layers x heads x 32 x (K+V) x fp32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_residual_in_bf16_rounds_alike_when_decoded_and_when_blocked(arch):
+    """In bf16 a decoded step and a blocked one must sum the packed and the exact value products alike: with
+    the residual the scorer stays as close to decoding as without it, and a padded batch equals each row."""
+    model = tiny_model(arch, torch.bfloat16)
+    ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(1))
+    gaps = {}
+    for r in (0, 3):
+        setup = ScoreSetup(get_method("scissorhands"), 16, replace(BASE, kv_bits=4, kv_group_size=8, kv_residual=r,
+                                                                   query_tile=4))
+        fast, _ = token_logprobs(model, ids, setup)
+        slow, _ = decode_logprobs(model, ids, setup)
+        gaps[r] = float((fast - slow).abs().max())
+    assert gaps[3] <= gaps[0] + 1e-3, gaps
+    lengths = [30, 21, 9]
+    batch_ids, mask = left_padded(lengths, seed=4)
+    cfg = ScissorhandsConfig(budget=12, recent=3, drop=4, kv_bits=4, kv_group_size=8, kv_residual=3)
+
+    def logits(i, m):
+        with torch.no_grad():
+            return model.generate(i, attention_mask=m, cache=ScissorhandsCache(model, cfg), max_new_tokens=8,
+                                  do_sample=False, pad_token_id=0, output_logits=True,
+                                  return_dict_in_generate=True).logits
+
+    batch = logits(batch_ids, mask)
+    for row, n in enumerate(lengths):
+        for a, b in zip(batch, logits(batch_ids[row:row + 1, -n:], mask[row:row + 1, -n:])):
+            torch.testing.assert_close(a[row].float(), b[0].float(), rtol=0, atol=1e-3)
+
+
+def test_a_text_the_budget_covers_takes_the_full_residual_whatever_the_method():
+    """Nothing is evicted when the budget covers the text: an explicit residual larger than the recent window
+    of a budget that size is no error, and the result is the full method's."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(8))
+    base = CacheSettings(kv_bits=4, kv_group_size=8, kv_residual=16)
+    covered, _ = token_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 64, base))
+    full, _ = token_logprobs(model, ids, ScoreSetup(get_method("full"), None, base))
+    assert torch.equal(covered, full)
+    default = CacheSettings(kv_bits=4, kv_group_size=8)
+    covered, _ = token_logprobs(model, ids, ScoreSetup(get_method("h2o"), 64, default))
+    full, _ = token_logprobs(model, ids, ScoreSetup(get_method("full"), None, default))
+    assert torch.equal(covered, full)
+
+
+def test_a_layer_refuses_a_residual_its_recent_window_or_merging_cannot_keep():
+    from scissorhands.methods.scissorhands import Scissorhands
+
+    with pytest.raises(ValueError, match="^kv_residual: "):
+        BudgetedKV(16, 2, 4, Scissorhands(), store=PackedKVStore(4, 8, residual=3))
+    with pytest.raises(ValueError, match="^kv_residual: "):
+        BudgetedKV(16, 4, 4, Scissorhands(), store=PackedKVStore(4, 8, residual=3), merge=True)
+    BudgetedKV(16, 3, 4, Scissorhands(), store=PackedKVStore(4, 8, residual=3))
+
+
+def test_eval_refuses_a_residual_that_does_not_fit_before_any_cell(capsys, tmp_path):
+    from conftest import save_tiny_model
+
+    tiny = str(save_tiny_model(tmp_path / "tiny"))
+    capsys.readouterr()  # the saving's progress bar
+    data = tmp_path / "text.txt"
+    data.write_text("All the world's a stage, and all the men and women merely players. " * 30)
+    code, _, err = _cli(capsys, "eval", "--model", tiny, "--methods", "full,scissorhands", "--budgets", "0.5",
+                        "--tasks", "ppl", "--data", str(data), "--seq-len", "64", "--num-samples", "2",
+                        "--recent", "0.1", "--kv-bits", "4", "--kv-residual", "8", "--out", str(tmp_path / "out"))
+    assert code == 2 and err.strip().count("\n") == 0 and "kv_residual" in err
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+def test_eval_records_count_each_layers_residual_from_the_schedule():
+    from scissorhands.eval.runner import kv_residual_bytes
+
+    model = tiny_model("llama")  # 2 full layers, 2 KV heads of 16 channels, float32
+    per_layer_token = 2 * 2 * 16 * 4
+    settings = CacheSettings(kv_bits=4, schedule=(100, 300))
+    assert kv_residual_bytes(model, settings, 200) == (25 + 32) * per_layer_token  # recent 0.25 x 100 caps layer 0
+    assert kv_residual_bytes(model, CacheSettings(kv_bits=4), 200) == 2 * 32 * per_layer_token
+    assert kv_residual_bytes(model, CacheSettings(), 200) == 0

@@ -105,6 +105,11 @@ class BudgetedKV:
                  protect: Protection | None = None):
         if drop > budget - recent:
             raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
+        residual = getattr(store, "residual", 0)
+        if residual and not method.is_full and residual > recent:
+            raise ValueError(f"kv_residual: must be <= the recent window ({recent}) for this layer, got {residual}")
+        if residual and merge:
+            raise ValueError("kv_residual: cannot be combined with merge")
         self.budget, self.recent, self.drop = budget, recent, drop
         self.prefill, self.observe = prefill, observe
         self.method = method

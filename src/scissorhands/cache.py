@@ -252,11 +252,7 @@ class ScissorhandsCache(Cache):
             if budget <= config.protected:
                 raise ValueError(f"schedule: a layer budget ({budget}) must be > the protected tokens "
                                  f"(recent + sinks = {config.protected})")
-            residual = config.residual_for(budget, evicts=not self.method.is_full)
-            if residual > config.recent_for(budget) and not self.method.is_full:
-                raise ValueError(f"kv_residual: must be <= the recent window of every layer, so that no eviction "
-                                 f"touches it; a layer of budget {budget} keeps {config.recent_for(budget)} recent "
-                                 f"tokens, got kv_residual={config.kv_residual} (raise recent or lower kv_residual)")
+            residual = config.check_residual(budget, evicts=not self.method.is_full)
             layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
                                       self.method.make_state(config), self.method, config.query_tile, idx,
                                       sinks=config.sinks, merge=config.merge, prefill=config.prefill,

@@ -250,6 +250,20 @@ class CacheSettings:
             return int(self.kv_residual)
         return DEFAULT_RESIDUAL if not evicts else min(DEFAULT_RESIDUAL, self.recent_for(layer_budget))
 
+    def check_residual(self, layer_budget: int, evicts: bool = True) -> int:
+        """:meth:`residual_for`, or a one-line ``ValueError`` if an explicit ``kv_residual`` cannot fit.
+
+        An eviction never drops the recent window, which is what keeps the
+        residual's tokens stored; a larger residual could lose them.
+        """
+        residual = self.residual_for(layer_budget, evicts)
+        recent = self.recent_for(layer_budget)
+        if evicts and residual > recent:
+            raise ValueError(f"kv_residual: must be <= the recent window of every layer, so that no eviction "
+                             f"touches it; a layer of budget {layer_budget} keeps {recent} recent tokens, got "
+                             f"kv_residual={self.kv_residual} (raise recent, lower kv_residual, or set it to 0)")
+        return residual
+
     def with_budget(self, budget: int) -> ScissorhandsConfig:
         """These settings at a token budget."""
         return ScissorhandsConfig(budget=budget, **self.as_dict())

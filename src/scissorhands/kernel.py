@@ -120,8 +120,12 @@ def attend_stored(
     and the ones before packed, as it would have when it was decoded alone.
     """
     if getattr(store, "residual", 0) and limits is not None:  # stores written before residuals have none
+        if ends is None:
+            if not isinstance(limits, int):
+                raise ValueError("ends: per-query limits need each row's stored length")
+            ends = limits
         return _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, mask_from, query_weight,
-                                limits, ends if ends is not None else limits)
+                                limits, ends)
     tile = store.read_tile
     mask = (softcap, allowed, shape, bias, mask_from, query_weight)
     if tile is None or length <= tile:
@@ -158,13 +162,24 @@ def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, m
     tile = store.read_tile or max(length, 1)
     mask = (softcap, allowed, shape, bias, mask_from, query_weight)
     if x_lo == x_hi and length <= tile:
-        # Every query splits at the same slot (decoding): the packed slots, then the exact ones, as one dense
-        # tile, and the one-read arithmetic of a short layer.
-        keys, values = store.read_exact_keys(x_hi, length, ends), store.read_exact_values(x_hi, length, ends)
+        # Every query splits at the same slot (decoding): the packed keys, then the exact ones, as one dense
+        # tile. The values are two products summed as the general path below sums them, so that in bf16 a
+        # decoded step and a blocked one round alike.
+        keys = store.read_exact_keys(x_hi, length, ends)
         if x_hi:
             keys = torch.cat([store.read_keys(0, x_hi), keys], dim=2)
-            values = torch.cat([store.read_values(0, x_hi), values], dim=2)
-        return _one_read(q, keys, values, scaling, *mask)
+        probs = attention_probs(q, keys, scaling, softcap, allowed, shape, bias, mask_from)
+        if query_weight is not None:
+            probs = probs * query_weight
+        flat = probs.view(*q.shape[:-1], length)
+        out = None
+        if x_hi:
+            values = store.read_values(0, x_hi)
+            out = _widened(torch.matmul(flat[..., :x_hi].to(values.dtype), values))
+        values = store.read_exact_values(x_hi, length, ends)
+        part = torch.matmul(flat[..., x_hi:].to(values.dtype), values)
+        out = _widened(part) if out is None else out.add_(part)
+        return probs, out.to(values.dtype)
     device = q.device
     qs, exact, logits = _logits_row(q, scaling, length)
     for start in range(0, x_hi, tile):

@@ -104,8 +104,10 @@ class ExactTail:
         """
         t = self.keys if which == "keys" else self.values
         w = self.width
-        if isinstance(ends, torch.Tensor) and ends.numel() and bool((ends == ends[0]).all()):
-            ends = int(ends[0])
+        if isinstance(ends, torch.Tensor):
+            ends = ends.reshape(-1)
+            if ends.numel() and bool((ends == ends[0]).all()):
+                ends = int(ends[0])
         if isinstance(ends, int) and w - ends + start >= 0 and w - ends + end <= w:
             return t[:, :, w - ends + start : w - ends + end]
         ends_t = torch.as_tensor(ends, device=t.device).reshape(-1, 1)  # (B or 1, 1)

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from .cache import ScissorhandsCache
 from .config import CacheSettings
-from .methods import EvictionMethod
+from .methods import EvictionMethod, get_method
 
 
 @dataclass
@@ -50,7 +50,10 @@ class ScoreSetup:
         """
         if self.method.is_full or self.budget is None or self.budget >= total_length:
             if self.base.quantized:
-                return ScissorhandsCache(model, self.method.configure(self.base, total_length), self.method())
+                # Nothing will be evicted: the full method's packed cache, whatever method was asked for, so
+                # that settings tied to eviction (the residual's cap by the recent window) do not apply.
+                full = get_method("full")
+                return ScissorhandsCache(model, full.configure(self.base, total_length), full())
             return DynamicCache(config=model.config)
         return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed))
 

@@ -18,6 +18,7 @@ from ..config import CacheSettings
 from ..methods import EvictionMethod
 from ..modelinfo import model_facts
 from ..quant import packed_bytes_per_token_head
+from ..schedule import layer_budgets
 from ..scoring import ScoreSetup
 from ..stats import paired_difference
 from .tasks import Task
@@ -40,11 +41,17 @@ def kv_bytes_per_token(model, settings=None) -> int:
 
 
 def kv_residual_bytes(model, settings, budget: float, evicts: bool = True) -> float:
-    """Bytes of a sequence's full-precision residual at a layer ``budget`` (model dtype), 0 without one."""
-    r = settings.residual_for(round(budget), evicts)
-    if not r:
+    """Bytes of a sequence's full-precision residual at an average ``budget`` (model dtype), 0 without one.
+
+    Each budgeted layer's own budget comes from the schedule, and its residual from that budget.
+    """
+    if not settings.quantized:
         return 0
-    return min(r, budget) * model_facts(model).kv_bytes_per_token(next(model.parameters()).element_size())
+    facts = model_facts(model)
+    per_layer_token = facts.kv_bytes_per_token(next(model.parameters()).element_size()) / len(facts.full_layers)
+    config = settings.with_budget(max(1, round(budget)))
+    return sum(min(settings.residual_for(b, evicts), b) * per_layer_token
+               for b in layer_budgets(config, len(facts.full_layers)))
 
 
 RESULTS_FILE = "results.jsonl"
@@ -217,7 +224,11 @@ def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], bud
             raise ValueError(f"budgets: a token count must be > recent + sinks ({protected}), got {spec}")
         used = tuple(min(resolve_budget(spec, i.length, protected, "budgets"), i.length) for i in items)
         for budget in sorted({b for b, i in zip(used, items) if b < i.length}):
-            method.configure(base, budget)  # a setting that does not fit this budget fails now, not mid-grid
+            # A setting that does not fit this budget fails now, not mid-grid (the residual against each
+            # layer's recent window too).
+            config = method.configure(base, budget)
+            for layer_budget in config.schedule if isinstance(config.schedule, tuple) else (budget,):
+                config.check_residual(layer_budget, evicts=not method.is_full)
         if used in seen:
             raise ValueError(
                 f"budgets: {seen[used]} and {spec} give the same budget on every {task.name} item "
