@@ -136,14 +136,13 @@ def attend_stored(
         end = min(length, start + tile)
         logits[..., start:end] = torch.matmul(qs, store.read_keys(start, end).transpose(-1, -2))
     probs, flat = _probs(logits, q, scaling, exact, *mask)
-    out, dtype = None, q.dtype
+    out = None
     for start in range(0, length, tile):
         end = min(length, start + tile)
         values = store.read_values(start, end)  # (B, H_kv, tile, D_v), the only dense copy alive
-        part = torch.matmul(flat[..., start:end].to(values.dtype), values)  # summed in float32 across tiles
-        out, dtype = (_widened(part) if out is None else out.add_(part)), values.dtype
+        out = _accumulate(out, flat[..., start:end], values)
     assert out is not None
-    return probs, out.to(dtype)
+    return probs, out.to(values.dtype)
 
 
 def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, mask_from, query_weight, limits,
@@ -171,15 +170,7 @@ def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, m
         probs = attention_probs(q, keys, scaling, softcap, allowed, shape, bias, mask_from)
         if query_weight is not None:
             probs = probs * query_weight
-        flat = probs.view(*q.shape[:-1], length)
-        out = None
-        if x_hi:
-            values = store.read_values(0, x_hi)
-            out = _widened(torch.matmul(flat[..., :x_hi].to(values.dtype), values))
-        values = store.read_exact_values(x_hi, length, ends)
-        part = torch.matmul(flat[..., x_hi:].to(values.dtype), values)
-        out = _widened(part) if out is None else out.add_(part)
-        return probs, out.to(values.dtype)
+        return probs, _residual_output(probs.view(*q.shape[:-1], length), store, x_lo, x_hi, tile, ends, None)
     device = q.device
     qs, exact, logits = _logits_row(q, scaling, length)
     for start in range(0, x_hi, tile):
@@ -198,30 +189,36 @@ def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, m
         logits[..., x_lo:x_hi] = torch.where(choose, exact_logits[..., : x_hi - x_lo], logits[..., x_lo:x_hi])
     logits[..., x_hi:] = exact_logits[..., x_hi - x_lo:]
     probs, flat = _probs(logits, q, scaling, exact, *mask)
-    out, dtype = None, q.dtype
+    return probs, _residual_output(flat, store, x_lo, x_hi, tile, ends, choose)
+
+
+def _residual_output(flat, store, x_lo, x_hi, tile, ends, choose) -> torch.Tensor:
+    """Probabilities ``flat`` (B, H_kv, M, L) times values: packed tiles below ``x_hi``, exact from ``x_lo``.
+
+    ``choose`` (B, 1, M, x_hi - x_lo) says which query reads which mixed slot exact (None: no mixed slots);
+    each mixed slot's probability goes to one of the two products, never both.
+    """
+    out = None
     for start in range(0, x_hi, tile):
         end = min(x_hi, start + tile)
-        part_probs = flat[..., start:end]
+        part = flat[..., start:end]
         if choose is not None and end > x_lo:
             a = max(start, x_lo)
-            part_probs = part_probs.clone()
-            part_probs[..., a - start:].masked_fill_(choose[..., a - x_lo : end - x_lo], 0)
-        values = store.read_values(start, end)
-        part = torch.matmul(part_probs.to(values.dtype), values)
-        out, dtype = (_widened(part) if out is None else out.add_(part)), values.dtype
-    exact_probs = flat[..., x_lo:]
+            part = part.clone()
+            part[..., a - start:].masked_fill_(choose[..., a - x_lo : end - x_lo], 0)
+        out = _accumulate(out, part, store.read_values(start, end))
+    exact = flat[..., x_lo:]
     if choose is not None:
-        exact_probs = exact_probs.clone()
-        exact_probs[..., : x_hi - x_lo].masked_fill_(~choose, 0)
-    values = store.read_exact_values(x_lo, length, ends)
-    part = torch.matmul(exact_probs.to(values.dtype), values)
-    out, dtype = (_widened(part) if out is None else out.add_(part)), values.dtype
-    return probs, out.to(dtype)
+        exact = exact.clone()
+        exact[..., : x_hi - x_lo].masked_fill_(~choose, 0)
+    values = store.read_exact_values(x_lo, flat.shape[-1], ends)
+    return _accumulate(out, exact, values).to(values.dtype)
 
 
-def _widened(part: torch.Tensor) -> torch.Tensor:
-    """The first tile's product as the accumulator: at least float32 (float64 stays float64)."""
-    return part.to(torch.promote_types(part.dtype, torch.float32))
+def _accumulate(out: torch.Tensor | None, probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out + probs @ values``, the product taken in the values' dtype and summed in at least float32."""
+    part = torch.matmul(probs.to(values.dtype), values)
+    return part.to(torch.promote_types(part.dtype, torch.float32)) if out is None else out.add_(part)
 
 
 def _one_read(q, keys, values, scaling, softcap, allowed, shape, bias, mask_from, query_weight):
