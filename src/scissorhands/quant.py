@@ -133,8 +133,11 @@ class PackedTensor:
         # A per-(head, channel) offset taken off before quantising and added back when reading (H_kv, 1, D).
         self.center = None if center is None else center.to(device=device, dtype=torch.float32)[:, None, :]
 
-    def _quantize(self, x: torch.Tensor):
-        return quantize(x if self.center is None else x.float() - self.center, self.bits, self.group)
+    def quantized(self, x: torch.Tensor):
+        """(data, scale, zero) of a block (B, H_kv, c, D) or of tokens (N, H_kv, D), around the centres if any."""
+        if self.center is not None:
+            x = x.float() - (self.center if x.dim() == 4 else self.center[:, 0])
+        return quantize(x, self.bits, self.group)
 
     @property
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,20 +155,11 @@ class PackedTensor:
 
         self._set(tuple(resized(t) for t in self.parts))
 
-    def write(self, start: int, x: torch.Tensor) -> None:
-        """Quantise a block ``x`` (B, H_kv, c, D) into slots ``[start, start + c)``."""
-        self.put(start, self._quantize(x))
-
     def put(self, start: int, parts) -> None:
         """Store already quantised (data, scale, zero) of a block at slots ``[start, start + c)``."""
         c = parts[0].shape[-2]
         for t, new in zip(self.parts, parts):
             t[:, :, start : start + c] = new
-
-    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Quantise token ``i`` (x[i]: (H_kv, D)) into slot ``slots[i]`` of row ``rows[i]``."""
-        x = x if self.center is None else x.float() - self.center[:, 0]  # x: (N, H_kv, D)
-        self.put_at(rows, slots, quantize(x, self.bits, self.group))
 
     def put_at(self, rows: torch.Tensor, slots: torch.Tensor, parts) -> None:
         """Store already quantised parts of token ``i`` (data[i]: (H_kv, ·)) at slot ``slots[i]`` of ``rows[i]``."""
@@ -249,6 +243,7 @@ class PackedKVStore(KVStore):
     def reset(self) -> None:
         self.k: PackedTensor | None = None
         self.v: PackedTensor | None = None
+        self.paired = False
         self.tail = ExactTail(self.residual) if self.residual else None
         self.dtype = torch.float32
 
@@ -265,6 +260,9 @@ class PackedKVStore(KVStore):
         self.k = PackedTensor(self.key_bits, self._group(dk), b, h, dk, key.device, self.key_center)
         self.v = PackedTensor(self.bits, self._group(dv), b, h, dv, value.device)
         self.dtype = key.dtype
+        # K and V quantised alike (bits, group, width, no centre): one call on both halves the fixed cost of
+        # writing a token, which a decode step pays in every layer.
+        self.paired = self.k.pairs_with(self.v) and key.dtype == value.dtype
         if self.tail is not None:
             self.tail.allocate(key, value)
 
@@ -281,28 +279,25 @@ class PackedKVStore(KVStore):
         for p in self._parts():
             p.resize(capacity)
 
-    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _quantized(self, key: torch.Tensor, value: torch.Tensor):
+        """The packed parts of new K and of new V, each token quantised once."""
         k, v = self._parts()
-        if k.pairs_with(v) and key.dtype == value.dtype:
-            # K and V quantised alike: one call on both halves the fixed cost per token (a decode step's).
+        if self.paired:
             packed = quantize(torch.stack([key, value]), k.bits, k.group)
-            k.put(start, [t[0] for t in packed])
-            v.put(start, [t[1] for t in packed])
-        else:
-            k.write(start, key)
-            v.write(start, value)
+            return [t[0] for t in packed], [t[1] for t in packed]
+        return k.quantized(key), v.quantized(value)
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        k_parts, v_parts = self._quantized(key, value)
+        for p, parts in zip(self._parts(), (k_parts, v_parts)):
+            p.put(start, parts)
         if self.tail is not None:
             self.tail.append(key, value)
 
     def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        k, v = self._parts()
-        if k.pairs_with(v) and key.dtype == value.dtype:
-            packed = quantize(torch.stack([key, value]), k.bits, k.group)
-            k.put_at(rows, slots, [t[0] for t in packed])
-            v.put_at(rows, slots, [t[1] for t in packed])
-        else:
-            k.write_at(rows, slots, key)
-            v.write_at(rows, slots, value)
+        k_parts, v_parts = self._quantized(key, value)
+        for p, parts in zip(self._parts(), (k_parts, v_parts)):
+            p.put_at(rows, slots, parts)
         if self.tail is not None:
             self.tail.append_at(rows, key, value)
 
