@@ -52,11 +52,10 @@ class ExactTail:
         keep = min(n, w)
         return self.keys[:, :, w - keep:], self.values[:, :, w - keep:]
 
-    def trim(self, n: int | None = None) -> None:
-        """Keep each row's newest ``n`` entries (default: the tail's size)."""
-        n = self.size if n is None else n
-        if self.width > n:
-            k, v = self._last(n)
+    def trim(self) -> None:
+        """Keep each row's newest ``size`` entries."""
+        if self.width > self.size:
+            k, v = self._last(self.size)
             self.keys, self.values = k.clone(), v.clone()
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
