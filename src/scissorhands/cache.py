@@ -233,8 +233,10 @@ class ScissorhandsCache(Cache):
         facts.check_supported()
         if hasattr(model, "set_attn_implementation"):
             enable(model)
-        self.config = config
         self.method = method or Scissorhands()
+        # The method's own settings (TOVA's window of 1, H2O's sum, ...) hold whoever built the config.
+        config = self.method.resolve(config)
+        self.config = config
         self.facts = facts
         self.protection = protection
         self.audit = audit

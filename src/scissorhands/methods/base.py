@@ -10,17 +10,21 @@ keeps aligned with K/V.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 
-from ..config import CacheSettings, ScissorhandsConfig
+from ..config import DEFAULTS, CacheSettings, ScissorhandsConfig
 from ..state import TokenState
 
 if TYPE_CHECKING:
     from ..slots import SlotTable
+
+logger = logging.getLogger(__name__)
+Settings = TypeVar("Settings", bound=CacheSettings)
 
 
 class LayerView:
@@ -103,9 +107,21 @@ class EvictionMethod:
         self.seed = seed
 
     @classmethod
-    def resolve(cls, base: CacheSettings) -> CacheSettings:
-        """The shared settings with this method's own choices applied."""
-        overrides: dict[str, Any] = dict(cls.settings)
+    def resolve(cls, base: Settings) -> Settings:
+        """The shared settings with this method's own choices applied: the one place they are applied.
+
+        Every entry point (``ScissorhandsCache``, the CLI, the scorer, eval, the
+        lm-eval backend) goes through here, so one method and one base give one
+        configuration. A setting the method fixes wins over the base; when the
+        base held a value of its own there (not the library default), a
+        warning names both values. Applying it twice changes nothing.
+        """
+        overrides = {k: v for k, v in cls.settings.items() if getattr(base, k) != v}
+        for name, value in overrides.items():
+            given = getattr(base, name)
+            if given != getattr(DEFAULTS, name):
+                logger.warning("%s: method %r fixes %s=%r; the given %s=%r is not used", name, cls.name, name,
+                               value, name, given)
         return replace(base, **overrides) if overrides else base
 
     @classmethod
