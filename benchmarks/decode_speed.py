@@ -20,8 +20,8 @@ import time
 import torch
 
 from scissorhands import CacheSettings
-from scissorhands.generation import demo_prompt, generate
-from scissorhands.models import load_model
+from scissorhands.tools.generation import demo_prompt, generate
+from scissorhands.tools.models import load_model
 
 
 def main():

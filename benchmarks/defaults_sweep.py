@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from scissorhands import CacheSettings, ScissorhandsCache, get_method, resolve_budget
-from scissorhands.eval.tasks import Perplexity
-from scissorhands.models import load_model
-from scissorhands.scoring import ScoreSetup, token_logprobs
-from scissorhands.stats import paired_difference
+from scissorhands.hf.scoring import ScoreSetup, token_logprobs
+from scissorhands.tools.eval.tasks import Perplexity
+from scissorhands.tools.models import load_model
+from scissorhands.tools.stats import paired_difference
 
 
 def window_nll(model, ids, method, budget, settings) -> tuple[float, dict | None]:

@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import left_padded, tiny_model
 from scissorhands import CacheSettings, EvictionAudit, ScissorhandsCache, ScissorhandsConfig
-from scissorhands.methods import get_method
-from scissorhands.scoring import ScoreSetup, token_logprobs
+from scissorhands.core.methods import get_method
+from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 
 SETTINGS = {
     "defaults": {},
@@ -47,7 +47,7 @@ def centres_for(model, arch: str) -> str:
     """Key centres of a tiny model, measured on the CPU, in a temporary file."""
     import tempfile
 
-    from scissorhands.calibrate import measure_key_centers, save_key_centers
+    from scissorhands.tools.calibrate import measure_key_centers, save_key_centers
 
     path = Path(tempfile.gettempdir()) / f"device_check_centres_{arch}.json"
     record = measure_key_centers(model, lambda t: {"input_ids": [3 + b % 250 for b in t.encode()]},
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--atol", type=float, default=1e-4)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    from scissorhands.models import resolve_device
+    from scissorhands.tools.models import resolve_device
 
     try:
         device = resolve_device(args.device)

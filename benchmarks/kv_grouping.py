@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 
 from scissorhands import CacheSettings, ScissorhandsCache, get_method
-from scissorhands.calibrate import KeyStats as CalibrationStats
-from scissorhands.eval.tasks import Perplexity
-from scissorhands.kvstore import DenseKVStore
-from scissorhands.models import load_model
-from scissorhands.quant import dequantize, quantize
-from scissorhands.scoring import ScoreSetup, token_logprobs
-from scissorhands.stats import paired_difference
+from scissorhands.core.stores.base import DenseKVStore
+from scissorhands.core.stores.packed import dequantize, quantize
+from scissorhands.hf.scoring import ScoreSetup, token_logprobs
+from scissorhands.tools.calibrate import KeyStats as CalibrationStats
+from scissorhands.tools.eval.tasks import Perplexity
+from scissorhands.tools.models import load_model
+from scissorhands.tools.stats import paired_difference
 
 
 def fake_quant(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from scissorhands import CacheSettings, ScissorhandsCache, get_method
-from scissorhands.eval.tasks import Perplexity
-from scissorhands.kvstore import DenseKVStore
-from scissorhands.models import load_model
-from scissorhands.quant import dequantize, quantize
-from scissorhands.stats import paired_difference
+from scissorhands.core.stores.base import DenseKVStore
+from scissorhands.core.stores.packed import dequantize, quantize
+from scissorhands.tools.eval.tasks import Perplexity
+from scissorhands.tools.models import load_model
+from scissorhands.tools.stats import paired_difference
 
 
 class ResidualStore(DenseKVStore):

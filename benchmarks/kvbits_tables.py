@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from scissorhands.stats import mean_ci
+from scissorhands.tools.stats import mean_ci
 
 LABELS = {"kv16": "16 (bf16)", "kv8": "8", "k8v4": "K 8 / V 4", "kv4r32": "4, residual 32", "kv4r16": "4, residual 16",
           "kv4cr16": "4, keys centred, residual 16", "k4v2r16": "K 4 / V 2, residual 16",
@@ -97,7 +97,7 @@ def bits_label(config):
 def kv_reduction(r):
     """A bf16 full cache's K/V bytes over this cell's, from the record's lengths, budget and packing."""
     from scissorhands import CacheSettings
-    from scissorhands.quant import packed_bytes_per_token_head
+    from scissorhands.core.stores.packed import packed_bytes_per_token_head
 
     c, d = r["config"], r["key"]["model"]["signature"]["head_dim"]
     dense = 2 * d * 2  # K and V in bf16, per token and KV head
@@ -111,7 +111,7 @@ def kv_reduction(r):
 
 
 def fewshot(path):
-    from scissorhands.stats import mean_ci
+    from scissorhands.tools.stats import mean_ci
 
     recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     tasks = list(dict.fromkeys(r["task"] for r in recs))
@@ -151,7 +151,7 @@ def fewshot(path):
 
 def excess(cells, tasks, bits, budget):
     """Compounding, pooled over tasks: per question, combination - eviction alone - quantisation alone + full."""
-    from scissorhands.stats import mean_ci
+    from scissorhands.tools.stats import mean_ci
 
     if bits == "16 (bf16)" or budget == 1.0:
         return "—"

@@ -10,7 +10,7 @@ writes the same JSON records (``--engine``), which ``--merge`` joins:
     python benchmarks/kvpress_side_by_side.py --merge kvpress.json ours.json --out docs/bench/kvpress_side_by_side.json
 
 Both sides load SmolLM2-135M-Instruct from the safetensors folder the project
-converts the embedded GGUF into (``scissorhands.models.load_model`` writes it
+converts the embedded GGUF into (``scissorhands.tools.models.load_model`` writes it
 under ``~/.cache/scissorhands/`` or ``$SCISSORHANDS_CACHE``), so they run the
 very same float weights.
 
@@ -166,7 +166,7 @@ def run_kvpress(args, ids) -> list[dict]:
 
 def run_ours(args, ids) -> list[dict]:
     from scissorhands import CacheSettings, ScissorhandsCache
-    from scissorhands.methods import get_method
+    from scissorhands.core.methods import get_method
 
     model, _ = load()
     rows = []
@@ -238,7 +238,7 @@ def speed_kvpress(args) -> list[dict]:
 
 def speed_ours(args) -> list[dict]:
     from scissorhands import CacheSettings, ScissorhandsCache
-    from scissorhands.methods import get_method
+    from scissorhands.core.methods import get_method
 
     model, tok = load()
     ids = _prompt(tok, args.speed_context, args.speed_batch)

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from scissorhands.stats import paired_difference
+from scissorhands.tools.stats import paired_difference
 
 
 def main():

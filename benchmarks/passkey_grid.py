@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from scissorhands import CacheSettings, get_method, resolve_budget
-from scissorhands.eval.passkey import Passkey
-from scissorhands.models import load_model
-from scissorhands.scoring import ScoreSetup
+from scissorhands.hf.scoring import ScoreSetup
+from scissorhands.tools.eval.passkey import Passkey
+from scissorhands.tools.models import load_model
 
 
 def main():

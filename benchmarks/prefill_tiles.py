@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from scissorhands import CacheSettings, ScissorhandsCache
-from scissorhands.models import load_model
+from scissorhands.tools.models import load_model
 
 
 def main():

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 from scissorhands import EvictionAudit, ScissorhandsConfig, get_method
-from scissorhands.audit import plot_held_map
-from scissorhands.generation import chat_prompt, generate
-from scissorhands.models import load_model
-from scissorhands.text import corpus_tokens, load_texts
+from scissorhands.tools.generation import chat_prompt, generate
+from scissorhands.tools.models import load_model
+from scissorhands.tools.plots import plot_held_map
+from scissorhands.tools.text import corpus_tokens, load_texts
 
 SYSTEMS = [
     "You are a helpful assistant. The access code is {code}. Keep it in mind; the user will ask for it.",

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
-from scissorhands.models import load_model
+from scissorhands.tools.models import load_model
 
 
 def batch_ids(vocab: int, batch: int, prompt: int, pad_step: int, seed: int):

@@ -6,7 +6,7 @@
 import sys
 from pathlib import Path
 
-from scissorhands.eval.runner import load_results, paired_vs_full, plot_results
+from scissorhands.tools.eval.runner import load_results, paired_vs_full, plot_results
 
 
 def ppl_table(results):
@@ -93,7 +93,7 @@ if __name__ == "__main__":
 
 def paired_between(results, a="scissorhands", task="ppl"):
     """Mean per-window NLL of method ``a`` minus each other method, same windows (95% CI)."""
-    from scissorhands.eval.tasks import _mean_ci
+    from scissorhands.tools.eval.tasks import _mean_ci
 
     recs = {(r["method"], r["budget"]): r for r in results if r["task"] == task}
     lines = [f"| vs {a} | " + " | ".join(f"budget {b}" for b in sorted({k[1] for k in recs if k[1]}, reverse=True))
@@ -117,7 +117,7 @@ def paired_between(results, a="scissorhands", task="ppl"):
 
 def sweep_table(default_dir, sweep_dir, method="scissorhands", budget=0.2):
     """Each setting of a defaults sweep against the shipped defaults, paired over the same windows."""
-    from scissorhands.eval.tasks import _mean_ci
+    from scissorhands.tools.eval.tasks import _mean_ci
 
     base = next(r for r in load_results(Path(default_dir) / "results.jsonl")
                 if r["method"] == method and r["budget"] == budget and r["task"] == "ppl")
@@ -141,7 +141,7 @@ def sweep_table(default_dir, sweep_dir, method="scissorhands", budget=0.2):
 
 def fewshot_paired(results):
     """Accuracy change against the full cache, paired over the same questions (95% CI), per task."""
-    from scissorhands.eval.tasks import _mean_ci
+    from scissorhands.tools.eval.tasks import _mean_ci
 
     recs = [r for r in results if r["task"] not in ("ppl", "agreement")]
     tasks = list(dict.fromkeys(r["task"] for r in recs))

@@ -13,9 +13,9 @@ import time
 import torch
 
 from scissorhands import CacheSettings, get_method, resolve_budget
-from scissorhands.models import load_model
-from scissorhands.scoring import ScoreSetup, token_logprobs
-from scissorhands.text import shakespeare_tokens
+from scissorhands.hf.scoring import ScoreSetup, token_logprobs
+from scissorhands.tools.models import load_model
+from scissorhands.tools.text import shakespeare_tokens
 
 
 def main():

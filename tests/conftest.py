@@ -116,7 +116,7 @@ def save_tiny_model(folder, arch: str = "llama", max_positions: int = 1024):
 
 def run_cli(capsys, *args):
     """The CLI's main() in this process (fast): (exit code, stdout, stderr); argparse errors exit through SystemExit."""
-    from scissorhands.cli import main
+    from scissorhands.tools.cli import main
 
     try:
         code = main(list(args))

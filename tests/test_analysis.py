@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import ByteTokenizer
 from scissorhands import ScissorhandsCache, ScissorhandsConfig, layer_budgets
-from scissorhands.analysis import (
+from scissorhands.tools.analysis import (
     AnalysisSettings,
     attention_maps,
     calibrated_budgets,
@@ -24,8 +24,8 @@ from scissorhands.analysis import (
     topk_persistence,
     union_persistence,
 )
-from scissorhands.analysis.cli import add_parser, run
-from scissorhands.analysis.persistence import layer_persistence
+from scissorhands.tools.analysis.cli import add_parser, run
+from scissorhands.tools.analysis.persistence import layer_persistence
 
 # One head, T = 6 (first half = keys 0, 1, 2). Rows are steps t = 1..6.
 HAND = torch.tensor([[
@@ -264,8 +264,8 @@ def test_analyze_rejects_bad_arguments_with_one_line(argv, name):
 
 
 def test_pipeline_end_to_end_on_a_tiny_model(tmp_path):
-    from scissorhands.analysis.pipeline import analyze
-    from scissorhands.analysis.report import summary, write_plots
+    from scissorhands.tools.analysis.pipeline import analyze
+    from scissorhands.tools.analysis.report import summary, write_plots
 
     model = tiny_llama()
     text = " ".join(f"line {i}: the quick brown fox {i % 7} jumps." for i in range(120))
@@ -285,7 +285,7 @@ def test_pipeline_end_to_end_on_a_tiny_model(tmp_path):
     assert "calibrated budgets" in summary(result)
 
     # the command redraws plots and tables from the saved result without measuring anything
-    from scissorhands.analysis.report import save_json
+    from scissorhands.tools.analysis.report import save_json
 
     save_json(result, tmp_path / "analysis.json")
     assert run(parse("--from-json", str(tmp_path / "analysis.json"), "--out", str(tmp_path / "redrawn"))) == 0
@@ -295,7 +295,7 @@ def test_pipeline_end_to_end_on_a_tiny_model(tmp_path):
 
 
 def test_bos_windows_keep_their_length_and_need_a_bos_token():
-    from scissorhands.analysis.pipeline import with_bos
+    from scissorhands.tools.analysis.pipeline import with_bos
 
     class Tok:
         bos_token_id = 7
@@ -306,7 +306,7 @@ def test_bos_windows_keep_their_length_and_need_a_bos_token():
 
 
 def test_fit_through_origin_recovers_a_slope():
-    from scissorhands.analysis.bound import fit_through_origin
+    from scissorhands.tools.analysis.bound import fit_through_origin
 
     slope, r2 = fit_through_origin([0.0, 0.3, 0.5, 0.9], [0.0, 0.6, 1.0, 1.8])
     assert slope == pytest.approx(2.0) and r2 == pytest.approx(1.0)

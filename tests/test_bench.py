@@ -6,7 +6,7 @@ import pytest
 
 from conftest import run_in_process, save_tiny_model, tiny_model
 from scissorhands import CacheSettings
-from scissorhands.bench import (
+from scissorhands.tools.bench import (
     BenchConfig,
     decode_point,
     max_fitting,
@@ -16,7 +16,7 @@ from scissorhands.bench import (
     run_bench,
     soak_part,
 )
-from scissorhands.cli import main
+from scissorhands.tools.cli import main
 
 SETTINGS = CacheSettings(recent=4)
 
@@ -78,7 +78,7 @@ def test_decode_bytes_of_a_packed_store_match_the_analytic_size(bits, key_bits, 
 
 
 def test_decode_bytes_with_key_centres_count_the_centres_once_per_layer(tmp_path):
-    from scissorhands.calibrate import measure_key_centers, save_key_centers
+    from scissorhands.tools.calibrate import measure_key_centers, save_key_centers
 
     model = tiny_model("llama")
     path = tmp_path / "c.json"

@@ -255,7 +255,7 @@ def test_whole_model_memory_counts_sliding_layers():
     for m in report["layers"]:
         if "budget" not in m:
             assert m["storage_bytes"] >= m["kv_bytes"]  # a view into the last update's tensor
-    from scissorhands.cli import memory_line
+    from scissorhands.tools.cli import memory_line
 
     line = memory_line(report)  # the whole model first, the budgeted layers beside it
     first = float(line.split("x smaller")[0].rsplit(" ", 1)[-1])

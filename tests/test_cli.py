@@ -12,7 +12,7 @@ from scissorhands import ScissorhandsCache, ScissorhandsConfig
 
 
 def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "scissorhands.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "scissorhands.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -8,10 +8,10 @@ tiny random Llama saved to a folder.
 Starting Python and importing torch and transformers takes seconds per
 process, so the cases do not each start an interpreter: one server process
 imports the command line once, then forks a fresh child per case, which runs
-``scissorhands.cli.main`` with its own argv, working folder, stdout and stderr,
+``scissorhands.tools.cli.main`` with its own argv, working folder, stdout and stderr,
 and exits with main's return code (an uncaught exception prints its
 traceback and exits 1, as the interpreter would). A sample of cases is also
-run through ``python -m scissorhands.cli`` to show the two agree.
+run through ``python -m scissorhands.tools.cli`` to show the two agree.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ SRC = str(Path(scissorhands.__file__).resolve().parents[1])
 SERVER = r"""
 import json, os, sys, traceback
 import torch, transformers  # noqa: F401  (imported once, before the forks)
-import scissorhands.cli as cli
-import scissorhands.analysis.cli, scissorhands.eval, scissorhands.generation, scissorhands.models  # noqa: F401
+import scissorhands.tools.cli as cli
+import scissorhands.tools.analysis.cli, scissorhands.tools.eval  # noqa: F401
+import scissorhands.tools.generation, scissorhands.tools.models  # noqa: F401
 
 cases = json.load(sys.stdin)
 codes = []
@@ -304,12 +305,12 @@ SAMPLE = ["gen-top-p-2", "eval-budgets-nan", "eval-out-under-file", "analyze-tex
 
 @pytest.mark.parametrize("case_id", SAMPLE)
 def test_the_real_entry_point_agrees(tmp_path, case_id):
-    """The same cases through ``python -m scissorhands.cli``: same exit code, same message."""
+    """The same cases through ``python -m scissorhands.tools.cli``: same exit code, same message."""
     argv, param = next((c[1], c[2]) for c in CASES if c[0] == case_id)
     make_inputs(tmp_path)
     before = snapshot(tmp_path)
     argv = [a.replace("{tiny}", str(tmp_path / "no-model-needed")) for a in argv]
-    proc = subprocess.run([sys.executable, "-m", "scissorhands.cli", *argv], cwd=tmp_path, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "scissorhands.tools.cli", *argv], cwd=tmp_path, capture_output=True,
                           text=True, env=_env(tmp_path), timeout=300)
     assert_one_line_error(proc.returncode, proc.stderr, param)
     assert snapshot(tmp_path) == before

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from scissorhands.methods import methods_table
+from scissorhands.core.methods import methods_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -12,4 +12,4 @@ def test_readme_lists_the_registered_methods():
     start = text.index("<!-- methods -->\n") + len("<!-- methods -->\n")
     end = text.index("<!-- /methods -->")
     assert text[start:end].strip() == methods_table(), (
-        "README's method table is out of date; regenerate it from scissorhands.methods.methods_table()")
+        "README's method table is out of date; regenerate it from scissorhands.core.methods.methods_table()")

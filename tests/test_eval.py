@@ -7,13 +7,13 @@ import torch
 
 from conftest import ByteTokenizer, tiny_model
 from scissorhands import ScissorhandsConfig
-from scissorhands.cli import main
-from scissorhands.eval import make_task, plot_results, run_grid, summary_table
-from scissorhands.eval.runner import paired_vs_full
-from scissorhands.eval.tasks import Agreement, MultipleChoice, Perplexity
-from scissorhands.generation import demo_prompt
-from scissorhands.methods import get_method
-from scissorhands.scoring import ScoreSetup, token_logprobs
+from scissorhands.core.methods import get_method
+from scissorhands.hf.scoring import ScoreSetup, token_logprobs
+from scissorhands.tools.cli import main
+from scissorhands.tools.eval import make_task, plot_results, run_grid, summary_table
+from scissorhands.tools.eval.runner import paired_vs_full
+from scissorhands.tools.eval.tasks import Agreement, MultipleChoice, Perplexity
+from scissorhands.tools.generation import demo_prompt
 
 BASE = ScissorhandsConfig(budget=16, recent=4, drop=0.4, window=16, importance="sum")
 

@@ -19,8 +19,8 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from scissorhands.lm_eval_backend import ScissorhandsLM
-from scissorhands.models import load_model
+from scissorhands.tools.lm_eval_backend import ScissorhandsLM
+from scissorhands.tools.models import load_model
 
 pytestmark = pytest.mark.slow  # the tokenizer comes from the embedded default model
 
@@ -204,7 +204,7 @@ def test_model_args_string(tiny, tokenizer):
 def test_packed_kv_with_a_residual_scores_as_the_library_does(tiny, tokenizer):
     """model_args reach the cache: kv_bits/kv_residual give the same log-likelihood as the scorer with them."""
     from scissorhands import CacheSettings, get_method
-    from scissorhands.scoring import ScoreSetup, continuation_logprobs
+    from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs
 
     lm = ScissorhandsLM.create_from_arg_string("budget=24,recent=8,kv_bits=4,kv_group_size=8,kv_residual=8",
                                                {"model": (tiny, tokenizer)})

@@ -1,4 +1,4 @@
-"""Tests for scissorhands.models (model/tokenizer loading)."""
+"""Tests for scissorhands.tools.models (model/tokenizer loading)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pathlib
 import pytest
 import torch
 
-from scissorhands import models
-from scissorhands.models import (
+from scissorhands.tools import models
+from scissorhands.tools.models import (
     DEFAULT_MODEL,
     ModelLoadError,
     cache_dir,
@@ -328,7 +328,7 @@ def test_write_cache_unwritable_warns(tiny_dir, tmp_path, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="scissorhands.models"):
+    with caplog.at_level(logging.WARNING, logger="scissorhands.tools.models"):
         models._write_cache(model, tokenizer, blocker / "sub" / "model")  # must not raise
     assert any("could not cache" in r.getMessage() for r in caplog.records)
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from conftest import left_padded, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig, get_method
-from scissorhands.config import PRESETS
-from scissorhands.scoring import ScoreSetup, continuation_logprobs, token_logprobs
+from scissorhands.core.config import PRESETS
+from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 from test_reference import cases, check_case
 from test_scoring import decode_logprobs
 

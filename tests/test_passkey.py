@@ -5,9 +5,9 @@ import torch
 
 from conftest import ByteTokenizer, tiny_model
 from scissorhands import CacheSettings, get_method
-from scissorhands.eval import make_task
-from scissorhands.eval.passkey import INTRO, QUESTION, Passkey
-from scissorhands.scoring import ScoreSetup
+from scissorhands.hf.scoring import ScoreSetup
+from scissorhands.tools.eval import make_task
+from scissorhands.tools.eval.passkey import INTRO, QUESTION, Passkey
 
 
 @pytest.fixture

@@ -27,8 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from scissorhands import ScissorhandsConfig
-from scissorhands.methods import get_method
-from scissorhands.scoring import ScoreSetup, token_logprobs
+from scissorhands.core.methods import get_method
+from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))

@@ -11,8 +11,8 @@ import torch
 
 from conftest import left_padded, tiny_model
 from scissorhands import EvictionMethod, LayerView, ScissorhandsCache, ScissorhandsConfig, TokenState, register
-from scissorhands.importance import ImportanceState
-from scissorhands.methods import METHODS, unregister
+from scissorhands.core.importance import ImportanceState
+from scissorhands.core.methods import METHODS, unregister
 from test_scoring import assert_scorer_equals_decoding
 
 
@@ -143,7 +143,7 @@ class OldStore:
     read_tile = None
 
     def __init__(self):
-        from scissorhands.kvstore import DenseKVStore
+        from scissorhands.core.stores.base import DenseKVStore
 
         self.inner = DenseKVStore()
 

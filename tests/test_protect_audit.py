@@ -12,12 +12,12 @@ from transformers import AutoModelForCausalLM
 from conftest import byte_tokenizer_fast, save_tiny_model
 from reference import reference_stream
 from scissorhands import EvictionAudit, Protection, ScissorhandsCache, ScissorhandsConfig, get_method
-from scissorhands.cache import ScissorhandsLayer
-from scissorhands.cli import main
-from scissorhands.generation import generate
-from scissorhands.importance import ImportanceState
-from scissorhands.methods.scissorhands import Scissorhands
-from scissorhands.protect import check_room
+from scissorhands.core.importance import ImportanceState
+from scissorhands.core.methods.scissorhands import Scissorhands
+from scissorhands.core.protect import check_room
+from scissorhands.hf.cache import ScissorhandsLayer
+from scissorhands.tools.cli import main
+from scissorhands.tools.generation import generate
 from test_reference import chunk_mask, make_inputs
 
 CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
@@ -35,7 +35,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer_model(tiny_model_dir):
-    from scissorhands.models import load_model
+    from scissorhands.tools.models import load_model
 
     return load_model(str(tiny_model_dir))
 

@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 
 from conftest import left_padded, run_cli, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
-from scissorhands.budgeted import BudgetedKV
-from scissorhands.kvstore import DenseKVStore
-from scissorhands.methods import get_method
-from scissorhands.modelinfo import model_facts
-from scissorhands.quant import PackedKVStore, dequantize, make_store, pack, quantize, unpack
-from scissorhands.scoring import ScoreSetup, continuation_logprobs, token_logprobs
+from scissorhands.core.budgeted import BudgetedKV
+from scissorhands.core.methods import get_method
+from scissorhands.core.stores.base import DenseKVStore
+from scissorhands.core.stores.packed import PackedKVStore, dequantize, make_store, pack, quantize, unpack
+from scissorhands.hf.modelinfo import model_facts
+from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 from test_scoring import BASE, decode_logprobs
 
 BITS = [2, 4, 8]
@@ -227,7 +227,7 @@ class ReadSpy:
 def test_tiled_attention_equals_reading_the_whole_layer(length, tile, n, seed, scaling, softcap, masked, dtype):
     """Key tiles into the logits, one softmax, value tiles summed: the same probabilities and output as one read
     of every slot, and no read wider than a tile."""
-    from scissorhands.kernel import attend_stored
+    from scissorhands.core.kernel import attend_stored
 
     gen = torch.Generator().manual_seed(seed)
     b, h, g, d = 2, 2, 2, 16
@@ -489,7 +489,7 @@ def test_key_centres_of_zero_change_nothing_and_centring_shrinks_offset_channels
 def test_cache_with_key_centres_scores_exactly_and_rejects_bad_files(tmp_path):
     import json
 
-    from scissorhands.calibrate import measure_key_centers, save_key_centers
+    from scissorhands.tools.calibrate import measure_key_centers, save_key_centers
 
     model = tiny_model("gemma3")  # sliding layers: only the full-attention layers get centres
     record = measure_key_centers(model, lambda text: {"input_ids": [3 + b % 250 for b in text.encode()]},
@@ -571,7 +571,7 @@ def _exact_reference(q, packed_k, packed_v, exact_k, exact_v, limits, r, scaling
 def test_residual_attention_equals_the_naive_per_query_choice(first, new, r, tile, seed):
     """Rows of different lengths get a block of new tokens; every query of the block reads its own last r slots
     exact and the older ones packed, as a naive per-query loop does."""
-    from scissorhands.kernel import attend_stored
+    from scissorhands.core.kernel import attend_stored
 
     gen = torch.Generator().manual_seed(seed)
     b, h, g, d = len(first), 2, 2, 16
@@ -608,7 +608,7 @@ def test_residual_attention_equals_the_naive_per_query_choice(first, new, r, til
 def test_residual_holds_each_rows_newest_tokens_through_evictions(steps, r, seed):
     """Ragged appends and evictions that keep the recent window: the tail always reads back, exact, the last r
     stored tokens of every row, and it holds exactly r per row once settled."""
-    from scissorhands.selection import keep_order
+    from scissorhands.core.selection import keep_order
 
     gen = torch.Generator().manual_seed(seed)
     b, h, d, recent = 2, 2, 8, 4
@@ -746,7 +746,7 @@ def test_residual_must_fit_the_recent_window_of_every_layer():
 def test_default_residual_is_32_tokens_capped_by_each_layers_recent_window():
     """kv_residual=None (the default): 32 exact tokens with packed K/V, at most the recent window of a layer that
     evicts; none without packing, with merge, or in the paper preset; an explicit number is taken as given."""
-    from scissorhands.config import DEFAULT_RESIDUAL
+    from scissorhands.core.config import DEFAULT_RESIDUAL
 
     assert DEFAULT_RESIDUAL == 32 and CacheSettings().kv_residual is None
     assert CacheSettings(kv_bits=4).residual_for(400) == 32
@@ -813,7 +813,7 @@ def test_a_text_the_budget_covers_takes_the_full_residual_whatever_the_method():
 
 
 def test_a_layer_refuses_a_residual_its_recent_window_or_merging_cannot_keep():
-    from scissorhands.methods.scissorhands import Scissorhands
+    from scissorhands.core.methods.scissorhands import Scissorhands
 
     with pytest.raises(ValueError, match="^kv_residual: "):
         BudgetedKV(16, 2, 4, Scissorhands(), store=PackedKVStore(4, 8, residual=3))
@@ -837,7 +837,7 @@ def test_eval_refuses_a_residual_that_does_not_fit_before_any_cell(capsys, tmp_p
 
 
 def test_eval_records_count_each_layers_residual_from_the_schedule():
-    from scissorhands.eval.runner import kv_residual_bytes
+    from scissorhands.tools.eval.runner import kv_residual_bytes
 
     model = tiny_model("llama")  # 2 full layers, 2 KV heads of 16 channels, float32
     per_layer_token = 2 * 2 * 16 * 4

@@ -5,8 +5,8 @@ import torch
 from transformers import DynamicCache
 
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
-from scissorhands.generation import demo_prompt
-from scissorhands.models import load_model
+from scissorhands.tools.generation import demo_prompt
+from scissorhands.tools.models import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,10 @@ def test_packed_prefill_matches_token_by_token_in_the_mean_on_real_model(smollm,
     Not bitwise: the two paths compute K/V with different matmul shapes, which differ in the last float
     bits, and quantisation turns a rare last-bit difference at a rounding boundary into a whole step (then
     eviction choices can follow). Tiny models show the paths equal to 1e-5 (tests/test_quant.py); here the
-    mean NLL of the two agrees and the budget holds.
+    mean NLL of the two agrees and the budget holds. How far the step goes depends on the CPU's kernels:
+    0.0126 nats on an AVX-512 AMD EPYC for 8/4 bits without a residual (0.0008 with it), under 0.01 on
+    others, so the bound is 0.03. It still catches a gross error: 2-bit instead of 4-bit K/V moves the
+    mean by 0.5 to 2 nats.
     """
     model, tok = smollm
     ids = tok(demo_prompt(), return_tensors="pt").input_ids[:, :96]
@@ -54,7 +57,7 @@ def test_packed_prefill_matches_token_by_token_in_the_mean_on_real_model(smollm,
         step = ScissorhandsCache(model, cfg)
         logits = torch.cat([model(ids[:, t:t + 1], cache=step).logits for t in range(ids.shape[1])], 1)
         lp_step = logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])
-    assert abs(float(lp_one.mean() - lp_step.mean())) < 0.01
+    assert abs(float(lp_one.mean() - lp_step.mean())) < 0.03
     assert one.memory_report()["peak_stored"] <= 40 and step.memory_report()["peak_stored"] <= 40
     assert one.memory_report()["kv_residual_bytes"] == step.memory_report()["kv_residual_bytes"] == (
         30 * 3 * packing["kv_residual"] * 128 * 4)  # layers x KV heads x R x (K + V channels) x float32

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reference import reference_stream
-from scissorhands.cache import ScissorhandsLayer
-from scissorhands.importance import ImportanceState
-from scissorhands.methods.scissorhands import Scissorhands
+from scissorhands.core.importance import ImportanceState
+from scissorhands.core.methods.scissorhands import Scissorhands
+from scissorhands.hf.cache import ScissorhandsLayer
 
 
 def chunk_mask(valid_chunk: torch.Tensor) -> torch.Tensor:

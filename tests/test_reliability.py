@@ -19,15 +19,15 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import scissorhands
 from conftest import ByteTokenizer, left_padded, run_cli, save_tiny_model, tiny_config, tiny_model
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
-from scissorhands import models as models_module
-from scissorhands.cli import memory_line
-from scissorhands.eval import run_grid
-from scissorhands.eval.runner import RESULTS_FILE, load_results
-from scissorhands.eval.tasks import Perplexity, read_requests
-from scissorhands.generation import demo_prompt, generate
-from scissorhands.methods import get_method
-from scissorhands.schedule import load_schedule
-from scissorhands.text import decode_text
+from scissorhands.core.methods import get_method
+from scissorhands.core.schedule import load_schedule
+from scissorhands.tools import models as models_module
+from scissorhands.tools.cli import memory_line
+from scissorhands.tools.eval import run_grid
+from scissorhands.tools.eval.runner import RESULTS_FILE, load_results
+from scissorhands.tools.eval.tasks import Perplexity, read_requests
+from scissorhands.tools.generation import demo_prompt, generate
+from scissorhands.tools.text import decode_text
 
 BASE = ScissorhandsConfig(budget=16, recent=4, drop=0.4, window=16).settings
 SRC = str(Path(scissorhands.__file__).resolve().parents[1])
@@ -146,7 +146,7 @@ def test_torn_last_line_is_reported_dropped_and_the_run_goes_on(tmp_path, text_f
     whole = path.read_bytes()
     path.write_bytes(whole + b'{"task": "ppl", "method": "scissorhands", "bud')  # killed mid-write
     assert len(load_results(path)) == 3  # readers skip it
-    with caplog.at_level(logging.WARNING, logger="scissorhands.eval.runner"):
+    with caplog.at_level(logging.WARNING, logger="scissorhands.tools.eval.runner"):
         again = grid(out, text_file)
     message = next(r.getMessage() for r in caplog.records if "incomplete" in r.getMessage())
     assert str(path) in message and "line 4" in message
@@ -224,7 +224,7 @@ def test_read_only_output_folder(tmp_path, capsys, monkeypatch, command, text_fi
 
 
 def test_oserror_while_working_is_one_line_naming_the_option_and_path(tmp_path, capsys, monkeypatch, text_file):
-    import scissorhands.eval as eval_pkg
+    import scissorhands.tools.eval as eval_pkg
 
     out = tmp_path / "out"
 
@@ -249,7 +249,7 @@ def test_ctrl_c_is_one_line_and_exit_code_130(capsys, monkeypatch):
 
 def test_ctrl_c_in_a_real_process(tmp_path, tiny_folder, text_file):
     env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "scissorhands.cli", "-v", "eval", "--model", str(tiny_folder),
+    proc = subprocess.Popen([sys.executable, "-m", "scissorhands.tools.cli", "-v", "eval", "--model", str(tiny_folder),
                              "--data", str(text_file), "--seq-len", "32", "--num-samples", "64", "--out",
                              str(tmp_path / "out")], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=env)
@@ -257,7 +257,7 @@ def test_ctrl_c_in_a_real_process(tmp_path, tiny_folder, text_file):
     try:
         for line in proc.stderr:  # wait until the model is loaded: we are inside main
             seen.append(line)
-            if "scissorhands.models: loaded" in line:
+            if "scissorhands.tools.models: loaded" in line:
                 break
         proc.send_signal(signal.SIGINT)
         rest = proc.stderr.read()
@@ -300,7 +300,7 @@ def test_model_cache_is_verified_and_repaired(fake_gguf, caplog):
     gguf, folder, calls = fake_gguf
 
     def load():
-        with caplog.at_level(logging.WARNING, logger="scissorhands.models"):
+        with caplog.at_level(logging.WARNING, logger="scissorhands.tools.models"):
             caplog.clear()
             models_module._load_converted(str(gguf), folder, "m")
         return [r.getMessage() for r in caplog.records]
@@ -461,7 +461,7 @@ def test_memory_line_when_the_sequence_fits_the_budget():
 
 def test_text_decoding_fallback_and_threshold(caplog):
     latin = "Voilà, garçon: ½ pièce à l'œil".replace("œ", "oe").encode("latin-1") * 5
-    with caplog.at_level(logging.WARNING, logger="scissorhands.text"):
+    with caplog.at_level(logging.WARNING, logger="scissorhands.tools.text"):
         assert decode_text(latin, "data", "f.txt") == latin.decode("latin-1")
     assert any("read as Latin-1" in r.getMessage() for r in caplog.records)
     utf8 = "naïve café ".encode() * 30 + b"\xff"  # one stray byte in UTF-8 text: replaced, warned
@@ -506,8 +506,8 @@ def test_task_files_are_validated_line_by_line(tmp_path, lines, match):
 
 def test_lm_eval_backend_reports_a_bad_argument_in_one_line(capsys):
     pytest.importorskip("lm_eval")
-    from scissorhands.lm_eval_backend import _check_positive_int
-    from scissorhands.lm_eval_backend import main as lm_main
+    from scissorhands.tools.lm_eval_backend import _check_positive_int
+    from scissorhands.tools.lm_eval_backend import main as lm_main
 
     assert _check_positive_int("max_gen_toks", np.int64(3)) == 3
     with pytest.raises(SystemExit) as info:

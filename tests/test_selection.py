@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scissorhands.selection import keep_order
+from scissorhands.core.selection import keep_order
 
 
 def test_lowest_scores_go_recent_and_shielded_stay_ties_keep_the_newer():

@@ -1,0 +1,37 @@
+"""The core: eviction without a framework.
+
+Settings and budgets, selection, per-token state, the methods and their
+registry, the K/V stores and their registry, protection and the audit's
+bookkeeping, and the budgeted layer that keeps them aligned. It imports torch
+and nothing from transformers, vLLM, matplotlib, tqdm or gguf (a test imports it
+with those blocked), so that any engine's adapter can drive it: the
+transformers adapter is :mod:`scissorhands.hf`.
+"""
+
+from .audit import EvictionAudit
+from .budget import resolve_budget
+from .budgeted import BudgetedKV
+from .config import DEFAULTS, CacheSettings, ScissorhandsConfig
+from .facts import ModelFacts
+from .methods import METHODS, EvictionMethod, LayerView, get_method, register
+from .protect import Protection
+from .schedule import layer_budgets
+from .state import TokenState
+
+__all__ = [
+    "DEFAULTS",
+    "METHODS",
+    "BudgetedKV",
+    "CacheSettings",
+    "EvictionAudit",
+    "EvictionMethod",
+    "LayerView",
+    "ModelFacts",
+    "Protection",
+    "ScissorhandsConfig",
+    "TokenState",
+    "get_method",
+    "layer_budgets",
+    "register",
+    "resolve_budget",
+]

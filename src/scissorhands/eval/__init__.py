@@ -1,6 +1,0 @@
-"""Quality of compressed caches on real data: tasks, a grid runner, summaries and plots."""
-
-from .runner import plot_results, run_grid, summary_table
-from .tasks import TASKS, make_task
-
-__all__ = ["TASKS", "make_task", "plot_results", "run_grid", "summary_table"]

@@ -1,0 +1,295 @@
+"""ScissorhandsCache: a transformers ``Cache`` whose full-attention layers hold a fixed token budget.
+
+This module is the adapter to transformers' layered cache API and nothing
+more. Each :class:`ScissorhandsLayer` wraps a :class:`~scissorhands.core.budgeted.BudgetedKV`
+(storage, slots, per-token state, eviction). Its ``update`` only hands the new
+chunk to the registered attention function (see :mod:`scissorhands.hf.attention`),
+which calls :meth:`ScissorhandsLayer.attend`; that streams the chunk through
+the budgeted storage (:mod:`scissorhands.core.streaming`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
+
+from scissorhands.core.audit import EvictionAudit
+from scissorhands.core.budgeted import BudgetedKV
+from scissorhands.core.centers import load_key_centers
+from scissorhands.core.config import ScissorhandsConfig
+from scissorhands.core.memory import layer_memory
+from scissorhands.core.methods import EvictionMethod
+from scissorhands.core.methods.scissorhands import Scissorhands
+from scissorhands.core.protect import Protection, SpanSpec, check_room
+from scissorhands.core.schedule import layer_budgets
+from scissorhands.core.slots import SlotTable
+from scissorhands.core.state import TokenState
+from scissorhands.core.stores.packed import make_store
+from scissorhands.core.streaming import attend
+
+from .guard import ModelGuard, check_continues, reuse_message
+from .modelinfo import FULL, model_facts
+from .report import cache_memory_report
+
+
+class ScissorhandsLayer(CacheLayerMixin):
+    """transformers' view of one budgeted layer.
+
+    Parameters
+    ----------
+    budget, recent, drop : int
+        Peak tokens stored per sequence, the protected recent window, and the
+        least number of tokens evicted at once.
+    state : TokenState, optional
+        The method's per-token state (e.g. importance), kept beside K/V.
+    method : EvictionMethod, optional
+        Scores tokens; default Scissorhands.
+    query_tile : int
+        Most query rows scored at once.
+    layer_idx : int
+        The model layer this is.
+    **options
+        ``sinks``, ``merge``, ``prefill``, ``observe``, ``store``: see :class:`~scissorhands.core.budgeted.BudgetedKV`.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, budget: int, recent: int, drop: int, state: TokenState | None = None,
+                 method: EvictionMethod | None = None, query_tile: int = 256, layer_idx: int = 0, **options):
+        self.kv = BudgetedKV(budget, recent, drop, method or Scissorhands(), state, layer_idx, **options)
+        super().__init__()
+        self.query_tile = query_tile
+        self.layer_idx = layer_idx
+        self._pending: int | None = None
+        self.guard: ModelGuard | None = None  # what the owning cache was built for (set by ScissorhandsCache)
+        self.checks_continuation = True  # the cache leaves this to its first budgeted layer: once per forward
+        self.reset()
+
+    # transformers' base class and callers read `keys`/`values`; they are the store's buffers.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return getattr(self.kv.store, "keys", None) if self.kv.allocated else None
+
+    @keys.setter
+    def keys(self, value) -> None:  # the base __init__ assigns None; storage belongs to the store
+        pass
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return getattr(self.kv.store, "values", None) if self.kv.allocated else None
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
+
+    @property
+    def budget(self) -> int:
+        return self.kv.budget
+
+    @property
+    def slots(self) -> SlotTable:
+        return self.kv.slots
+
+    @property
+    def state(self) -> TokenState:
+        return self.kv.state
+
+    @property
+    def compressions(self) -> int:
+        return self.kv.compressions
+
+    # -- transformers layer API ---------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.guard is not None:
+            self.guard.check_keys(key_states, self.layer_idx)
+        self.device = key_states.device
+        self.kv.allocate(key_states, value_states)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
+        """Register the new chunk for the attention call that follows; store nothing yet."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if kwargs is None:
+            raise ValueError(
+                "model: unsupported architecture: its attention does not pass its kwargs to the cache, "
+                "so the scissorhands attention cannot be routed"
+            )
+        if self.checks_continuation and self.kv.allocated:
+            check_continues(self.kv.slots, key_states, kwargs.get("position_ids"))
+        if self._pending is not None:
+            raise RuntimeError(
+                "attention was not routed through scissorhands: call scissorhands.enable(model) "
+                "or build the cache with ScissorhandsCache(model, config)"
+            )
+        self._pending = key_states.shape[-2]
+        self.seen += key_states.shape[-2]
+        kwargs["scissorhands_layer"] = self
+        return key_states, value_states
+
+    def check_model(self, module) -> None:
+        """One-line ``ValueError`` if ``module`` belongs to another model (see :class:`.guard.ModelGuard`)."""
+        if self.guard is not None:
+            self.guard.check_module(module, self.layer_idx)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+               scaling: float, softcap: float | None = None) -> torch.Tensor:
+        """Stream the chunk handed to :meth:`update` through the budget (see :mod:`~scissorhands.core.streaming`)."""
+        if self._pending != key.shape[-2]:
+            raise RuntimeError("scissorhands attention called without a matching cache update")
+        self._pending = None
+        return attend(self.kv, query, key, value, mask, scaling, softcap, self.query_tile)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if query_length == 0 and self.seen > 0:
+            raise ValueError(reuse_message(self.seen))
+        # The model's mask covers the new chunk only (causal + padding); stored
+        # tokens are masked by the layer itself, since slots are not positions.
+        return query_length, self.seen
+
+    def get_seq_length(self) -> int:
+        """Tokens seen so far (padding included): the next chunk's offset, not the stored length."""
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.kv.reset()
+        self.seen = 0
+        self._pending = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("ScissorhandsCache cannot roll back: evicted tokens are gone")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.kv.select_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.kv.select_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.kv.select_batch(torch.arange(self.kv.slots.lengths.numel()).repeat_interleave(repeats))
+
+    # -- reporting -------------------------------------------------------------------------
+    def stored_positions(self, row: int) -> torch.Tensor:
+        """Positions stored for sequence ``row``, shape (H_kv, stored), in stored order."""
+        return self.kv.slots.row(row)
+
+    def memory(self) -> dict:
+        """Bytes and tokens held by this layer (see :func:`scissorhands.hf.report.layer_memory`)."""
+        return layer_memory(self.kv)
+
+
+class ScissorhandsCache(Cache):
+    """A drop-in ``cache=`` for ``model.generate`` that evicts by persistence of importance.
+
+    Full-attention layers become :class:`ScissorhandsLayer` with a per-layer budget
+    from the schedule; sliding-window and chunked layers keep transformers' own
+    layers and their native window.
+
+    Parameters
+    ----------
+    model : PreTrainedModel or PretrainedConfig
+        The model (its attention is switched to the scissorhands function, see
+        :func:`scissorhands.hf.attention.enable`) or just its config, if the
+        caller enables the attention itself.
+    config : ScissorhandsConfig
+        Budget, windows, drop amount, importance form and schedule.
+    method : EvictionMethod, optional
+        Scoring rule (see :mod:`scissorhands.core.methods`); default Scissorhands.
+    protect : list of (start, end), or one such list per sequence, optional
+        Token spans never evicted in any layer (see :mod:`scissorhands.core.protect`);
+        they count against the budget, and a protection that leaves a layer
+        no room to evict is refused.
+    audit : EvictionAudit, optional
+        Records every eviction (see :mod:`scissorhands.core.audit`).
+
+    Examples
+    --------
+    >>> cache = ScissorhandsCache(model, ScissorhandsConfig(budget=400))
+    >>> out = model.generate(**inputs, cache=cache, max_new_tokens=100)
+    >>> cache.memory_report()["peak_stored"] <= 400
+    True
+    """
+
+    def __init__(self, model, config: ScissorhandsConfig, method: EvictionMethod | None = None, *,
+                 protect: SpanSpec | Protection | None = None, audit: EvictionAudit | None = None):
+        from .attention import enable
+
+        if not isinstance(config, ScissorhandsConfig):
+            raise ValueError(f"config: must be a ScissorhandsConfig, got {type(config).__name__}")
+        if method is not None and not isinstance(method, EvictionMethod):
+            raise ValueError(f"method: must be an EvictionMethod instance, got {method!r}")
+        if audit is not None and not isinstance(audit, EvictionAudit):
+            raise ValueError(f"audit: must be an EvictionAudit, got {type(audit).__name__}")
+        protection = Protection.parse(protect)
+        if not isinstance(getattr(model, "config", model), PretrainedConfig):
+            raise ValueError(f"model: must be a transformers model or its config, got {type(model).__name__}")
+        facts = model_facts(model)
+        facts.check_supported()
+        if hasattr(model, "set_attn_implementation"):
+            enable(model)
+        self.method = method or Scissorhands()
+        # The method's own settings (TOVA's window of 1, H2O's sum, ...) hold whoever built the config.
+        config = self.method.resolve(config)
+        self.config = config
+        self.facts = facts
+        self.protection = protection
+        self.audit = audit
+        guard = ModelGuard(facts)
+        per_layer = layer_budgets(config, len(facts.full_layers))
+        check_room(protection, [(b, config.recent_for(b), config.drop_for(b)) for b in per_layer])
+        budgets = iter(per_layer)
+        centers = {} if config.kv_key_centers is None else load_key_centers(config.kv_key_centers, facts)
+        layers: list = []
+        for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
+            if layer_type != FULL:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
+                continue
+            budget = next(budgets)
+            if budget <= config.protected:
+                raise ValueError(f"schedule: a layer budget ({budget}) must be > the protected tokens "
+                                 f"(recent + sinks = {config.protected})")
+            residual = config.check_residual(budget, evicts=not self.method.is_full)
+            layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
+                                      self.method.make_state(config), self.method, config.query_tile, idx,
+                                      sinks=config.sinks, merge=config.merge, prefill=config.prefill,
+                                      observe=config.observe, protect=protection,
+                                      store=make_store(config.kv_bits, config.kv_group_size, config.kv_key_bits,
+                                                       config.kv_tile, centers.get(idx), residual))
+            if audit is not None:
+                layer.kv.listeners.append(audit)
+                audit.attach(idx)
+            layer.guard = guard
+            layer.checks_continuation = not any(isinstance(x, ScissorhandsLayer) for x in layers)
+            layers.append(layer)
+        super().__init__(layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' per-layer update; a layer index this cache does not have is a one-line ``ValueError``."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"model: this ScissorhandsCache was built for a model with {len(self.layers)} layers, "
+                             f"but is used with one that has a layer {layer_idx}; build one cache per model")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def budgeted_layers(self) -> list[ScissorhandsLayer]:
+        return [layer for layer in self.layers if isinstance(layer, ScissorhandsLayer)]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # Sliding layers count the same tokens; read a budgeted layer for a uniform answer.
+        layers = self.budgeted_layers
+        return layers[0].seen if layers else super().get_seq_length(layer_idx)
+
+    def memory_report(self) -> dict:
+        """K/V, per-token state and position bytes, and tokens stored.
+
+        See :func:`scissorhands.hf.report.cache_memory_report`.
+        """
+        return cache_memory_report(self)

@@ -1,0 +1,134 @@
+"""Exact teacher-forced scoring under a compressed cache.
+
+Scoring a text as if it were streamed token by token through the budgeted
+cache needs no decoding loop: one forward pass with a fresh
+:class:`~scissorhands.hf.cache.ScissorhandsCache` does it. Each budgeted layer
+computes its attention for all positions in blocks, one block per
+compression event, with the eviction decided from that layer's own
+probabilities; its outputs then feed the next layer. The log-probabilities
+equal real decoding through the cache (the tests check it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from scissorhands.core.config import CacheSettings
+from scissorhands.core.methods import EvictionMethod, get_method
+
+from .cache import ScissorhandsCache
+
+
+@dataclass
+class ScoreSetup:
+    """A method at a token budget, on top of shared settings.
+
+    Attributes
+    ----------
+    method : type of EvictionMethod
+        A registered method class (see :func:`scissorhands.get_method`).
+    budget : int or None
+        Tokens per layer; None for no budget (the full cache).
+    base : CacheSettings
+        Shared settings; the method's own choices override them.
+    seed : int
+        For methods that draw random numbers.
+    """
+
+    method: type[EvictionMethod]
+    budget: int | None
+    base: CacheSettings
+    seed: int = 0
+
+    def make_cache(self, model, total_length: int):
+        """A fresh cache for a sequence of ``total_length`` tokens.
+
+        When nothing would be evicted: transformers' DynamicCache, or, with
+        packed K/V (``kv_bits`` < 16), a budgeted cache as large as the sequence.
+        """
+        if self.method.is_full or self.budget is None or self.budget >= total_length:
+            if self.base.quantized:
+                # Nothing will be evicted: the full method's packed cache, whatever method was asked for, so
+                # that settings tied to eviction (the residual's cap by the recent window) do not apply.
+                full = get_method("full")
+                return ScissorhandsCache(model, full.configure(self.base, total_length), full())
+            return DynamicCache(config=model.config)
+        return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed))
+
+
+def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) from logits (B, n, V) and targets (B, n), computed in float32."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def token_logprobs(model, input_ids: torch.Tensor, setup: ScoreSetup,
+                   cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and greedy hit of every token after the first, streamed through the cache.
+
+    Parameters
+    ----------
+    input_ids : LongTensor, shape (T,) or (1, T)
+    setup : ScoreSetup
+    cache : Cache, optional
+        A fresh cache from ``setup.make_cache`` (to read its memory report
+        afterwards); by default one is made here.
+
+    Returns
+    -------
+    logprobs : Tensor, shape (T - 1,), float32
+        ``log p(x_t | x_<t)`` under the compressed cache.
+    greedy : BoolTensor, shape (T - 1,)
+        Whether ``x_t`` was the argmax prediction.
+    """
+    ids = input_ids.reshape(1, -1).to(model.device)
+    if cache is None:
+        cache = setup.make_cache(model, ids.shape[1])
+    logits = model(ids, cache=cache).logits[:, :-1]  # (1, T-1, V)
+    targets = ids[:, 1:]
+    return _gather_logprobs(logits, targets)[0], (logits.argmax(-1) == targets)[0]
+
+
+@torch.no_grad()
+def continuation_logprobs(model, context: list[int], continuations: list[list[int]],
+                          setup: ScoreSetup) -> list[tuple[float, bool]]:
+    """Score several continuations of one context, each streamed through the compressed cache.
+
+    The context goes through the cache once; the cache is then copied per
+    continuation (``batch_repeat_interleave``) and the continuations are fed as
+    one right-padded chunk. This equals streaming each full sequence alone.
+
+    Returns
+    -------
+    list of (sum of log-probs, all tokens greedy) per continuation
+    """
+    if not context:
+        raise ValueError("context: is empty")
+    n = len(continuations)
+    longest = max(len(c) for c in continuations)
+    if longest == 0:
+        raise ValueError("continuation: is empty")
+    device = model.device
+    ctx = torch.tensor([context], device=device)
+    cache = setup.make_cache(model, len(context) + longest)
+    first = model(ctx, cache=cache, logits_to_keep=1).logits[:, -1:]  # (1, 1, V)
+    cache.batch_repeat_interleave(n)
+    conts = torch.zeros(n, longest, dtype=torch.long, device=device)
+    mask = torch.zeros(n, len(context) + longest, dtype=torch.long, device=device)
+    mask[:, : len(context)] = 1
+    for i, c in enumerate(continuations):
+        conts[i, : len(c)] = torch.tensor(c, device=device)
+        mask[i, len(context): len(context) + len(c)] = 1
+    positions = len(context) + torch.arange(longest, device=device).expand(n, -1)
+    rest = model(conts, attention_mask=mask, cache=cache, position_ids=positions).logits  # (n, L, V)
+    logits = torch.cat([first.expand(n, -1, -1), rest[:, :-1]], dim=1)  # (n, L, V): predicts conts
+    lp = _gather_logprobs(logits, conts)
+    hit = logits.argmax(-1) == conts
+    out = []
+    for i, c in enumerate(continuations):
+        k = len(c)
+        out.append((float(lp[i, :k].sum()), bool(hit[i, :k].all())))
+    return out

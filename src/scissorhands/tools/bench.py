@@ -1,0 +1,718 @@
+"""Memory and throughput at scale: the library behind ``scissorhands bench``.
+
+One run measures, after a warm-up and with the variants interleaved step by
+step (so drift on a shared machine hits all of them alike):
+
+* **decode**: per-step latency and tokens/s against context length and batch,
+  for the full cache (``DynamicCache``) at context T, ``ScissorhandsCache`` at
+  budgets B = f·T, and the *reference point*, the full cache at context B
+  (a cache holding B tokens does the same attention work per step);
+* **prefill**: time to prefill long prompts, full cache (SDPA) against the
+  streamed prefill with no eviction, the streamed prefill at each budget and
+  the prompt-aware prefill;
+* **memory**: K/V and importance bytes from tensor storage against their
+  analytic size, every layer counted, and the process's peak RSS;
+* **max batch** under a memory cap, found by running the generation;
+* **soak**: cache bytes, RSS and tokens/s every k steps of a long generation.
+
+"Context T" is the number of tokens the cache has seen when the last timed
+step runs: the prompt is T minus the warm-up and timed steps, so a full cache
+attends over T - steps .. T tokens while it is timed.
+
+Everything returns plain dicts (written as JSON by the CLI); nothing prints.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import math
+import os
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from scissorhands.core.config import PREFILL_MODES, CacheSettings
+from scissorhands.core.stores.packed import packed_bytes_per_token_head
+from scissorhands.hf.cache import ScissorhandsCache
+from scissorhands.hf.modelinfo import FULL, model_facts, text_config
+
+logger = logging.getLogger(__name__)
+
+PARTS = ("decode", "prefill", "maxbatch", "soak")
+FIT_MODES = ("rss", "cache")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``scissorhands bench`` measures; every field is validated with a one-line ``ValueError``.
+
+    Parameters
+    ----------
+    contexts : tuple of int
+        Context lengths T for decode.
+    batches : tuple of int
+        Batch sizes for decode.
+    budgets : tuple of float
+        Budgets as fractions of the context, in (0, 1).
+    steps, warmup : int
+        Timed and untimed decode steps per variant.
+    prefill_chunk : int
+        Prompts are fed in chunks of this many tokens when building decode
+        and max-batch caches (so a long prompt's activations stay bounded).
+    prefill_contexts : tuple of int
+        Prompt lengths for the prefill part (batch 1, one forward pass).
+    repeats : int
+        Prefill repeats (interleaved).
+    memory : int or None
+        Memory cap in bytes for the max-batch search.
+    fit : str
+        ``"rss"``: a run fits when the process's peak RSS growth over the run
+        is within the cap; ``"cache"``: when the cache's tensor bytes are.
+    cap_prompt, cap_new, cap_limit : int
+        Max batch: prompt tokens, new tokens, and the largest batch tried.
+    soak_tokens, soak_budget, soak_every, soak_prompt : int
+        Soak: tokens generated (0 = skip), token budget, record interval, prompt tokens.
+    parts : tuple of str
+        Which of ``decode``, ``prefill``, ``maxbatch``, ``soak`` to run.
+    settings : CacheSettings
+        How the budgeted cache evicts.
+    seed : int
+    """
+
+    contexts: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    batches: tuple[int, ...] = (1, 8)
+    budgets: tuple[float, ...] = (0.5, 0.2, 0.1)
+    steps: int = 16
+    warmup: int = 2
+    prefill_chunk: int = 512
+    prefill_contexts: tuple[int, ...] = (2048, 8192)
+    repeats: int = 3
+    memory: int | None = None
+    fit: str = "rss"
+    cap_prompt: int = 1024
+    cap_new: int = 64
+    cap_limit: int = 512
+    soak_tokens: int = 0
+    soak_budget: int = 256
+    soak_every: int = 256
+    soak_prompt: int = 128
+    parts: tuple[str, ...] = ("decode", "prefill", "maxbatch", "soak")
+    settings: CacheSettings = field(default_factory=CacheSettings)
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("contexts", "batches", "prefill_contexts"):
+            values = getattr(self, name)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                given = ",".join(str(v) for v in values) or "(empty)"
+                raise ValueError(f"{name.replace('_', '-')}: must be a comma list of whole numbers >= 1, got {given}")
+        if not self.budgets or any(not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 < f < 1
+                                   for f in self.budgets):
+            given = ",".join(f"{f:g}" if isinstance(f, (int, float)) else repr(f) for f in self.budgets) or "(empty)"
+            raise ValueError(f"budgets: must be a comma list of fractions in (0, 1), got {given}")
+        for name, low in (("steps", 1), ("warmup", 0), ("prefill_chunk", 1), ("repeats", 1), ("cap_prompt", 1),
+                          ("cap_new", 1), ("cap_limit", 1), ("soak_tokens", 0), ("soak_budget", 2),
+                          ("soak_every", 1), ("soak_prompt", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name.replace('_', '-')}: must be a whole number >= {low}, got {value}")
+        if self.memory is not None and (not isinstance(self.memory, int) or self.memory <= 0):
+            raise ValueError(f"memory: must be a positive size such as 2GiB, got {self.memory}")
+        if self.fit not in FIT_MODES:
+            raise ValueError(f"fit: must be one of {', '.join(FIT_MODES)}, got {self.fit!r}")
+        unknown = [p for p in self.parts if p not in PARTS]
+        if unknown or not self.parts:
+            given = ",".join(self.parts) or "(empty)"
+            raise ValueError(f"parts: must be a comma list of {', '.join(PARTS)}, got {given}")
+        if "maxbatch" in self.parts and self.memory is None:
+            raise ValueError("memory: the maxbatch part needs a cap, e.g. --memory 2GiB")
+        lead = self.steps + self.warmup
+        for t in self.contexts:
+            for f in self.budgets:
+                if round(f * t) <= lead:
+                    raise ValueError(f"contexts: at context {t} the budget {f} is {round(f * t)} tokens, which must "
+                                     f"exceed the warm-up + timed steps ({lead}), the reference point's decoding")
+
+    def record(self) -> dict:
+        """The config as JSON-ready fields."""
+        out = asdict(self)
+        out["settings"] = self.settings.as_dict()
+        return out
+
+
+def parse_size(text: str, name: str = "memory") -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5G"``, ``"300M"`` or plain bytes, as bytes; one-line ``ValueError`` else."""
+    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+             "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{name}: must be a size such as 2GiB or 512MiB, got {text!r}") from None
+    if unit not in units or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: must be a positive size such as 2GiB or 512MiB, got {text!r}")
+    return int(value * units[unit])
+
+
+# -- process memory --------------------------------------------------------------------------------------------
+
+def rss_bytes() -> int | None:
+    """The process's resident set now (Linux ``/proc``), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS of the process over its life (``getrusage``; kilobytes on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if platform.system() == "Darwin" else peak * 1024
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's RSS high-water mark (``VmHWM``); False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _release_free_memory() -> None:
+    """Return freed heap memory to the OS (glibc), so the next run's RSS growth is its own."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# -- caches, analytic sizes ------------------------------------------------------------------------------------
+
+def cache_bytes(cache) -> dict:
+    """K/V, importance and position bytes of any cache, from tensor storage, every layer counted."""
+    if isinstance(cache, ScissorhandsCache):
+        rep = cache.memory_report()
+        return {"kv_bytes": rep["model_kv_bytes"], "importance_bytes": rep["importance_bytes"],
+                "position_bytes": rep["position_bytes"], "full_kv_bytes": rep["model_full_kv_bytes"]}
+    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers
+             if getattr(layer, "keys", None) is not None and layer.keys.numel())
+    return {"kv_bytes": kv, "importance_bytes": 0, "position_bytes": 0, "full_kv_bytes": kv}
+
+
+def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
+    """What the cache should hold, from the shapes alone.
+
+    A full-attention layer holds ``seen`` tokens in a full cache and its
+    budget in a budgeted one; a sliding layer holds ``min(seen, window - 1)``
+    (transformers' ``DynamicSlidingWindowLayer``) in both.
+    """
+    facts = model_facts(model)
+    elsize = next(model.parameters()).element_size()
+    per_token = 2 * facts.num_kv_heads * facts.head_dim * elsize  # K and V, one layer
+    budgets = [layer.budget for layer in getattr(cache, "budgeted_layers", [])]
+    budgeted_per_token = per_token
+    config = getattr(cache, "config", None)
+    if config is not None and getattr(config, "kv_bits", None) not in (None, 16):
+        # Packed: ceil(D * bits / 8) data bytes, and an fp16 scale and zero-point per group, for K and for V.
+        d = facts.head_dim
+        budgeted_per_token = facts.num_kv_heads * packed_bytes_per_token_head(d, d, config.kv_bits,
+                                                                              config.kv_key_bits, config.kv_group_size)
+    kv, importance = 0, 0
+    full_idx = 0
+    layers = getattr(cache, "budgeted_layers", [])
+    for layer_type, window in zip(facts.layer_types, facts.sliding_windows):
+        if layer_type == FULL and budgets:
+            kv += batch * budgets[full_idx] * budgeted_per_token
+            if config is not None and getattr(config, "kv_key_centers", None) is not None:
+                kv += facts.num_kv_heads * facts.head_dim * 4  # one float32 centre per KV head and channel
+            # A full-precision residual: each row's newest tokens again, in the model's dtype.
+            residual = getattr(layers[full_idx].kv.store, "residual", 0)
+            kv += batch * min(residual, budgets[full_idx], seen) * per_token
+            full_idx += 1
+            continue
+        tokens = min(seen, window - 1) if window is not None else seen
+        kv += batch * tokens * per_token
+    for layer in getattr(cache, "budgeted_layers", []):
+        importance += batch * facts.num_kv_heads * layer.budget * layer.state.bytes_per_token_head()
+    return {"kv_bytes": kv, "importance_bytes": importance}
+
+
+def _make_cache(model, budget: int | None, settings: CacheSettings, prefill: str | None = None):
+    if budget is None:
+        return DynamicCache(config=model.config)
+    config = settings.with_budget(budget)
+    if prefill is not None:
+        config = replace(config, prefill=prefill)
+    return ScissorhandsCache(model, config)
+
+
+def _tokens(model, batch: int, length: int, seed: int) -> torch.Tensor:
+    """Token ids (B, length): seeded, away from the special ids at the start of the vocabulary."""
+    vocab = text_config(model).vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(min(16, vocab - 1), vocab, (batch, length), generator=gen).to(model.device)
+
+
+def _forward(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """One forward over ``ids`` through ``cache``; the next token per row (greedy).
+
+    On an accelerator it waits for the queued work, so that wall-clock timings cover it.
+    """
+    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+    if nxt.device.type == "cuda":
+        torch.cuda.synchronize(nxt.device)
+    return nxt
+
+
+def _prefill(model, ids: torch.Tensor, cache, chunk: int | None) -> torch.Tensor:
+    step = ids.shape[1] if chunk is None else chunk
+    nxt = None
+    for start in range(0, ids.shape[1], step):
+        nxt = _forward(model, ids[:, start:start + step], cache)
+    assert nxt is not None
+    return nxt
+
+
+# -- decode ----------------------------------------------------------------------------------------------------
+
+def _variants(context: int, budgets) -> list[dict]:
+    out = [{"name": "full", "cache": "full", "context": context, "budget": None}]
+    for f in budgets:
+        b = round(f * context)
+        out.append({"name": f"scissorhands {f:g}", "cache": "scissorhands", "context": context, "budget": b,
+                    "fraction": f})
+        out.append({"name": f"full at {b}", "cache": "full", "context": b, "budget": None, "reference_for": f})
+    return out
+
+
+def decode_point(model, cfg: BenchConfig, context: int, batch: int) -> dict:
+    """All variants of one (context, batch) point, prefilled, then timed step by step in turn.
+
+    Returns
+    -------
+    dict
+        ``context``, ``batch``, ``variants`` (per variant: median step seconds,
+        tokens/s, prefill seconds, memory from storage and analytic), and
+        ``ratios``: per budget, ``vs_reference`` (our tokens/s over the full
+        cache's at context = budget) and ``vs_full`` (over the full cache's at T).
+    """
+    lead = cfg.steps + cfg.warmup
+    variants = _variants(context, cfg.budgets)
+    states = []
+    for i, v in enumerate(variants):
+        ids = _tokens(model, batch, v["context"] - lead, cfg.seed + i)
+        cache = _make_cache(model, v["budget"], cfg.settings)
+        start = time.perf_counter()
+        with torch.no_grad():
+            nxt = _prefill(model, ids, cache, cfg.prefill_chunk)
+        states.append({"cache": cache, "next": nxt, "prefill_s": time.perf_counter() - start, "times": []})
+    with torch.no_grad():
+        for step in range(lead):
+            order = range(len(states)) if step % 2 == 0 else reversed(range(len(states)))
+            for i in order:
+                s = states[i]
+                start = time.perf_counter()
+                s["next"] = _forward(model, s["next"], s["cache"])
+                if step >= cfg.warmup:
+                    s["times"].append(time.perf_counter() - start)
+    rows = []
+    for v, s in zip(variants, states):
+        median = statistics.median(s["times"])
+        seen = v["context"]  # prompt + lead tokens fed
+        row = dict(v, step_s=median, step_s_all=s["times"], tokens_per_s=batch / median, prefill_s=s["prefill_s"],
+                   measured=cache_bytes(s["cache"]), analytic=analytic_bytes(model, s["cache"], batch, seen))
+        row["bytes_match"] = (row["measured"]["kv_bytes"] == row["analytic"]["kv_bytes"]
+                              and row["measured"]["importance_bytes"] == row["analytic"]["importance_bytes"])
+        rows.append(row)
+    del states
+    return {"context": context, "batch": batch, "variants": rows, "ratios": reference_ratios(rows)}
+
+
+def reference_ratios(rows: list[dict]) -> list[dict]:
+    """Per budget: our tokens/s over the full cache's at context = budget, and over the full cache's at T."""
+    full = next(r for r in rows if r["cache"] == "full" and "reference_for" not in r)
+    out = []
+    for r in rows:
+        if r["cache"] != "scissorhands":
+            continue
+        ref = next(x for x in rows if x.get("reference_for") == r["fraction"])
+        out.append({"fraction": r["fraction"], "budget": r["budget"], "tokens_per_s": r["tokens_per_s"],
+                    "reference_tokens_per_s": ref["tokens_per_s"], "full_tokens_per_s": full["tokens_per_s"],
+                    "vs_reference": r["tokens_per_s"] / ref["tokens_per_s"],
+                    "vs_full": r["tokens_per_s"] / full["tokens_per_s"]})
+    return out
+
+
+# -- prefill ---------------------------------------------------------------------------------------------------
+
+def prefill_part(model, cfg: BenchConfig) -> list[dict]:
+    """Prefill seconds (batch 1, one forward of the whole prompt), variants interleaved, medians and ratios to SDPA."""
+    out = []
+    for context in cfg.prefill_contexts:
+        variants: list[tuple[str, int | None, str | None]] = [("full (SDPA)", None, None),
+                                                               ("scissorhands, no eviction", context + 1, "stream")]
+        for f in cfg.budgets:
+            for prefill in PREFILL_MODES:
+                variants.append((f"scissorhands {f:g}, {prefill}", round(f * context), prefill))
+        ids = _tokens(model, 1, context, cfg.seed)
+        times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+        with torch.no_grad():
+            for rep in range(cfg.repeats + 1):  # the first round is the warm-up
+                for name, budget, mode in variants:
+                    cache = _make_cache(model, budget, cfg.settings, mode)
+                    start = time.perf_counter()
+                    _prefill(model, ids, cache, None)
+                    if rep:
+                        times[name].append(time.perf_counter() - start)
+                    del cache
+        base = statistics.median(times["full (SDPA)"])
+        for name, budget, mode in variants:
+            med = statistics.median(times[name])
+            out.append({"context": context, "variant": name, "budget": budget, "prefill": mode, "seconds": med,
+                        "seconds_all": times[name], "ratio_to_sdpa": med / base})
+    return out
+
+
+# -- max batch under a memory cap ------------------------------------------------------------------------------
+
+def max_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, list[tuple[int, bool]]]:
+    """The largest batch in [1, limit] for which ``fits`` holds, assuming it is monotone (fits(b) implies fits(b-1)).
+
+    Doubles from 1 until a batch does not fit (or the limit), then bisects.
+    Returns the batch (0 if even 1 does not fit) and the trials in order.
+    """
+    trials: list[tuple[int, bool]] = []
+
+    def check(b: int) -> bool:
+        ok = fits(b)
+        trials.append((b, ok))
+        return ok
+
+    good, bad = 0, None
+    b = 1
+    while b <= limit:
+        if check(b):
+            good = b
+            b *= 2
+        else:
+            bad = b
+            break
+    if bad is None:
+        if good < limit and check(limit):
+            return limit, trials
+        bad = limit if good < limit else limit + 1
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if check(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, trials
+
+
+def generation_trial(model, make_cache: Callable[[], object], batch: int, prompt: int, new: int, chunk: int,
+                     seed: int = 0) -> dict:
+    """Run one generation (chunked prefill, then ``new`` greedy steps) and measure what it cost.
+
+    Returns
+    -------
+    dict
+        ``rss_growth_bytes`` (peak RSS during the run minus RSS before it, None
+        where the kernel does not let the peak be reset; for a model on a CUDA
+        device, the device's peak allocated memory minus what was allocated
+        before), ``cache_bytes`` (K/V
+        + importance + positions from tensor storage, the larger of after the
+        prefill and at the end), ``decode_tokens_per_s`` (aggregate over the
+        batch), ``seconds``.
+    """
+    ids = _tokens(model, batch, prompt, seed)
+    on_cuda = ids.device.type == "cuda"
+    before: int | None
+    _release_free_memory()
+    if on_cuda:  # the cap is on the accelerator's memory: its allocator's own peak, exact
+        torch.cuda.reset_peak_memory_stats(ids.device)
+        before, resettable = torch.cuda.memory_allocated(ids.device), True
+    else:
+        before = rss_bytes()
+        resettable = _reset_peak()
+    cache = make_cache()
+    start = time.perf_counter()
+    with torch.no_grad():
+        nxt = _prefill(model, ids, cache, chunk)
+        after_prefill = sum(cache_bytes(cache)[k] for k in ("kv_bytes", "importance_bytes", "position_bytes"))
+        mid = time.perf_counter()
+        for _ in range(new - 1):
+            nxt = _forward(model, nxt, cache)
+    end = time.perf_counter()
+    held = sum(cache_bytes(cache)[k] for k in ("kv_bytes", "importance_bytes", "position_bytes"))
+    hwm = torch.cuda.max_memory_allocated(ids.device) if on_cuda else _hwm_bytes()
+    growth = None if not resettable or hwm is None or before is None else max(0, hwm - before)
+    del cache
+    return {"batch": batch, "rss_growth_bytes": growth, "cache_bytes": max(after_prefill, held),
+            "decode_tokens_per_s": batch * (new - 1) / (end - mid) if new > 1 else float("nan"),
+            "seconds": end - start}
+
+
+def maxbatch_part(model, cfg: BenchConfig, trial: Callable[..., dict] = generation_trial) -> list[dict]:
+    """Largest batch that fits the cap, full cache and each budget (a fraction of prompt + new tokens)."""
+    assert cfg.memory is not None
+    total = cfg.cap_prompt + cfg.cap_new
+    variants: list[tuple[str, int | None]] = [("full", None)]
+    variants += [(f"scissorhands {f:g}", round(f * total)) for f in cfg.budgets]
+    out: list[dict] = []
+    # One discarded run first: the process's first generation pays one-time allocations (thread pools,
+    # allocator arenas) that would otherwise count against whichever variant runs first.
+    trial(model, lambda: _make_cache(model, None, cfg.settings), 1, cfg.cap_prompt, cfg.cap_new, cfg.prefill_chunk,
+          cfg.seed)
+    for name, budget in variants:
+        runs: dict[int, dict] = {}
+
+        def fits(b: int, budget=budget, runs=runs) -> bool:
+            r = trial(model, lambda: _make_cache(model, budget, cfg.settings), b, cfg.cap_prompt, cfg.cap_new,
+                      cfg.prefill_chunk, cfg.seed)
+            used = r["rss_growth_bytes"] if cfg.fit == "rss" and r["rss_growth_bytes"] is not None else r["cache_bytes"]
+            r["used_bytes"] = used
+            runs[b] = r
+            return used <= cfg.memory
+
+        best, trials = max_fitting(fits, cfg.cap_limit)
+        at = runs.get(best, {})
+        out.append({"variant": name, "budget": budget, "max_batch": best, "trials": [runs[b] for b, _ in trials],
+                    "tokens_per_s_at_max": at.get("decode_tokens_per_s"), "used_bytes_at_max": at.get("used_bytes"),
+                    "hit_limit": best == cfg.cap_limit})
+    full = out[0]
+    for row in out:
+        row["batch_ratio"] = row["max_batch"] / full["max_batch"] if full["max_batch"] else None
+        t, ft = row["tokens_per_s_at_max"], full["tokens_per_s_at_max"]
+        row["tokens_per_s_ratio"] = t / ft if t and ft else None
+    return out
+
+
+# -- soak ------------------------------------------------------------------------------------------------------
+
+def soak_part(model, cfg: BenchConfig) -> dict:
+    """Generate ``soak_tokens`` tokens at ``soak_budget``; every ``soak_every`` steps record bytes, RSS and speed.
+
+    ``flat`` is True when the cache's bytes at the end equal its bytes at the
+    first record after the cache filled (seen > budget).
+    """
+    cache = _make_cache(model, cfg.soak_budget, cfg.settings)
+    ids = _tokens(model, 1, cfg.soak_prompt, cfg.seed)
+    records: list[dict] = []
+    with torch.no_grad():
+        nxt = _prefill(model, ids, cache, cfg.prefill_chunk)
+        seen = cfg.soak_prompt
+        mark = time.perf_counter()
+        for step in range(1, cfg.soak_tokens + 1):
+            nxt = _forward(model, nxt, cache)
+            seen += 1
+            if step % cfg.soak_every == 0 or step == cfg.soak_tokens:
+                now = time.perf_counter()
+                b = cache_bytes(cache)
+                n = step - (records[-1]["tokens"] if records else 0)
+                records.append({"tokens": step, "seen": seen,
+                                "cache_bytes": b["kv_bytes"] + b["importance_bytes"] + b["position_bytes"],
+                                "kv_bytes": b["kv_bytes"], "rss_bytes": rss_bytes(), "tokens_per_s": n / (now - mark)})
+                mark = time.perf_counter()
+    filled = [r for r in records if r["seen"] > cfg.soak_budget]
+    out: dict = {"budget": cfg.soak_budget, "tokens": cfg.soak_tokens, "every": cfg.soak_every, "records": records,
+           "flat": bool(filled) and filled[0]["cache_bytes"] == records[-1]["cache_bytes"]}
+    if len(filled) >= 2:
+        rss = [r["rss_bytes"] for r in filled if r["rss_bytes"] is not None]
+        if rss:
+            out["rss_growth_after_fill"] = (rss[-1] - rss[0]) / rss[0]
+        # Tokens/s over the last 2,000 tokens against the first 2,000 after warm-up (the first full interval
+        # after the fill is the warm-up); windows shrink to half the steady records on shorter runs.
+        steady = filled[1:] if len(filled) > 2 else filled
+        k = max(1, min(2000 // cfg.soak_every, len(steady) // 2))
+        out["speed_window_tokens"] = k * cfg.soak_every
+        out["speed_last_over_first"] = _rate(steady[-k:], cfg.soak_every) / _rate(steady[:k], cfg.soak_every)
+    return out
+
+
+def _rate(records: list[dict], every: int) -> float:
+    """Tokens/s over consecutive records of ``every`` tokens each: total tokens over total time."""
+    return len(records) * every / sum(every / r["tokens_per_s"] for r in records)
+
+
+# -- the whole run ---------------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    return {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
+    """Run the parts ``cfg.parts`` asks for; a JSON-ready dict with the config and the machine beside the results."""
+    say = progress or (lambda _msg: None)
+    facts = model_facts(model)
+    limit = facts.max_positions
+    if isinstance(limit, int) and limit > 0:
+        lengths = [0]
+        lengths += list(cfg.contexts) if "decode" in cfg.parts else []
+        lengths += list(cfg.prefill_contexts) if "prefill" in cfg.parts else []
+        lengths += [cfg.cap_prompt + cfg.cap_new] if "maxbatch" in cfg.parts else []
+        longest = max(lengths)
+        if longest > limit:
+            raise ValueError(f"contexts: {longest} tokens exceed the model's {limit} positions")
+    result: dict = {"config": cfg.record(), "machine": machine(), "model": facts.model_type,
+                    "dtype": str(next(model.parameters()).dtype), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if "decode" in cfg.parts:
+        result["decode"] = []
+        for context in cfg.contexts:
+            for batch in cfg.batches:
+                say(f"decode: context {context}, batch {batch}")
+                result["decode"].append(decode_point(model, cfg, context, batch))
+    if "prefill" in cfg.parts:
+        say("prefill")
+        result["prefill"] = prefill_part(model, cfg)
+    if "maxbatch" in cfg.parts:
+        say("max batch")
+        result["maxbatch"] = maxbatch_part(model, cfg)
+    if "soak" in cfg.parts and cfg.soak_tokens:
+        say("soak")
+        result["soak"] = soak_part(model, cfg)
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    return result
+
+
+# -- tables and plots ------------------------------------------------------------------------------------------
+
+def tables(result: dict) -> str:
+    """Markdown tables of a :func:`run_bench` result."""
+    lines: list[str] = []
+    if result.get("decode"):
+        lines += ["| context | batch | variant | tokens held | step ms (median) | tokens/s | prefill s |",
+                  "|---|---|---|---|---|---|---|"]
+        for point in result["decode"]:
+            for v in point["variants"]:
+                held = v["budget"] if v["budget"] is not None else v["context"]
+                lines.append(f"| {point['context']} | {point['batch']} | {v['name']} | {held} | "
+                             f"{v['step_s'] * 1e3:.1f} | {v['tokens_per_s']:.1f} | {v['prefill_s']:.2f} |")
+        lines += ["", "| context | batch | budget | ours tok/s | full at budget tok/s | vs reference | "
+                  "full at context tok/s | vs full |", "|---|---|---|---|---|---|---|---|"]
+        for point in result["decode"]:
+            for r in point["ratios"]:
+                lines.append(f"| {point['context']} | {point['batch']} | {r['fraction']:g} ({r['budget']}) | "
+                             f"{r['tokens_per_s']:.1f} | {r['reference_tokens_per_s']:.1f} | {r['vs_reference']:.2f} | "
+                             f"{r['full_tokens_per_s']:.1f} | {r['vs_full']:.2f} |")
+        lines += ["", "| context | batch | variant | KV bytes (storage) | analytic | importance bytes | analytic | "
+                  "match |", "|---|---|---|---|---|---|---|---|"]
+        for point in result["decode"]:
+            for v in point["variants"]:
+                m, a = v["measured"], v["analytic"]
+                lines.append(f"| {point['context']} | {point['batch']} | {v['name']} | {m['kv_bytes']:,} | "
+                             f"{a['kv_bytes']:,} | {m['importance_bytes']:,} | {a['importance_bytes']:,} | "
+                             f"{'yes' if v['bytes_match'] else 'NO'} |")
+        lines.append("")
+    if result.get("prefill"):
+        lines += ["| prompt | variant | prefill s (median) | ratio to SDPA |", "|---|---|---|---|"]
+        for r in result["prefill"]:
+            lines.append(f"| {r['context']} | {r['variant']} | {r['seconds']:.3f} | {r['ratio_to_sdpa']:.2f} |")
+        lines.append("")
+    if result.get("maxbatch"):
+        lines += ["| variant | budget | max batch | x full | decode tok/s at max batch | x full | used MiB |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in result["maxbatch"]:
+            br = f"{r['batch_ratio']:.2f}" if r["batch_ratio"] is not None else "-"
+            tr = f"{r['tokens_per_s_ratio']:.2f}" if r["tokens_per_s_ratio"] is not None else "-"
+            tps = f"{r['tokens_per_s_at_max']:.1f}" if r["tokens_per_s_at_max"] else "-"
+            used = f"{r['used_bytes_at_max'] / 2**20:.1f}" if r["used_bytes_at_max"] is not None else "-"
+            more = " (limit)" if r["hit_limit"] else ""
+            lines.append(f"| {r['variant']} | {r['budget'] or '-'} | {r['max_batch']}{more} | {br} | {tps} | {tr} | "
+                         f"{used} |")
+        lines.append("")
+    if result.get("soak"):
+        s = result["soak"]
+        lines.append(f"soak: {s['tokens']} tokens at budget {s['budget']}: cache bytes flat after fill: {s['flat']}; "
+                     f"RSS growth after fill {s.get('rss_growth_after_fill', float('nan')):+.2%}; "
+                     f"tokens/s last/first {s.get('speed_window_tokens', 0)} tokens "
+                     f"{s.get('speed_last_over_first', float('nan')):.3f}")
+    lines.append(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB")
+    return "\n".join(lines)
+
+
+def plot(result: dict, out_dir) -> list[str]:
+    """PNG plots: throughput against context, memory against tokens generated, max batch against budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    written = []
+    if result.get("decode"):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for batch in sorted({p["batch"] for p in result["decode"]}):
+            points = [p for p in result["decode"] if p["batch"] == batch]
+            names = [v["name"] for v in points[0]["variants"] if "reference_for" not in v]
+            for name in names:
+                xs = [p["context"] for p in points]
+                ys = [next(v["tokens_per_s"] for v in p["variants"] if v["name"] == name) for p in points]
+                ax.plot(xs, ys, marker="o", label=f"{name}, batch {batch}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title("Decode throughput against context")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / "throughput.png", dpi=120)
+        plt.close(fig)
+        written.append("throughput.png")
+    if result.get("soak"):
+        s = result["soak"]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        xs = [r["tokens"] for r in s["records"]]
+        ax.plot(xs, [r["cache_bytes"] / 2**20 for r in s["records"]], marker=".", label="cache (K/V + state), MiB")
+        if all(r["rss_bytes"] is not None for r in s["records"]):
+            ax.plot(xs, [r["rss_bytes"] / 2**20 for r in s["records"]], marker=".", label="process RSS, MiB")
+        ax.set_xlabel("tokens generated")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"Memory over a long generation (budget {s['budget']})")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [r["tokens_per_s"] for r in s["records"]], color="gray", linestyle="--", label="tokens/s")
+        ax2.set_ylabel("tokens/s")
+        ax.legend(loc="center left", fontsize=7)
+        ax2.legend(loc="center right", fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / "memory.png", dpi=120)
+        plt.close(fig)
+        written.append("memory.png")
+    if result.get("maxbatch"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        rows = result["maxbatch"]
+        ax.bar([r["variant"] for r in rows], [r["max_batch"] for r in rows])
+        ax.set_ylabel("largest batch under the cap")
+        ax.set_title(f"Max batch under {result['config']['memory'] / 2**20:.0f} MiB")
+        fig.tight_layout()
+        fig.savefig(out_dir / "max_batch.png", dpi=120)
+        plt.close(fig)
+        written.append("max_batch.png")
+    return written

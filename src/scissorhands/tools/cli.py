@@ -1,0 +1,622 @@
+"""Command line: builds configs and calls the library; no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from scissorhands import __version__
+from scissorhands.core.config import DEFAULTS, IMPORTANCE_FORMS, KV_BITS, PREFILL_MODES, PRESETS, CacheSettings
+from scissorhands.core.methods import METHODS, get_method
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _window(text: str) -> int | str:
+    if text.strip().lower() in ("none", "inf", "all"):
+        return "none"  # an explicit 'no window', told apart from 'flag not given'
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps or 'none', got {text!r}") from None
+
+
+def _count_or_fraction(text: str) -> float | int:
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a token count or a fraction, got {text!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _schedule(text: str):
+    if "," in text or text.strip().isdigit():
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad budget list {text!r}") from None
+    return text
+
+
+def _finite(text: str) -> float:
+    """argparse type: a finite float (nan and inf are refused here, naming the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = None, with_budget: bool = True) -> None:
+    """The cache settings; their defaults are the library's (``scissorhands.core.config.DEFAULTS``)."""
+    g = p.add_argument_group("cache")
+    if with_budget:
+        g.add_argument("--budget", type=int, default=budget_default, required=budget_default is None,
+                       help="average tokens stored per full-attention layer (a hard peak per layer)")
+        g.add_argument("--method", default="scissorhands", help=f"eviction method: {', '.join(METHODS)}")
+    # Flags default to None: only what is given overrides the preset (or the library defaults).
+    g.add_argument("--preset", default=None, help=f"start from a named setting: {', '.join(PRESETS)}")
+    g.add_argument("--recent", type=_count_or_fraction, default=None,
+                   help=f"most recent tokens never evicted (r): a count, or a fraction of the budget "
+                   f"(default {DEFAULTS.recent})")
+    g.add_argument("--sinks", type=int, default=None, help=f"first tokens never evicted (default {DEFAULTS.sinks})")
+    g.add_argument("--window", type=_window, default=None,
+                   help=f"history window w in steps, or 'none' (default {DEFAULTS.window})")
+    g.add_argument("--window-buckets", type=_window, default=None,
+                   help=f"buckets representing the window, or 'none' for the exact per-step window "
+                   f"(default {DEFAULTS.window_buckets})")
+    g.add_argument("--drop", type=_count_or_fraction, default=None,
+                   help=f"drop amount m: a fraction of the budget or a count (default {DEFAULTS.drop})")
+    g.add_argument("--importance", default=None,
+                   help=f"{' | '.join(IMPORTANCE_FORMS)} (default {DEFAULTS.importance})")
+    g.add_argument("--value-weighted", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"weigh importance by the value norm (default {DEFAULTS.value_weighted})")
+    g.add_argument("--merge", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"fold evicted tokens into their most similar kept token (default {DEFAULTS.merge})")
+    g.add_argument("--prefill", default=None,
+                   help=f"{' | '.join(PREFILL_MODES)} (default {DEFAULTS.prefill})")
+    g.add_argument("--observe", type=int, default=None,
+                   help=f"prompt-aware prefill: the prompt's last queries that score it (default {DEFAULTS.observe})")
+    g.add_argument("--schedule", type=_schedule, default=None,
+                   help=f"uniform | increasing | b1,b2,... | calibrated.json (default {DEFAULTS.schedule})")
+    g.add_argument("--kv-bits", type=int, default=None,
+                   help=f"bits per stored K/V element: {' | '.join(map(str, KV_BITS))} (16 or unset: the model's "
+                   "dtype); below 16 K/V are packed. With --method full: a quantised cache without eviction")
+    g.add_argument("--kv-key-bits", type=int, default=None,
+                   help="bits per stored key element when packed (default: --kv-bits); 8 with --kv-bits 4 "
+                   "meets the 4-bit target without a residual")
+    g.add_argument("--kv-group-size", type=int, default=None,
+                   help=f"channels per quantisation group along the head dimension (default {DEFAULTS.kv_group_size})")
+    g.add_argument("--kv-key-centers", default=None, metavar="FILE.json",
+                   help="packed K/V: quantise keys around per-channel centres measured by 'scissorhands calibrate'")
+    g.add_argument("--kv-tile", type=int, default=None,
+                   help=f"packed K/V: most stored slots attention dequantises at once (default {DEFAULTS.kv_tile})")
+    g.add_argument("--kv-residual", type=int, default=None, metavar="R",
+                   help="packed K/V: keep each row's newest R tokens also in full precision; every query reads its "
+                   "last R tokens exact (at most the recent window; default 32, capped at each layer's recent "
+                   "window; 0 for none)")
+
+
+def _add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, compare_full: bool) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=_finite, default=1.0, help="sampling temperature, > 0")
+    p.add_argument("--top-p", type=_finite, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-full", action=argparse.BooleanOptionalAction, default=compare_full,
+                   help="also run the full cache and compare")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+
+
+def _add_trust_args(p: argparse.ArgumentParser) -> None:
+    """Protected spans, a system prompt, and the eviction audit (generate and demo)."""
+    g = p.add_argument_group("protection and audit")
+    g.add_argument("--system", default=None,
+                   help="system prompt; the prompt becomes the user turn of the model's chat template")
+    g.add_argument("--protect-prefix", type=int, default=None, metavar="N",
+                   help="never evict the first N tokens of the prompt (they count against the budget)")
+    g.add_argument("--protect-system", action="store_true", help="never evict the system prompt (needs --system)")
+    g.add_argument("--audit", type=Path, default=None, metavar="OUT.json",
+                   help="write an eviction audit (JSON) and a heat map of held tokens (OUT.png)")
+    g.add_argument("--audit-events", action="store_true",
+                   help="record every evicted token in the audit, not only counters (needs --audit)")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (embedded default), a Hugging Face id, a folder or a .gguf file")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default cpu)")
+
+
+_CACHE_FLAGS = ("recent", "sinks", "window", "window_buckets", "drop", "importance", "value_weighted", "merge",
+                "prefill", "observe", "schedule", "kv_bits", "kv_key_bits", "kv_group_size",
+                "kv_key_centers", "kv_tile", "kv_residual")
+_UNSET = object()
+
+
+def _settings(args) -> CacheSettings:
+    """The preset (or the defaults), then every cache flag that was given."""
+    given = {name: getattr(args, name) for name in _CACHE_FLAGS if getattr(args, name, _UNSET) not in (None, _UNSET)}
+    if "window" in given and given["window"] == "none":
+        given["window"] = None
+    if "window_buckets" in given and given["window_buckets"] == "none":
+        given["window_buckets"] = None
+    base = CacheSettings(preset=args.preset)
+    return replace(base, preset=None, **given) if given else base
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="scissorhands", description="Budgeted KV-cache eviction (Scissorhands) for transformers",
+                     allow_abbrev=False)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=f"scissorhands {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", allow_abbrev=False, help="generate under a KV budget")
+    _add_model_args(gen)
+    _add_cache_args(gen, budget_default=None)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="file holding the prompt")
+    _add_generation_args(gen, max_new_tokens=64, compare_full=False)
+    _add_trust_args(gen)
+
+    ev = sub.add_parser("eval", allow_abbrev=False,
+                        help="quality of methods x budgets on real data (exact compressed scoring)")
+    _add_model_args(ev)
+    _add_cache_args(ev, with_budget=False)
+    ev.add_argument("--methods", default="full,scissorhands,h2o,tova,streaming",
+                    help=f"comma list of: {', '.join(METHODS)}")
+    ev.add_argument("--budgets", default="0.1,0.2,0.33,0.5",
+                    help="comma list: fractions (<= 1) of each sequence's length, or token counts (> 1)")
+    ev.add_argument("--tasks", default="ppl", help="comma list: ppl, agreement, lambada, hellaswag, piqa, "
+                    "winogrande, arc_easy, arc_challenge, openbookqa, or a .jsonl file")
+    ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts)")
+    ev.add_argument("--seq-len", type=int, default=2048, help="perplexity window length T")
+    ev.add_argument("--num-samples", type=int, default=16,
+                    help="perplexity: number of text samples of --seq-len tokens (not the history --window)")
+    ev.add_argument("--data", default=None, help="text file or folder for ppl/agreement (default: Shakespeare)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", type=Path, default=Path("eval-out"))
+    ev.add_argument("--no-resume", action="store_true", help="recompute results already in OUT/results.jsonl")
+
+    from .analysis.cli import add_parser as add_analyze_parser
+
+    add_analyze_parser(sub)
+
+    from .bench_cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub, _add_model_args, _add_cache_args)
+
+    cal = sub.add_parser("calibrate", allow_abbrev=False,
+                         help="measure per-channel key centres for packed K/V (--kv-key-centers)")
+    _add_model_args(cal)
+    cal.add_argument("--text", type=Path, required=True, help="calibration text (any prose; not your test data)")
+    cal.add_argument("--tokens", type=int, default=2048, help="tokens of the text to run through the model")
+    cal.add_argument("--out", type=Path, required=True, help="JSON file to write")
+
+    demo = sub.add_parser("demo", allow_abbrev=False, help="generate from the opening of Hamlet on the default model")
+    _add_model_args(demo)
+    _add_cache_args(demo, budget_default=400)
+    _add_generation_args(demo, max_new_tokens=64, compare_full=True)
+    _add_trust_args(demo)
+    return parser
+
+
+_MAX_SEED = 2**63 - 1
+_NO_BUDGET = 2**31 - 1
+
+
+def _check_range(name: str, value, low, high=None, low_open: bool = False) -> None:
+    """One-line ``ValueError`` naming ``name`` unless ``value`` is finite and within [low, high] (or (low, high])."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value}")
+    if (value <= low) if low_open else (value < low):
+        raise ValueError(f"{name}: must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")
+
+
+def _check_generation_args(args) -> None:
+    """The generation options of ``generate`` and ``demo``, before anything is loaded."""
+    _check_range("max-new-tokens", args.max_new_tokens, 1)
+    _check_range("temperature", args.temperature, 0, low_open=True)
+    _check_range("top-p", args.top_p, 0, 1, low_open=True)
+    _check_range("seed", args.seed, 0, _MAX_SEED)
+
+
+def _check_trust_args(args) -> None:
+    """The protection and audit options, before anything is loaded."""
+    if args.protect_prefix is not None:
+        _check_range("protect-prefix", args.protect_prefix, 1)
+    if args.protect_system and args.system is None:
+        raise ValueError("protect-system: needs --system (the system prompt to pin)")
+    if args.system is not None and not args.system.strip():
+        raise ValueError("system: is empty")
+    if args.audit_events and args.audit is None:
+        raise ValueError("audit-events: needs --audit OUT.json")
+    if args.audit is not None:
+        parent = args.audit.resolve().parent
+        if not parent.is_dir():
+            raise ValueError(f"audit: no such folder {str(parent)!r}")
+        if args.audit.is_dir():
+            raise ValueError(f"audit: {str(args.audit)!r} is a folder; give a file name")
+
+
+def _protection(args, model, tokenizer, prompt: str, config) -> tuple[str, list, dict]:
+    """The prompt to run (chat-templated with --system), the spans to pin, and the spans to audit."""
+    from scissorhands.core.protect import Protection, check_room
+    from scissorhands.core.schedule import layer_budgets
+    from scissorhands.hf.modelinfo import model_facts
+
+    spans: list[tuple[int, int]] = []
+    watched: dict[str, tuple[int, int]] = {}
+    names = []
+    if args.system is not None:
+        from .generation import chat_prompt
+
+        prompt, n_system = chat_prompt(tokenizer, args.system, prompt)
+        watched["system"] = (0, n_system)
+        if args.protect_system:
+            spans.append((0, n_system))
+            names.append("protect-system")
+    if args.protect_prefix is not None:
+        spans.append((0, args.protect_prefix))
+        names.append("protect-prefix")
+    n_prompt = len(tokenizer(prompt)["input_ids"])
+    watched = {"prompt": (0, n_prompt), **watched}
+    if spans:
+        watched["protected"] = (0, max(end for _, end in spans))
+        budgets = layer_budgets(config, len(model_facts(model).full_layers))
+        check_room(Protection([spans]), [(b, config.recent_for(b), config.drop_for(b)) for b in budgets],
+                   name="/".join(names))
+    return prompt, spans, watched
+
+
+def _write_audit(args, audit, cache, watched: dict) -> None:
+    from .plots import plot_held_map
+
+    record = audit.to_json(args.audit, cache)
+    png = args.audit.with_suffix(".png")
+    plot_held_map(cache, png, spans=watched)
+    parts = []
+    for name, info in record["spans"].items():
+        held = [v for v in info["held_fraction"].values() if v is not None]
+        first = info["first_evicted_step_any_layer"]
+        lost = "never evicted" if first is None else f"first evicted at step {first}"
+        if held:
+            parts.append(f"{name} {info['start']}-{info['end']}: {100 * sum(held) / len(held):.0f}% held "
+                         f"(layer min {100 * min(held):.0f}%), {lost}")
+    print(f"[audit] {'; '.join(parts)}; wrote {args.audit} and {png}", file=sys.stderr)
+
+
+def _check_model_args(args) -> None:
+    from .models import resolve_device, resolve_dtype
+
+    resolve_dtype(args.dtype)
+    resolve_device(args.device)
+    if not str(args.model).strip():
+        raise ValueError("model: is empty")
+
+
+def _check_schedule_file(settings: CacheSettings) -> None:
+    """A JSON schedule is read now, so a bad file is reported before the model loads."""
+    if isinstance(settings.schedule, str) and settings.schedule.endswith(".json"):
+        from scissorhands.core.schedule import load_schedule
+
+        load_schedule(settings.schedule)
+
+
+def _read_prompt(args) -> str:
+    from .text import read_text_file
+
+    if args.prompt is not None:
+        text = args.prompt
+        if not text.strip():
+            raise ValueError("prompt: is empty")
+        return text
+    path = args.prompt_file
+    if not path.exists():
+        raise ValueError(f"prompt-file: no such file {str(path)!r}")
+    if not path.is_file():
+        raise ValueError(f"prompt-file: {str(path)!r} is not a file")
+    text = read_text_file(path, "prompt-file")
+    if not text.strip():
+        raise ValueError(f"prompt-file: {str(path)!r} is empty")
+    return text
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _report(label: str, result, out=None) -> None:
+    out = out if out is not None else sys.stderr  # looked up now, not at import (tests swap stderr)
+    print(f"[{label}] {result.new_tokens.shape[1]} new tokens in {result.seconds:.2f} s "
+          f"(prefill {result.prefill_seconds:.2f} s): {result.tokens_per_second:.2f} tokens/s overall, "
+          f"{result.decode_tokens_per_second:.2f} tokens/s decoding", file=out)
+    mem = result.memory
+    if mem is not None:
+        print(f"[{label}] {memory_line(mem)}", file=out)
+
+
+def memory_line(mem: dict) -> str:
+    """One line on what the cache held against a full cache (see ``ScissorhandsCache.memory_report``).
+
+    The whole model comes first (every layer: a sliding-window layer holds the
+    same native window as in a full cache and counts on both sides), then the
+    budgeted layers alone, when some layers have no budget. When the sequence
+    fits within the budget nothing is evicted, and the line says so instead of
+    quoting a ratio below 1.
+    """
+    b_held, b_full = mem["budgeted_kv_bytes"], mem["full_kv_bytes"]
+    held, full = mem.get("model_kv_bytes", b_held), mem.get("model_full_kv_bytes", b_full)
+    layers = mem["layers"]
+    n_budgeted = sum(1 for m in layers if "budget" in m)
+    extra = f"(+ importance state {_mib(mem['importance_bytes'])})"
+    peak = f"peak tokens stored in any layer {mem['peak_stored']}"
+    seen = max((m.get("seen", 0) for m in layers if "budget" in m), default=0)
+    budget = min((m["budget"] for m in layers if "budget" in m), default=0)
+    packed = mem.get("kv_scale_bytes", 0) > 0
+    scope = f"all {len(layers)} layers"
+    if b_full <= b_held or (seen <= budget and not packed):
+        why = f"the {seen} tokens seen fit within the budget, nothing was evicted"
+        if packed and mem.get("kv_residual_bytes"):
+            why = (f"on {seen} tokens the full-precision residual ({_mib(mem['kv_residual_bytes'])}) costs more "
+                   "than packing saves (--kv-residual 0 or a smaller R suits short texts)")
+        return f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): no saving, {why}; {peak}"
+    line = f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): {full / held:.2f}x smaller"
+    if n_budgeted < len(layers):
+        line += (f"; the {n_budgeted} budgeted layers alone: {_mib(b_held)} vs {_mib(b_full)}, "
+                 f"{b_full / b_held:.2f}x smaller")
+    line += f"; {peak}"
+    if packed:
+        residual = (f", full-precision residual {_mib(mem['kv_residual_bytes'])}"
+                    if mem.get("kv_residual_bytes") else "")
+        line += (f"; packed: data {_mib(mem['kv_data_bytes'])}, scales and zero-points "
+                 f"{_mib(mem['kv_scale_bytes'])}{residual}; against a bf16 full cache "
+                 f"{mem['kv_reduction_vs_bf16']:.2f}x (K/V), {mem['total_reduction_vs_bf16']:.2f}x "
+                 "(with importance state and positions)")
+    return line
+
+
+def _run_generate(args, prompt: str, label_budget: str) -> int:
+    from .generation import generate
+    from .models import load_model
+
+    try:
+        method = get_method(args.method)  # validate before the slow model load
+    except ValueError as e:  # the registry names its 'methods'; this command's option is --method
+        raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
+    settings = _settings(args)
+    if method.is_full and not settings.quantized:
+        raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method, "
+                         "or --kv-bits for a quantised full cache")
+    # The quantised full cache: packed K/V and a budget no sequence reaches, so nothing is evicted.
+    config = method.configure(settings, _NO_BUDGET if method.is_full else args.budget)
+    _check_schedule_file(config)
+    _check_generation_args(args)
+    _check_trust_args(args)
+    _check_model_args(args)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    prompt, spans, watched = _protection(args, model, tokenizer, prompt, config)
+    audit = None
+    if args.audit is not None:
+        from scissorhands.core.audit import EvictionAudit
+
+        audit = EvictionAudit(events=args.audit_events, spans=watched)
+    prompt_name = "prompt-file" if getattr(args, "prompt_file", None) is not None else "prompt"
+    sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                    ignore_eos=args.ignore_eos)
+    result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True,
+                      method=method(seed=args.seed), prompt_name=prompt_name, protect=spans or None, audit=audit,
+                      **sampling)
+    print(f"prompt: {result.prompt_tokens[0]} tokens; budget {'none' if method.is_full else label_budget}",
+          file=sys.stderr)
+    print(result.texts[0])
+    _report(method.name, result)
+    if audit is not None:
+        _write_audit(args, audit, result.cache, watched)
+    if args.compare_full:
+        full = generate(model, tokenizer, prompt, None, args.max_new_tokens, progress=True, **sampling)
+        _report("full cache", full)
+        a, b = result.new_tokens[0], full.new_tokens[0]
+        n = min(len(a), len(b))
+        diverge = next((i for i in range(n) if a[i] != b[i]), n)
+        print(f"[compare] identical to the full cache for the first {diverge} of {n} new tokens; decode "
+              f"speed ratio {result.decode_tokens_per_second / full.decode_tokens_per_second:.2f}x", file=sys.stderr)
+    return 0
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name}: expected a comma list of numbers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{name}: is empty")
+    return values
+
+
+def _names(text: str, name: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"{name}: is empty")
+    twice = next((x for i, x in enumerate(items) if x in items[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{name}: {twice!r} is given twice")
+    return items
+
+
+def _eval_budgets(args, base: CacheSettings, methods) -> list[float | int]:
+    """``--budgets`` checked against the settings: finite, distinct, and token counts above the protected tokens."""
+    from scissorhands.core.budget import check_budget_spec
+
+    budgets = [check_budget_spec(b, "budgets") for b in _floats(args.budgets, "budgets")]
+    twice = next((b for i, b in enumerate(budgets) if b in budgets[:i]), None)
+    if twice is not None:
+        raise ValueError(f"budgets: {twice} is given twice")
+    if any(not m.is_full for m in methods):
+        for b in budgets:
+            if isinstance(b, int) and b <= base.protected:
+                raise ValueError(f"budgets: a token count must be > recent + sinks ({base.protected}), got {b}; "
+                                 "lower --recent or raise the budget")
+    return budgets
+
+
+def _run_eval(args) -> int:
+    from .eval import make_task, plot_results, run_grid, summary_table
+    from .eval.runner import RESULTS_FILE, check_results_file, paired_vs_full
+    from .models import load_model
+    from .paths import check_output_folder
+    from .text import load_texts
+
+    base = _settings(args)
+    _check_schedule_file(base)
+    methods = [get_method(m) for m in _names(args.methods, "methods")]
+    budgets = _eval_budgets(args, base, methods)
+    if args.limit is not None:
+        _check_range("limit", args.limit, 1)
+    _check_range("seq-len", args.seq_len, 2)
+    _check_range("num-samples", args.num_samples, 1)
+    _check_range("seed", args.seed, 0, _MAX_SEED)
+    _check_model_args(args)
+    names = _names(args.tasks, "tasks")
+    if args.data is not None:
+        if not Path(args.data).expanduser().exists():
+            raise ValueError(f"data: no such file or folder {args.data!r}")
+        load_texts(args.data, "data")  # binary or empty data is refused now, not after the model loads
+    tasks = [make_task(t, args.seq_len, args.num_samples, args.data) for t in names]
+    for task in tasks:
+        check = getattr(task, "check", None)
+        if check is not None:
+            check()
+    out = check_output_folder(args.out, "out", (RESULTS_FILE, "summary.md", *(f"{t.name}.png" for t in tasks)))
+    check_results_file(out / RESULTS_FILE)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    results = run_grid(model, tokenizer, model_name=args.model, tasks=tasks, methods=methods, budgets=budgets,
+                       base=base, out_dir=out, limit=args.limit, seed=args.seed, resume=not args.no_resume)
+    table = summary_table(results)
+    print(table)
+    (out / "summary.md").write_text(table + "\n")
+    paired = paired_vs_full(results)
+    if paired:
+        print("\nppl: mean NLL difference to the full cache, paired over windows (95% CI)")
+        for p in paired:
+            print(f"  {p['method']:<20} budget {p['budget']}: {p['delta_nll']:+.4f} ±{p['delta_nll_ci95']:.4f}")
+    for path in plot_results(results, out):
+        print(f"plot: {path}", file=sys.stderr)
+    print(f"results: {out / RESULTS_FILE}", file=sys.stderr)
+    return 0
+
+
+_PATH_OPTIONS = ("out", "prompt_file", "data", "text", "from_json", "schedule", "model")
+
+
+def _os_error_message(args, exc: OSError) -> str:
+    """``<option>: <reason>: '<path>'`` for an OSError, naming the option whose path it concerns."""
+    filename = exc.filename
+    reason = exc.strerror or type(exc).__name__
+    name = "file"
+    if filename is not None:
+        target = os.path.abspath(os.fspath(filename))
+        for option in _PATH_OPTIONS:
+            value = getattr(args, option, None)
+            if not isinstance(value, (str, Path)) or not str(value):
+                continue
+            root = os.path.abspath(os.path.expanduser(os.fspath(value)))
+            if target == root or target.startswith(root.rstrip(os.sep) + os.sep):
+                name = option.replace("_", "-")
+                break
+        return f"{name}: {reason}: {os.fspath(filename)!r}"
+    return f"{name}: {reason}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not args.verbose:  # hub retries are reported once, as the one-line model error
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if args.command == "generate":
+            return _run_generate(args, _read_prompt(args), str(args.budget))
+        if args.command == "eval":
+            return _run_eval(args)
+        if args.command == "analyze":
+            from .analysis.cli import run as run_analyze
+
+            return run_analyze(args)
+        if args.command == "bench":
+            from .bench_cli import run as run_bench
+
+            return run_bench(args, _settings(args), _check_model_args)
+        if args.command == "calibrate":
+            return _run_calibrate(args)
+        if args.command == "demo":
+            from .generation import demo_prompt
+
+            return _run_generate(args, demo_prompt(), str(args.budget))
+    except ValueError as e:  # includes ModelLoadError; messages start with the parameter's name
+        return say(f"error: {first_line(e)}", 2)
+    except OSError as e:  # a file or folder that could not be read or written
+        return say(f"error: {_os_error_message(args, e)}", 2)
+    except KeyboardInterrupt:
+        return say("interrupted", 130)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+def _run_calibrate(args) -> int:
+    from .calibrate import measure_key_centers, save_key_centers
+    from .models import load_model
+    from .text import load_texts
+
+    _check_range("tokens", args.tokens, 2)
+    _check_model_args(args)
+    if not args.text.expanduser().is_file():
+        raise ValueError(f"text: no such file {str(args.text)!r}")
+    text = "\n\n".join(t for _, t in load_texts(str(args.text), "text"))
+    if args.out.suffix != ".json":
+        raise ValueError(f"out: must be a .json file, got {str(args.out)!r}")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    record = measure_key_centers(model, tokenizer, text, args.tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_key_centers(record, args.out)
+    print(f"key centres of {len(record['layers'])} layers from {record['tokens']} tokens: {args.out}",
+          file=sys.stderr)
+    return 0
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (its type if there is none)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def say(message: str, code: int) -> int:
+    """The command line's one line on stderr; returns the exit code (shared with the lm-eval entry point)."""
+    print(f"scissorhands: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Tasks by name: the one place ``--tasks`` names are turned into tasks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .base import Task
+from .passkey import Passkey
+from .tasks import MC_TASKS, Agreement, Lambada, MultipleChoice, Perplexity
+
+TASKS = ("ppl", "lambada", "agreement", "passkey") + MC_TASKS
+
+
+def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | None = None) -> Task:
+    if name == "ppl":
+        return Perplexity(seq_len, n_windows, data)
+    if name == "lambada":
+        return Lambada()
+    if name == "agreement":
+        return Agreement(data=data)
+    if name == "passkey":
+        return Passkey(data=data)
+    if name in MC_TASKS:
+        return MultipleChoice(name)
+    if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):
+        p = Path(name)
+        if not p.is_file():
+            raise ValueError(f"tasks: no such task file {name!r}")
+        return MultipleChoice(p.name.split(".")[0], path=str(p))
+    raise ValueError(f"tasks: unknown task {name!r}; choose from {', '.join(TASKS)} or a .jsonl file")

@@ -1,0 +1,406 @@
+"""Run a grid of (task, method, budget), write one JSON line per result, summarise and plot."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import numbers
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from scissorhands import __version__
+from scissorhands.core.budget import resolve_budget
+from scissorhands.core.config import CacheSettings
+from scissorhands.core.methods import EvictionMethod
+from scissorhands.core.schedule import layer_budgets
+from scissorhands.core.stores.packed import packed_bytes_per_token_head
+from scissorhands.hf.modelinfo import model_facts
+from scissorhands.hf.scoring import ScoreSetup
+
+from ..stats import paired_difference
+from .base import Task
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_token(model, settings=None) -> int:
+    """Bytes of K and V per token, summed over the budgeted (full-attention) layers.
+
+    With packed K/V in ``settings`` (``kv_bits`` below 16): the packed bytes,
+    scales and zero-points included; otherwise the model's dtype.
+    """
+    facts = model_facts(model)
+    if settings is not None and settings.quantized:
+        d = facts.head_dim
+        per_head = packed_bytes_per_token_head(d, d, settings.kv_bits, settings.kv_key_bits, settings.kv_group_size)
+        return len(facts.full_layers) * facts.num_kv_heads * per_head
+    return facts.kv_bytes_per_token(next(model.parameters()).element_size())
+
+
+def kv_residual_bytes(model, settings, budget: float, evicts: bool = True) -> float:
+    """Bytes of a sequence's full-precision residual at an average ``budget`` (model dtype), 0 without one.
+
+    Each budgeted layer's own budget comes from the schedule, and its residual from that budget.
+    """
+    if not settings.quantized:
+        return 0
+    facts = model_facts(model)
+    per_layer_token = facts.kv_bytes_per_token(next(model.parameters()).element_size()) / len(facts.full_layers)
+    config = settings.with_budget(max(1, round(budget)))
+    return sum(min(settings.residual_for(b, evicts), b) * per_layer_token
+               for b in layer_budgets(config, len(facts.full_layers)))
+
+
+RESULTS_FILE = "results.jsonl"
+_RECORD_FIELDS = ("task", "method", "budget", "metric", "value")
+
+
+def _jsonable(value):
+    """JSON form of settings values (NumPy scalars and paths included)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return str(value)
+
+
+def _file_identity(path) -> dict | None:
+    """Absolute path, size and modification time of a data file or folder (its ``*.txt`` files), or None."""
+    if not isinstance(path, (str, Path)) or str(path) in ("", "shakespeare"):
+        return None
+    p = Path(path).expanduser()
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(q for q in p.rglob("*") if q.is_file())
+    else:
+        return None
+    stats = [(str(f.relative_to(p)) if f != p else f.name, f.stat()) for f in files]
+    return {"path": str(p.resolve()), "files": len(stats), "bytes": sum(st.st_size for _, st in stats),
+            "mtime_ns": max((st.st_mtime_ns for _, st in stats), default=0)}
+
+
+def model_identity(model, model_name: str) -> dict:
+    """What identifies a model's results: its name, architecture, dtype and a digest of sampled weights.
+
+    The digest reads an evenly strided sample of at most 4,096 values of every
+    parameter, so it is cheap and still differs between checkpoints of one
+    architecture.
+    """
+    digest = hashlib.sha256()
+    n_params = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            n_params += flat.numel()
+            sample = flat[:: max(1, flat.numel() // 4096)][:4096].float().cpu()
+            digest.update(name.encode())
+            digest.update(sample.numpy().tobytes())
+    facts = model_facts(model)
+    name = str(model_name)
+    local = Path(name).expanduser()
+    if local.exists():
+        name = str(local.resolve())
+    return {"name": name, "model_type": facts.model_type, "signature": facts.signature,
+            "max_positions": facts.max_positions, "dtype": str(next(model.parameters()).dtype),
+            "n_params": n_params, "weights": digest.hexdigest()[:16]}
+
+
+def task_identity(task: Task) -> dict:
+    """A task's settings: its public attributes of plain types, and the identity of its data files."""
+    out: dict = {"class": type(task).__name__, "name": task.name}
+    for key, value in sorted(vars(task).items()):
+        if key.startswith("_") or not isinstance(value, (str, int, float, bool, tuple, list, type(None))):
+            continue
+        out[key] = _jsonable(value)
+        ident = _file_identity(value) if key in ("data", "path") else None
+        if ident is not None:
+            out[f"{key}_file"] = ident
+    return out
+
+
+def run_key(model_id: dict, task_id: dict, method: type[EvictionMethod], spec, base: CacheSettings,
+            limit: int | None, seed: int) -> dict:
+    """Everything that determines one grid cell's result; two cells with equal keys give equal results."""
+    return {"version": __version__, "model": model_id, "task": task_id, "method": method.name,
+            "budget": _jsonable(spec), "settings": _jsonable(method.resolve(base).as_dict()),
+            "limit": limit, "seed": seed}
+
+
+def key_id(key: dict) -> str:
+    """A short stable digest of a :func:`run_key`."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _read_records(path: Path, name: str = "out") -> tuple[list[dict], int | None, int | None]:
+    """Records of a results file, the byte offset of a torn last line (or None) and its line number.
+
+    Raises
+    ------
+    ValueError
+        ``"<name>: ..."`` for a file that is not ours: not UTF-8, a line before
+        the last that is not JSON, or a JSON line that is not a result record.
+    """
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{name}: {str(path)!r} is not a scissorhands results file (not UTF-8 text); "
+                         "move it away or choose another folder") from None
+    lines = text.splitlines(keepends=True)
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records: list[dict] = []
+    offset = 0
+    for i, line in enumerate(lines):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                if i == last:  # an interrupted write: the run can go on without it
+                    return records, len(text[:offset].encode()), i + 1
+                raise ValueError(f"{name}: {str(path)!r} line {i + 1} is not JSON; the file is damaged or not a "
+                                 "scissorhands results file; move it away or choose another folder") from None
+            if not isinstance(rec, dict) or any(f not in rec for f in _RECORD_FIELDS):
+                raise ValueError(f"{name}: {str(path)!r} line {i + 1} is not a scissorhands result record; "
+                                 "move the file away or choose another folder")
+            records.append(rec)
+        offset += len(line)
+    return records, None, None
+
+
+def check_results_file(path: Path, name: str = "out") -> None:
+    """Refuse a results file that is not ours before any work starts; warn about a torn last line."""
+    if path.is_file():
+        _, torn, line = _read_records(path, name)
+        if torn is not None:
+            logger.warning("%s: %s line %d is incomplete (an interrupted write); it will be dropped", name, path, line)
+
+
+def load_results(path: Path, name: str = "out") -> list[dict]:
+    """The records of a results file; a torn last line is skipped with a warning."""
+    if not path.is_file():
+        return []
+    records, torn, line = _read_records(path, name)
+    if torn is not None:
+        logger.warning("%s: %s line %d is incomplete (an interrupted write); skipped", name, path, line)
+    return records
+
+
+def _open_for_append(path: Path, name: str) -> list[dict]:
+    """The file's records; a torn last line is cut off (reported) and a missing final newline added."""
+    if not path.is_file():
+        return []
+    records, torn, line = _read_records(path, name)
+    if torn is not None:
+        logger.warning("%s: %s line %d is incomplete (an interrupted write); dropped it", name, path, line)
+        with path.open("r+b") as f:
+            f.truncate(torn)
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("ab") as f:
+            f.write(b"\n")
+    return records
+
+
+def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], budgets: list, base: CacheSettings):
+    """Refuse two budgets that resolve to the same tokens on every item (identical grid rows).
+
+    Every budget a cell will use is also configured once, so settings that do
+    not fit it (e.g. a drop count above the budget) fail before any cell runs.
+    """
+    protected = base.protected
+    seen: dict[tuple, float | int] = {}
+    for spec in budgets:
+        if isinstance(spec, int) and spec <= protected:
+            raise ValueError(f"budgets: a token count must be > recent + sinks ({protected}), got {spec}")
+        used = tuple(min(resolve_budget(spec, i.length, protected, "budgets"), i.length) for i in items)
+        for budget in sorted({b for b, i in zip(used, items) if b < i.length}):
+            # A setting that does not fit this budget fails now, not mid-grid (the residual against each
+            # layer's recent window too).
+            config = method.configure(base, budget)
+            for layer_budget in config.schedule if isinstance(config.schedule, tuple) else (budget,):
+                config.check_residual(layer_budget, evicts=not method.is_full)
+        if used in seen:
+            raise ValueError(
+                f"budgets: {seen[used]} and {spec} give the same budget on every {task.name} item "
+                f"(the floor is recent + sinks + 1 = {protected + 1} tokens, the ceiling the item length); "
+                "drop one of them"
+            )
+        seen[used] = spec
+
+
+def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: list[type[EvictionMethod]],
+             budgets: list[float], base: CacheSettings, out_dir: Path, limit: int | None = None, seed: int = 0,
+             resume: bool = True) -> list[dict]:
+    """Evaluate every method at every budget on every task.
+
+    Each record carries a ``key`` with everything that determines its result
+    (model name, architecture, dtype and weights digest; the task and its
+    settings and data files; method, budget, every cache setting, limit, seed)
+    and its digest ``key_id``. With ``resume``, a cell whose key is already in
+    ``out_dir/results.jsonl`` is reused, so an interrupted grid continues where
+    it stopped; records of other settings stay in the file untouched and are
+    never reused: the new results are appended beside them. A torn last line
+    (an interrupted write) is reported and cut off; a file that is not a
+    results file is refused.
+
+    Returns
+    -------
+    list of dict
+        The records of this grid only, in grid order.
+
+    Raises
+    ------
+    ValueError
+        One line naming the parameter: two budgets that resolve to the same
+        tokens on every item, a task with no items or items longer than the
+        model's positions, a foreign results file.
+    """
+    path = out_dir / RESULTS_FILE
+    if path.is_file():
+        _read_records(path, "out")  # a foreign file is refused before anything is computed or written
+    per_token = kv_bytes_per_token(model)
+    model_id = model_identity(model, model_name)
+    limit_positions = model_id["max_positions"]
+    all_items = []
+    for task in tasks:  # every check before the first cell is computed
+        items = task.items(tokenizer, limit)
+        if not items:
+            raise ValueError(f"tasks: {task.name} has no items")
+        longest = max(i.length for i in items)
+        if isinstance(limit_positions, int) and limit_positions > 0 and longest > limit_positions:
+            what = "seq-len" if task.name == "ppl" else "tasks"
+            raise ValueError(f"{what}: {task.name} has items of {longest} tokens, more than the model's "
+                             f"{limit_positions} positions")
+        for method in methods:
+            if not method.is_full:
+                _check_distinct_budgets(task, items, method, budgets, base)
+        all_items.append(items)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    existing = _open_for_append(path, "out")
+    done = {r["key_id"]: r for r in existing if "key_id" in r} if resume else {}
+    results = []
+    for task, items in zip(tasks, all_items):
+        task_id = task_identity(task)
+        for method in methods:
+            protected = base.protected  # the floor of resolve_budget, as the recorded results always used
+            for spec in ([None] if method.is_full else budgets):
+                key = run_key(model_id, task_id, method, spec, base, limit, seed)
+                kid = key_id(key)
+                if kid in done:
+                    results.append(done[kid])
+                    continue
+                start = time.perf_counter()
+                scores, budgets_used = [], []
+                desc = f"{task.name} {method.name} {'full' if spec is None else spec}"
+                for item in tqdm(items, desc=desc, leave=False):
+                    budget = None if spec is None else resolve_budget(spec, item.length, protected)
+                    budgets_used.append(item.length if budget is None else min(budget, item.length))
+                    scores.append(task.score(model, item, ScoreSetup(method, budget, base, seed)))
+                metrics = task.aggregate(scores)
+                mean_len = sum(i.length for i in items) / len(items)
+                mean_budget = sum(budgets_used) / len(budgets_used)
+                rec = {
+                    "task": task.name, "method": method.name, "budget": _jsonable(spec), "model": model_name,
+                    "metric": task.main_metric, "value": metrics[task.main_metric], "metrics": metrics,
+                    "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
+                    "kv_bytes": mean_budget * kv_bytes_per_token(model, method.resolve(base))
+                    + kv_residual_bytes(model, method.resolve(base), mean_budget, evicts=not method.is_full),
+                    "full_kv_bytes": mean_len * per_token,
+                    "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
+                    "config": _jsonable(method.resolve(base).as_dict()),
+                    "key_id": kid, "key": key,
+                    "item_scores": scores,
+                }
+                with path.open("a") as f:
+                    f.write(json.dumps(_jsonable(rec)) + "\n")
+                logger.info("%s: %s=%.4f (%.1f s)", desc, task.main_metric, rec["value"], rec["wall_s"])
+                results.append(rec)
+    return results
+
+
+def _fmt(rec: dict) -> str:
+    m = rec["metrics"]
+    if rec["task"] == "ppl":
+        return f"{m['ppl']:.2f} ±{(m['ppl_ci95'][1] - m['ppl_ci95'][0]) / 2:.2f}"
+    if rec["task"] == "agreement":
+        return f"{m['first_divergence']:.1f} ±{m['first_divergence_ci95']:.1f}"
+    if "acc_norm" in m:
+        return f"{m['acc']:.3f} / {m['acc_norm']:.3f} ±{m['acc_stderr']:.3f}"
+    return f"{m['acc']:.3f} ±{m['acc_stderr']:.3f}"
+
+
+def summary_table(results: list[dict]) -> str:
+    """Markdown: one row per (method, budget), one column per task."""
+    tasks = list(dict.fromkeys(r["task"] for r in results))
+    rows = list(dict.fromkeys((r["method"], r["budget"]) for r in results))
+    by = {(r["method"], r["budget"], r["task"]): r for r in results}
+    head = "| method | budget | " + " | ".join(tasks) + " |"
+    lines = [head, "|" + "---|" * (len(tasks) + 2)]
+    for method, budget in rows:
+        cells = []
+        for t in tasks:
+            r = by.get((method, budget, t))
+            cells.append("" if r is None else f"{_fmt(r)} ({r['compression']:.1f}x)")
+        lines.append(f"| {method} | {'full' if budget is None else budget} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def paired_vs_full(results: list[dict], task: str = "ppl") -> list[dict]:
+    """Per-window mean NLL difference to the full cache, with a 95% interval (paired over windows)."""
+    full = next((r for r in results if r["task"] == task and r["method"] == "full"), None)
+    if full is None:
+        return []
+    base = [s["nll"] for s in full["item_scores"]]
+    out = []
+    for r in results:
+        if r["task"] != task or r["method"] == "full":
+            continue
+        mean, half = paired_difference([s["nll"] for s in r["item_scores"]], base)
+        out.append({"method": r["method"], "budget": r["budget"], "compression": r["compression"],
+                    "delta_nll": mean, "delta_nll_ci95": half})
+    return out
+
+
+def plot_results(results: list[dict], out_dir: Path) -> list[Path]:
+    """One PNG per task: the main metric against compression, one line per method."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for task in dict.fromkeys(r["task"] for r in results):
+        recs = [r for r in results if r["task"] == task]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for method in dict.fromkeys(r["method"] for r in recs):
+            pts = sorted((r["compression"], r["value"]) for r in recs if r["method"] == method)
+            if method == "full":
+                ax.axhline(pts[0][1], color="black", linestyle="--", label="full")
+            else:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax.set_xlabel("KV compression (sequence length / budget)")
+        ax.set_ylabel(recs[0]["metric"])
+        ax.set_xscale("log")
+        ticks = sorted({round(r["compression"], 1) for r in recs})
+        ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_title(f"{task} — {recs[0]['model']}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{task}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths

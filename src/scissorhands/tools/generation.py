@@ -1,0 +1,200 @@
+"""Generation under a budget: the library function behind ``scissorhands generate`` and ``demo``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from scissorhands.core.config import ScissorhandsConfig
+from scissorhands.core.methods import EvictionMethod
+from scissorhands.hf.cache import ScissorhandsCache
+from scissorhands.hf.modelinfo import model_facts
+
+
+def demo_prompt() -> str:
+    """About 2,000 SmolLM2 tokens of real text: the opening of Hamlet (public domain)."""
+    return resources.files("scissorhands.tools").joinpath("data/hamlet_act1.txt").read_text()
+
+
+def check_positions(model, prompt_tokens: int, max_new_tokens: int, prompt_name: str = "prompt") -> None:
+    """Refuse, in one line, a prompt plus new tokens longer than the model's maximum positions.
+
+    Raises
+    ------
+    ValueError
+        ``"<prompt_name>: ..."`` when the prompt alone is too long, else ``"max-new-tokens: ..."``.
+    """
+    limit = model_facts(model).max_positions
+    if not isinstance(limit, int) or limit <= 0:
+        return
+    if prompt_tokens >= limit:
+        raise ValueError(f"{prompt_name}: {prompt_tokens} tokens, but the model has {limit} positions "
+                         "(the prompt and the new tokens must fit)")
+    if prompt_tokens + max_new_tokens > limit:
+        raise ValueError(f"max-new-tokens: {prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed the "
+                         f"model's {limit} positions; at most {limit - prompt_tokens} new tokens fit")
+
+
+class _Clock(BaseStreamer):
+    """generate()'s streamer hook: times the first new token and drives an optional tqdm bar."""
+
+    def __init__(self, total: int, progress: bool):
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="generating", unit="tok", leave=False)
+        self.calls = 0
+        self.start = time.perf_counter()
+        self.first_token = None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 1:  # the first call carries the prompt
+            return
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def end(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclass
+class GenerationResult:
+    """What one generation produced and cost."""
+
+    texts: list[str]
+    new_tokens: torch.Tensor  # (B, N)
+    prompt_tokens: list[int]
+    seconds: float
+    prefill_seconds: float  # until the first new token
+    memory: dict | None  # ScissorhandsCache.memory_report(); None for the full cache
+    cache: object | None = None  # the cache after generation (ScissorhandsCache or DynamicCache)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second, prefill included."""
+        return self.new_tokens.numel() / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """New tokens after the first, per second of decoding."""
+        n = self.new_tokens.shape[1] - 1
+        dt = self.seconds - self.prefill_seconds
+        return self.new_tokens.shape[0] * n / dt if n > 0 and dt > 0 else float("nan")
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts: str | list[str],
+    config: ScissorhandsConfig | None,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    progress: bool = False,
+    ignore_eos: bool = False,
+    method: EvictionMethod | None = None,
+    prompt_name: str = "prompt",
+    protect=None,
+    audit=None,
+) -> GenerationResult:
+    """Generate from ``prompts`` with a budgeted cache (or the full cache if ``config`` is None).
+
+    Parameters
+    ----------
+    model, tokenizer
+        A causal LM and its tokenizer (left padding is used for batches).
+    prompts : str or list of str
+        One prompt or a batch.
+    config : ScissorhandsConfig or None
+        The budget; ``None`` runs transformers' ``DynamicCache`` for comparison.
+    method : EvictionMethod, optional
+        Another method's scoring rule (see :mod:`scissorhands.core.methods`); default Scissorhands.
+    max_new_tokens : int
+        Tokens to generate per prompt (generation also stops at EOS unless ``ignore_eos``).
+    prompt_name : str
+        The parameter the prompt came from, for error messages.
+    protect : list of (start, end), or one list per prompt, optional
+        Token spans never evicted (see :mod:`scissorhands.core.protect`); positions
+        count each prompt's own tokens from 0, padding excluded.
+    audit : EvictionAudit, optional
+        Records what the cache evicted (see :mod:`scissorhands.core.audit`).
+
+    Returns
+    -------
+    GenerationResult
+
+    Raises
+    ------
+    ValueError
+        A one-line message naming the parameter: an empty prompt, ``max_new_tokens < 1``,
+        or a prompt plus ``max_new_tokens`` longer than the model's positions
+        (``max_position_embeddings``); such runs are refused rather than run past the
+        positions the model was trained on.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts or any(not p.strip() for p in prompts):
+        raise ValueError("prompt: is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max-new-tokens: must be >= 1, got {max_new_tokens}")
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
+    check_positions(model, enc["input_ids"].shape[1], max_new_tokens, prompt_name)
+    cache: ScissorhandsCache | DynamicCache = (
+        ScissorhandsCache(model, config, method, protect=protect, audit=audit) if config is not None
+        else DynamicCache(config=model.config))
+    torch.manual_seed(seed)
+    kwargs: dict = {"do_sample": do_sample}
+    if do_sample:
+        kwargs.update(temperature=temperature, top_p=top_p)
+    if ignore_eos:
+        kwargs["min_new_tokens"] = max_new_tokens
+    streamer = _Clock(max_new_tokens, progress) if len(prompts) == 1 else None
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, streamer=streamer,
+                             pad_token_id=tokenizer.pad_token_id, **kwargs)
+    seconds = time.perf_counter() - start
+    new = out[:, enc["input_ids"].shape[1]:]
+    return GenerationResult(
+        texts=tokenizer.batch_decode(new, skip_special_tokens=True),
+        new_tokens=new,
+        prompt_tokens=enc["attention_mask"].sum(dim=1).tolist(),
+        seconds=seconds,
+        prefill_seconds=(streamer.first_token - start) if streamer and streamer.first_token else float("nan"),
+        memory=cache.memory_report() if isinstance(cache, ScissorhandsCache) else None,
+        cache=cache,
+    )
+
+
+def chat_prompt(tokenizer, system: str, user: str) -> tuple[str, int]:
+    """The chat-templated text of a system and a user turn, and the number of tokens of the system turn.
+
+    The system turn is the template rendered with the system message alone; it
+    must be a token prefix of the whole conversation (true of the usual
+    templates), so that ``protect=[(0, n)]`` pins exactly the system prompt.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("system: the model's tokenizer has no chat template")
+    if not system.strip():
+        raise ValueError("system: is empty")
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
+                                         tokenize=False, add_generation_prompt=True)
+    head = tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
+    ids, head_ids = tokenizer(text)["input_ids"], tokenizer(head)["input_ids"]
+    if not text.startswith(head) or ids[: len(head_ids)] != head_ids:
+        raise ValueError("system: this chat template does not render the system prompt as a prefix of the "
+                         "conversation, so it cannot be pinned")
+    return text, len(head_ids)

@@ -1,0 +1,574 @@
+"""An lm-evaluation-harness model type that scores every request under a compressed KV cache.
+
+Importing this module registers the model type ``scissorhands`` with
+lm-evaluation-harness (``pip install "scissorhands[lmeval]"``). Each of
+lm-eval's three request kinds is then computed through the budgeted cache:
+
+* ``loglikelihood``: the context and continuation are streamed through a
+  fresh cache, exactly as if decoded token by token
+  (:func:`scissorhands.hf.scoring.continuation_logprobs`). Requests that share
+  their context tokens and their budget share one pass over the context.
+* ``loglikelihood_rolling``: the text is cut into lm-eval's rolling windows
+  of ``max_length`` tokens; each window goes through its own fresh cache and
+  the log-probs of its newly predicted tokens are summed.
+* ``generate_until``: greedy decoding through the cache until a stop string,
+  the end-of-text token or ``max_gen_toks`` new tokens.
+
+The budget given as ``budget=`` is resolved per sequence: a value up to 1 is a
+fraction of that sequence's own length (context + continuation tokens, a
+rolling window's tokens, or prompt + ``max_gen_toks`` for generation), a
+value above 1 is a token count (see :func:`scissorhands.core.budget.resolve_budget`).
+
+Tokenisation follows lm-eval's Hugging Face backend (``--model hf``), so
+``method=full`` reproduces its numbers: trailing whitespace of a context moves
+into the continuation, context + continuation are encoded together and split
+at the length of the encoded context, an empty context is replaced by the
+prefix token, over-long requests keep their last ``max_length + 1`` tokens.
+The prefix token is, like lm-eval's, the tokenizer's BOS token when it has one
+and its EOS token otherwise (``prefix_token_id=`` overrides it).
+
+Examples
+--------
+From Python::
+
+    import lm_eval
+    import scissorhands.tools.lm_eval_backend  # registers "scissorhands"
+
+    lm_eval.simple_evaluate(model="scissorhands",
+                            model_args="method=scissorhands,budget=0.2",
+                            tasks=["hellaswag"])
+
+From the shell (lm-eval's own command line, with this model type registered)::
+
+    python -m scissorhands.tools.lm_eval_backend --model scissorhands \\
+        --model_args method=h2o,budget=0.25 --tasks hellaswag
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import operator
+import os
+import sys
+
+import torch
+
+try:
+    # lm-eval fills its registry with its own (lazy) model types only when the
+    # registry is empty at lookup time; import them first so that registering
+    # ours does not hide "hf", "vllm", ...
+    import lm_eval.models  # noqa: F401
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "scissorhands.tools.lm_eval_backend needs lm-evaluation-harness: pip install 'scissorhands[lmeval]'"
+    ) from exc
+
+from scissorhands.core.budget import check_budget_spec, resolve_budget
+from scissorhands.core.config import DEFAULTS, CacheSettings
+from scissorhands.core.methods import METHODS, EvictionMethod
+from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
+
+from .models import check_supported, load_model, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MODEL_NAME", "ScissorhandsLM", "main"]
+
+#: The name this backend is registered under with lm-eval (``--model scissorhands``).
+MODEL_NAME = "scissorhands"
+
+# Fallback context length when neither the model config nor the tokenizer gives one.
+_DEFAULT_MAX_LENGTH = 2048
+# Tokenizers report "no limit" as a huge model_max_length.
+_NO_TOKENIZER_LIMIT = 10**9
+
+
+def _check_budget(budget, method: type[EvictionMethod]) -> float | int | None:
+    """Validate the ``budget`` model argument; ``None`` stands for no eviction (``method=full``)."""
+    if method.is_full:
+        if budget is not None:
+            logger.info("budget=%s is ignored for method=full", budget)
+        return None
+    if budget is None:
+        raise ValueError(
+            f"budget: is required for method {method.name!r} "
+            "(a fraction of each request's length up to 1, or a token count)"
+        )
+    return check_budget_spec(budget, "budget")
+
+
+def _check_int(name: str, value) -> int:
+    """``value`` as an ``int`` (NumPy integers included); a bool or anything else is a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    return operator.index(value)
+
+
+def _check_positive_int(name: str, value) -> int:
+    value = _check_int(name, value)
+    if value < 1:
+        raise ValueError(f"{name}: must be >= 1, got {value}")
+    return value
+
+
+def _context_length(model, tokenizer) -> int:
+    """The longest sequence the model takes: its config, else the tokenizer, else 2048."""
+    config = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(text_config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < _NO_TOKENIZER_LIMIT:
+        return limit
+    return _DEFAULT_MAX_LENGTH
+
+
+def _pick_device(device) -> torch.device:
+    """The requested device; lm-eval's command line asks for CUDA by default, so fall back to the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: not a torch device, got {device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        logger.warning("device: CUDA is not available; using the CPU")
+        return torch.device("cpu")
+    return device
+
+
+class ScissorhandsLM(LM):
+    """lm-eval model whose requests are scored under a budgeted (evicting) KV cache.
+
+    Every argument can be given in lm-eval's ``--model_args`` string, e.g.
+    ``model=smollm2-135m,method=tova,budget=256,dtype=float32``.
+
+    Parameters
+    ----------
+    model : str, path, PreTrainedModel or (model, tokenizer)
+        What :func:`scissorhands.tools.models.load_model` accepts (the embedded
+        default ``smollm2-135m``, a folder, a ``.gguf`` file or a hub id), or
+        an already-built model (then ``tokenizer`` is required) or pair.
+        Built models are used as they are (``dtype``/``device`` do not apply).
+    tokenizer : PreTrainedTokenizerBase, optional
+        The tokenizer for an already-built model.
+    method : str
+        A registered method (:data:`scissorhands.METHODS`).
+    budget : float or int
+        Tokens each budgeted layer may store. Up to 1: a fraction of each
+        sequence's own length; above 1: a token count. Never below
+        ``recent + 1``. Required unless ``method=full``.
+    recent, window, window_buckets, drop, importance, schedule, sinks, value_weighted, merge, prefill, observe, preset
+        Shared cache settings, as in :class:`scissorhands.CacheSettings`
+        (methods such as ``h2o`` or ``tova`` override some of them).
+    kv_bits, kv_key_bits, kv_group_size, kv_key_centers, kv_tile, kv_residual
+        Packed low-bit K/V, as in :class:`scissorhands.CacheSettings`
+        (``kv_bits=4,kv_residual=32``; with ``method=full``, a quantised cache
+        without eviction).
+    seed : int
+        Seed of the ``random`` method.
+    dtype : str
+        ``float32`` (default), ``bfloat16`` or ``float16``, for loaded models.
+    device : str, optional
+        Where to load the model; default CUDA when available, else CPU.
+    max_length : int, optional
+        Longest sequence given to the model (default: from the model config,
+        else the tokenizer, else 2048). Longer loglikelihood requests keep their
+        last ``max_length + 1`` tokens; rolling windows have this length.
+    max_gen_toks : int
+        Default number of new tokens for ``generate_until`` (a task's
+        ``max_gen_toks`` overrides it).
+    prefix_token_id : int, optional
+        Token that conditions an empty context and the first rolling window
+        (default: BOS if the tokenizer has one, else EOS, as lm-eval's ``hf``).
+    batch_size, max_batch_size
+        Accepted for lm-eval's command line; requests run one context at a time.
+
+    Raises
+    ------
+    ValueError
+        A one-line message naming the bad argument, e.g. ``"budget: must be > 0, got -1"``.
+    """
+
+    def __init__(
+        self,
+        model="smollm2-135m",
+        tokenizer=None,
+        method: str = "scissorhands",
+        budget: float | int | None = None,
+        recent: int | float = DEFAULTS.recent,
+        window: int | None = DEFAULTS.window,
+        window_buckets: int | None = DEFAULTS.window_buckets,
+        drop: float | int = DEFAULTS.drop,
+        importance: str = DEFAULTS.importance,
+        schedule: str | tuple[int, ...] = DEFAULTS.schedule,
+        sinks: int = DEFAULTS.sinks,
+        value_weighted: bool = DEFAULTS.value_weighted,
+        merge: bool = DEFAULTS.merge,
+        prefill: str = DEFAULTS.prefill,
+        observe: int = DEFAULTS.observe,
+        preset: str | None = None,
+        kv_bits: int | None = DEFAULTS.kv_bits,
+        kv_key_bits: int | None = DEFAULTS.kv_key_bits,
+        kv_group_size: int = DEFAULTS.kv_group_size,
+        kv_key_centers: str | None = DEFAULTS.kv_key_centers,
+        kv_tile: int = DEFAULTS.kv_tile,
+        kv_residual: int | None = DEFAULTS.kv_residual,
+        seed: int = 0,
+        dtype: str = "float32",
+        device: str | None = None,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        prefix_token_id: int | None = None,
+        batch_size: int | str | None = None,
+        max_batch_size: int | None = None,
+        **unknown,
+    ):
+        super().__init__()
+        if unknown:
+            name = sorted(unknown)[0]
+            raise ValueError(f"{name}: unknown model argument for {MODEL_NAME}")
+        if not isinstance(method, str) or method not in METHODS:
+            raise ValueError(f"method: unknown method {method!r}; choose from {', '.join(METHODS)}")
+        self.method = METHODS[method]
+        self.budget_spec = _check_budget(budget, self.method)
+        self.base = CacheSettings(recent=recent, window=window, window_buckets=window_buckets, drop=drop,
+                                  importance=importance, schedule=schedule, sinks=sinks,
+                                  value_weighted=value_weighted, merge=merge, prefill=prefill, observe=observe,
+                                  preset=preset, kv_bits=kv_bits, kv_key_bits=kv_key_bits,
+                                  kv_group_size=kv_group_size, kv_key_centers=kv_key_centers, kv_tile=kv_tile,
+                                  kv_residual=kv_residual)
+        self.seed = _check_int("seed", seed)
+        self._max_gen_toks = _check_positive_int("max_gen_toks", max_gen_toks)
+        max_length = None if max_length is None else _check_positive_int("max_length", max_length)
+        if batch_size not in (None, 1, "1"):
+            logger.info("batch_size=%s: requests are scored one context at a time", batch_size)
+
+        self._model, self.tokenizer = self._build(model, tokenizer, dtype, device)
+        self._max_length = max_length or _context_length(self._model, self.tokenizer)
+        if prefix_token_id is None:
+            prefix_token_id = self.tokenizer.bos_token_id
+            if prefix_token_id is None:
+                prefix_token_id = self.tokenizer.eos_token_id
+            if prefix_token_id is None:
+                raise ValueError("prefix_token_id: the tokenizer has neither a BOS nor an EOS token; give one")
+        if isinstance(prefix_token_id, bool) or not isinstance(prefix_token_id, int) or prefix_token_id < 0:
+            raise ValueError(f"prefix_token_id: must be a token id (an integer >= 0), got {prefix_token_id!r}")
+        self._prefix_token_id = prefix_token_id
+        bos = self.tokenizer.bos_token
+        self._bos_text = bos if isinstance(bos, str) and bos else None
+        logger.info("lm-eval backend: method=%s budget=%s max_length=%d prefix token %d",
+                    self.method.name, self.budget_spec, self._max_length, self._prefix_token_id)
+
+    # -- construction ---------------------------------------------------------------------
+    @staticmethod
+    def _build(model, tokenizer, dtype, device):
+        """Load (or accept) the model and tokenizer."""
+        if isinstance(tokenizer, (str, os.PathLike)):
+            raise ValueError("tokenizer: must be a tokenizer object (a model name or folder brings its own)")
+        if isinstance(model, (tuple, list)):
+            if len(model) != 2 or tokenizer is not None:
+                raise ValueError("model: a built model is given as (model, tokenizer), or model= plus tokenizer=")
+            model, tokenizer = model
+        if isinstance(model, (str, os.PathLike)):
+            dtype = resolve_dtype(dtype)
+            device = _pick_device(device)
+            loaded, loaded_tokenizer = load_model(model, dtype=dtype, device=device)
+            return loaded, tokenizer if tokenizer is not None else loaded_tokenizer
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model: expected a model name, a path or a built model, got {type(model).__name__}")
+        if tokenizer is None:
+            raise ValueError("tokenizer: is required with an already-built model")
+        check_supported(model)
+        model.eval()
+        return model, tokenizer
+
+    # -- what lm-eval reads -----------------------------------------------------------------
+    @property
+    def model(self):
+        """The wrapped causal LM."""
+        return self._model
+
+    @property
+    def device(self) -> torch.device:
+        return self._model.device
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def eot_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self._prefix_token_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "tokenizer")).replace("/", "__")
+
+    def get_model_info(self) -> dict:
+        """Settings recorded in lm-eval's results under ``config``."""
+        return {
+            "scissorhands_method": self.method.name,
+            "scissorhands_budget": self.budget_spec,
+            "scissorhands_recent": self.base.recent,
+            "scissorhands_window": self.base.window,
+            "scissorhands_drop": self.base.drop,
+            "scissorhands_kv_bits": self.base.kv_bits,
+            "scissorhands_kv_residual": self.base.kv_residual,
+            "max_length": self._max_length,
+            "prefix_token_id": self._prefix_token_id,
+        }
+
+    # -- budgets -----------------------------------------------------------------------------
+    def setup_for(self, length: int) -> ScoreSetup:
+        """The scoring setup for one sequence of ``length`` tokens (the budget is resolved against it)."""
+        budget = None if self.budget_spec is None else resolve_budget(self.budget_spec, length, self.base.protected)
+        return ScoreSetup(self.method, budget, self.base, self.seed)
+
+    # -- tokenisation (lm-eval's hf conventions) --------------------------------------------
+    def encode(self, text: str, special_tokens: bool | None = None) -> list[int]:
+        """Token ids of ``text``.
+
+        ``special_tokens=None`` uses the tokenizer's default (BOS added if the
+        tokenizer adds one), except for a text already starting with the BOS
+        string, which is encoded as is.
+        """
+        kwargs = {}
+        if special_tokens is not None:
+            kwargs["add_special_tokens"] = special_tokens
+        elif self._bos_text is not None and text.startswith(self._bos_text):
+            kwargs["add_special_tokens"] = False
+        return list(self.tokenizer.encode(text, **kwargs))
+
+    def split_request(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Context and continuation token ids of one loglikelihood request.
+
+        Whitespace at the end of the context belongs to the continuation (so
+        " Paris" stays one word token); the two are encoded as one string and
+        cut where the context's own encoding ends, so the continuation's
+        tokens are those the model would really see. An empty context becomes
+        the prefix token (unless the continuation starts with it). The
+        sequence is cut from the left to ``max_length + 1`` tokens.
+
+        Returns
+        -------
+        context_ids : list of int, non-empty
+        continuation_ids : list of int, non-empty
+        """
+        trimmed = context.rstrip()
+        if trimmed:
+            moved = context[len(trimmed):]
+            continuation = moved + continuation
+            whole = self.encode(trimmed + continuation)
+            ctx = self.encode(trimmed)
+            cont = whole[len(ctx):]
+        else:
+            cont = self.encode(context + continuation, special_tokens=False)
+            if cont and cont[0] == self._prefix_token_id:
+                ctx, cont = cont[:1], cont[1:]
+            else:
+                ctx = [self._prefix_token_id]
+        if not cont:
+            raise ValueError(f"continuation: {continuation!r} encodes to no token after its context")
+        if len(cont) > self._max_length:
+            raise ValueError(f"continuation: {len(cont)} tokens, longer than max_length ({self._max_length})")
+        keep = self._max_length + 1 - len(cont)
+        if len(ctx) > keep:
+            ctx = ctx[-keep:]
+        return ctx, cont
+
+    # -- the three request kinds --------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Log-prob of each continuation given its context, under the compressed cache.
+
+        Parameters
+        ----------
+        requests : list of lm_eval Instance
+            ``args = (context, continuation)``.
+
+        Returns
+        -------
+        list of (float, bool)
+            Summed log-prob of the continuation tokens and whether each of them
+            was the greedy (argmax) prediction.
+        """
+        from tqdm.auto import tqdm
+
+        encoded = [self.split_request(*req.args) for req in requests]
+        # Requests with the same context tokens and the same resolved budget
+        # share one pass over the context (e.g. the choices of one question).
+        groups: dict[tuple, list[int]] = {}
+        for i, (ctx, cont) in enumerate(encoded):
+            setup = self.setup_for(len(ctx) + len(cont))
+            groups.setdefault((tuple(ctx), setup.budget), []).append(i)
+        results: list[tuple[float, bool] | None] = [None] * len(encoded)
+        for (ctx, budget), members in tqdm(groups.items(), desc="scissorhands loglikelihood", disable=disable_tqdm):
+            conts = [encoded[i][1] for i in members]
+            setup = ScoreSetup(self.method, budget, self.base, self.seed)
+            for i, score in zip(members, continuation_logprobs(self._model, list(ctx), conts, setup)):
+                results[i] = score
+                self.cache_hook.add_partial("loglikelihood", requests[i].args, score)
+        return [r for r in results if r is not None]
+
+    def rolling_windows(self, text: str) -> list[tuple[list[int], list[int]]]:
+        """lm-eval's disjoint rolling windows of ``text``: (conditioning ids, predicted ids) pairs.
+
+        The first window is conditioned on the prefix token alone; each later
+        one predicts up to ``max_length`` new tokens from the tokens before them
+        (``max_length`` tokens of input in all).
+        """
+        ids = self.encode(text)
+        windows = get_rolling_token_windows(token_list=ids, prefix_token=self._prefix_token_id,
+                                            max_seq_len=self._max_length, context_len=1)
+        return [make_disjoint_window(w) for w in windows]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Log-prob of whole texts: rolling windows, each through a fresh compressed cache.
+
+        Parameters
+        ----------
+        requests : list of lm_eval Instance
+            ``args = (text,)``.
+
+        Returns
+        -------
+        list of float
+            Sum over the windows of the log-probs of their predicted tokens; each
+            window's budget is resolved against its own length (its tokens,
+            conditioning ones included).
+        """
+        from tqdm.auto import tqdm
+
+        out = []
+        for req in tqdm(requests, desc="scissorhands loglikelihood_rolling", disable=disable_tqdm):
+            total = 0.0
+            for ctx, pred in self.rolling_windows(req.args[0]):
+                ids = torch.tensor(ctx + pred)  # (T,)
+                logprobs, _ = token_logprobs(self._model, ids, self.setup_for(len(ids)))  # (T - 1,)
+                total += float(logprobs[-len(pred):].sum())
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy generation through the compressed cache until a stop string.
+
+        Parameters
+        ----------
+        requests : list of lm_eval Instance
+            ``args = (context, gen_kwargs)``; ``gen_kwargs`` may hold ``until``
+            (a string or list of stop strings), ``max_gen_toks``, and
+            ``do_sample``/``temperature`` (only greedy decoding is supported).
+
+        Returns
+        -------
+        list of str
+            Each continuation, cut before its first stop string.
+        """
+        from tqdm.auto import tqdm
+
+        out = []
+        for req in tqdm(requests, desc="scissorhands generate_until", disable=disable_tqdm):
+            context, gen_kwargs = req.args
+            text = self.generate_one(context, dict(gen_kwargs or {}))
+            out.append(text)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return out
+
+    def _stop_strings(self, until) -> list[str]:
+        if until is None:
+            until = []
+        elif isinstance(until, str):
+            until = [until]
+        elif not isinstance(until, (list, tuple)) or not all(isinstance(s, str) for s in until):
+            raise ValueError(f"until: must be a string or a list of strings, got {until!r}")
+        stops = [s for s in until if s]
+        if self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.decode([self.tokenizer.eos_token_id])
+            if eos and eos not in stops:
+                stops.append(eos)
+        return stops
+
+    @torch.no_grad()
+    def generate_one(self, context: str, gen_kwargs: dict) -> str:
+        """Greedy continuation of one prompt; see :meth:`generate_until`."""
+        stops = self._stop_strings(gen_kwargs.pop("until", None))
+        new_tokens = _check_positive_int("max_gen_toks", gen_kwargs.pop("max_gen_toks", self._max_gen_toks))
+        temperature = gen_kwargs.pop("temperature", 0.0)
+        if gen_kwargs.pop("do_sample", False) and temperature not in (0, 0.0, None):
+            raise ValueError("do_sample: only greedy decoding is supported by the scissorhands backend")
+        if gen_kwargs:
+            logger.debug("generate_until: ignoring %s", sorted(gen_kwargs))
+        prompt = self.encode(context) if context else [self._prefix_token_id]
+        room = max(self._max_length - new_tokens, 1)
+        prompt = prompt[-room:]
+        total = len(prompt) + new_tokens
+        cache = self.setup_for(total).make_cache(self._model, total)
+        device = self._model.device
+        step_input = torch.tensor([prompt], device=device)  # (1, T)
+        produced: list[int] = []
+        eos_id = self.tokenizer.eos_token_id
+        for _ in range(new_tokens):
+            logits = self._model(step_input, cache=cache, logits_to_keep=1).logits  # (1, 1, V)
+            token = int(logits[0, -1].argmax())
+            if token == eos_id:
+                break
+            produced.append(token)
+            if stops and any(s in self.tokenizer.decode(produced) for s in stops):
+                break
+            step_input = torch.tensor([[token]], device=device)  # (1, 1)
+        text = self.tokenizer.decode(produced, skip_special_tokens=True)
+        for stop in stops:
+            text = text.split(stop)[0]
+        return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run lm-eval's command line with the ``scissorhands`` model type registered.
+
+    A ``ValueError`` (a bad model argument such as an unknown ``method``) is
+    printed as one line, ``scissorhands: error: <parameter>: ...``, and exits
+    with code 2; Ctrl-C exits with code 130.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        lm-eval's arguments (default: ``sys.argv[1:]``), e.g.
+        ``["--model", "scissorhands", "--model_args", "budget=0.2", "--tasks", "hellaswag"]``.
+    """
+    from lm_eval.__main__ import cli_evaluate
+
+    from .cli import first_line, say
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    try:
+        cli_evaluate()
+    except ValueError as e:  # a bad model argument: one line naming it, as the scissorhands command line does
+        sys.exit(say(f"error: {first_line(e)}", 2))
+    except KeyboardInterrupt:
+        sys.exit(say("interrupted", 130))
+
+
+if __name__ == "__main__":
+    # Run as ``python -m scissorhands.tools.lm_eval_backend``: this file executes as
+    # __main__; the registered class is the one of the imported module.
+    from .lm_eval_backend import main as _main
+
+    _main()
+else:
+    register_model(MODEL_NAME)(ScissorhandsLM)
