@@ -1,10 +1,14 @@
-"""A new eviction method is one small class: these are defined here, registered, and pass the shipped tests.
+"""A new eviction method, or a new K/V store, is one small class: these are defined here, registered, and
+pass the shipped tests (scorer = token-by-token decoding; batch = each sequence alone).
 
-Nothing outside this file changes for them. ``ValueWeighted`` reuses the
-windowed importance state and weighs it by the value norm; ``PeakAttention``
+Nothing outside this file changes for them. ``HalfStore`` keeps K/V in float16 under a float32 model and is
+chosen by name (``kv_store``), with and without the full-precision residual wrapped around it.
+``ValueWeighted`` reuses the windowed importance state and weighs it by the value norm; ``PeakAttention``
 brings a per-token state of its own (the largest probability each token ever
 received), which the layer keeps aligned with K/V through the state hooks.
 """
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ from conftest import left_padded, tiny_model
 from scissorhands import EvictionMethod, LayerView, ScissorhandsCache, ScissorhandsConfig, TokenState, register
 from scissorhands.core.importance import ImportanceState
 from scissorhands.core.methods import METHODS, unregister
+from scissorhands.core.stores import DenseKVStore, KVStore, register_store, unregister_store
+from test_scoring import BASE as SCORING_BASE
 from test_scoring import assert_scorer_equals_decoding
 
 
@@ -136,43 +142,104 @@ def test_registry_rejects_unnamed_and_duplicate_methods():
         register(Clash)
 
 
-class OldStore:
-    """A K/V store written against the first store interface: no ``residual``, no ``settle``, no ``rows``
-    in ``reorder``, and no base class. It must keep working as new features join the interface."""
+class HalfStore(DenseKVStore):
+    """K and V kept as float16 under a float32 model, read back in float32: a lossy store in a few lines.
 
-    read_tile = None
+    Each token is rounded once, when it is written, and an eviction moves the stored halves: the two
+    properties the exact scorer needs, as the packed store has them. (float8 was tried first: its steps are
+    so coarse that the last-bit difference between blocked and token-by-token K/V flips a rounding now and
+    then, which moves a log-prob by 1e-4; float16's steps are 2**-11 relative.)
+    """
 
-    def __init__(self):
-        from scissorhands.core.stores.base import DenseKVStore
+    name = "test-fp16"
+    read_tile = 8  # its reads are copies, so attention reads 8 slots at a time
 
-        self.inner = DenseKVStore()
+    @staticmethod
+    def _bytes(x):
+        return x.to(torch.float16)
 
-    @property
-    def capacity(self):
-        return self.inner.capacity
+    def _real(self, x):
+        return x.to(self.dtype)
 
-    def __getattr__(self, name):
-        if name in ("residual", "settle", "read_exact_keys", "read_exact_values"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def allocate(self, key, value):
+        super().allocate(self._bytes(key), self._bytes(value))
+        self.dtype = key.dtype
 
-    def reorder(self, order):
-        self.inner.reorder(order)
+    def write(self, start, key, value):
+        super().write(start, self._bytes(key), self._bytes(value))
+
+    def write_at(self, rows, slots, key, value):
+        super().write_at(rows, slots, self._bytes(key), self._bytes(value))
+
+    def read(self, length):
+        keys, values = super().read(length)
+        return self._real(keys), self._real(values)
+
+    def read_keys(self, start, end):
+        return self._real(self.keys[:, :, start:end])
+
+    def read_values(self, start, end):
+        return self._real(self.values[:, :, start:end])
+
+    def dense_bytes_per_token_head(self, dtype=None):
+        itemsize = torch.empty(0, dtype=dtype or self.dtype).element_size()
+        return (self.keys.shape[-1] + self.values.shape[-1]) * itemsize
 
 
-def test_a_store_written_before_the_residual_still_works():
-    """Ragged batch, evictions, packed-free: the old store gives what the shipped dense store gives."""
+@pytest.fixture
+def half_store():
+    register_store(HalfStore)
+    yield HalfStore
+    unregister_store(HalfStore.name)
+
+
+@pytest.mark.parametrize("residual", [0, 3])
+def test_a_new_store_passes_the_exactness_tests(half_store, residual):
+    """Registered here, chosen by name, with and without the residual wrapped around it: the scorer equals
+    token-by-token decoding, on Llama and on Gemma 3's sliding + global layers."""
+    base = replace(SCORING_BASE, kv_store="test-fp16", kv_residual=residual)
+    for arch in ("llama", "gemma3"):
+        assert_scorer_equals_decoding("scissorhands", arch=arch, base=base)
+    model = tiny_model("llama")
+    cache = ScissorhandsCache(model, base)
+    store = cache.budgeted_layers[0].kv.store
+    assert isinstance(store.inner if residual else store, HalfStore)
+    with torch.no_grad():
+        model(torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(2)), cache=cache)
+    report = cache.memory_report()
+    # Two bytes per element, half the float32 cache; the residual's exact tokens on top when asked for.
+    assert store.bytes_per_token_head() * 2 == store.dense_bytes_per_token_head()
+    assert (report["kv_residual_bytes"] > 0) == bool(residual)
+
+
+def test_a_new_store_keeps_a_batch_equal_to_each_sequence_alone(half_store):
     model = tiny_model("llama")
     ids, mask = left_padded([30, 14], seed=5)
-    cfg = ScissorhandsConfig(budget=12, recent=3, drop=4)
-    outs = []
-    for old in (True, False):
-        cache = ScissorhandsCache(model, cfg)
-        if old:
-            for layer in cache.budgeted_layers:
-                layer.kv.store = OldStore()
+    config = ScissorhandsConfig(budget=12, recent=3, drop=4, kv_store="test-fp16")
+
+    def run(rows):
+        cache = ScissorhandsCache(model, config)
         with torch.no_grad():
-            outs.append(model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=10, do_sample=False,
-                                       pad_token_id=0))
-        assert cache.memory_report()["peak_stored"] <= 12
-    assert torch.equal(*outs)
+            out = model.generate(ids[rows], attention_mask=mask[rows], cache=cache, max_new_tokens=8,
+                                 do_sample=False, pad_token_id=0)
+        return out[:, -8:], cache
+
+    together, cache = run([0, 1])
+    assert cache.memory_report()["peak_stored"] <= 12
+    for row in range(2):
+        alone, single = run([row])
+        assert torch.equal(together[row], alone[0])
+        for a, b in zip(cache.budgeted_layers, single.budgeted_layers):
+            assert torch.equal(a.stored_positions(row), b.stored_positions(0))
+
+
+def test_stores_are_checked_when_made_and_named():
+    class Incomplete(KVStore):
+        name = "test-incomplete"
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete()
+    with pytest.raises(ValueError, match="kv_store"):
+        ScissorhandsConfig(budget=12, kv_store="no-such-store")
+    with pytest.raises(ValueError, match="already registered"):
+        register_store(type("Clash", (DenseKVStore,), {"name": "packed"}))

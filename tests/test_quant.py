@@ -11,8 +11,9 @@ from conftest import left_padded, run_cli, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.budgeted import BudgetedKV
 from scissorhands.core.methods import get_method
+from scissorhands.core.stores import ResidualStore, make_store
 from scissorhands.core.stores.base import DenseKVStore
-from scissorhands.core.stores.packed import PackedKVStore, dequantize, make_store, pack, quantize, unpack
+from scissorhands.core.stores.packed import PackedKVStore, dequantize, pack, quantize, unpack
 from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 from test_scoring import BASE, decode_logprobs
@@ -159,9 +160,11 @@ def test_keys_can_take_their_own_bit_width(key_bits):
 
 
 def test_make_store_picks_dense_for_16_and_none():
-    assert isinstance(make_store(None, 32), DenseKVStore)
-    assert isinstance(make_store(16, 32), DenseKVStore)
-    assert isinstance(make_store(4, 32), PackedKVStore)
+    assert isinstance(make_store(CacheSettings()), DenseKVStore)
+    assert isinstance(make_store(CacheSettings(kv_bits=16)), DenseKVStore)
+    assert isinstance(make_store(CacheSettings(kv_bits=4)), PackedKVStore)
+    wrapped = make_store(CacheSettings(kv_bits=4), residual=8)
+    assert isinstance(wrapped, ResidualStore) and isinstance(wrapped.inner, PackedKVStore) and wrapped.residual == 8
 
 
 @pytest.mark.parametrize("bad,message", [({"kv_bits": 3}, "kv_bits:"), ({"kv_bits": True}, "kv_bits:"),
@@ -192,7 +195,7 @@ def test_group_is_the_largest_divisor_of_the_head_not_above_the_setting():
     ids, mask = left_padded([12], seed=1)
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=cache)  # a head smaller than the group is one group
-    assert cache.budgeted_layers[0].kv.store.k.group == 16
+    assert cache.budgeted_layers[0].kv.store.inner.k.group == 16  # the default residual wraps the packed store
 
 
 # -- attention over a packed store, a tile at a time ------------------------------------------------
@@ -503,6 +506,7 @@ def test_cache_with_key_centres_scores_exactly_and_rejects_bad_files(tmp_path):
     slow, cache = decode_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
     store = cache.budgeted_layers[0].kv.store
+    store = store.inner if isinstance(store, ResidualStore) else store  # the default residual wraps it
     assert store.k.center is not None and cache.memory_report()["peak_stored"] <= 16
     plain_setup = ScoreSetup(get_method("scissorhands"), 16, replace(base, kv_key_centers=None))
     plain, _ = token_logprobs(model, ids, plain_setup)
@@ -578,7 +582,7 @@ def test_residual_attention_equals_the_naive_per_query_choice(first, new, r, til
     lengths = [f + new for f in first]
     top = max(lengths)
     key, value = torch.randn(b, h, top, d, generator=gen) * 3, torch.randn(b, h, top, d, generator=gen)
-    store = PackedKVStore(4, 8, read_tile=tile, residual=r)
+    store = ResidualStore(PackedKVStore(4, 8, read_tile=tile), r)
     store.allocate(key, value)
     store.resize(top)
     for lo, hi in ((0, first), (first, lengths)):  # the old tokens, then the block, each row's tokens in order
@@ -612,7 +616,7 @@ def test_residual_holds_each_rows_newest_tokens_through_evictions(steps, r, seed
 
     gen = torch.Generator().manual_seed(seed)
     b, h, d, recent = 2, 2, 8, 4
-    store = PackedKVStore(4, 8, residual=r)
+    store = ResidualStore(PackedKVStore(4, 8), r)
     store.allocate(torch.zeros(b, h, 1, d), torch.zeros(b, h, 1, d))
     store.resize(64)
     held_k = [torch.empty(h, 0, d) for _ in range(b)]  # what each row stores, in slot order, exact
@@ -816,10 +820,10 @@ def test_a_layer_refuses_a_residual_its_recent_window_or_merging_cannot_keep():
     from scissorhands.core.methods.scissorhands import Scissorhands
 
     with pytest.raises(ValueError, match="^kv_residual: "):
-        BudgetedKV(16, 2, 4, Scissorhands(), store=PackedKVStore(4, 8, residual=3))
+        BudgetedKV(16, 2, 4, Scissorhands(), store=ResidualStore(PackedKVStore(4, 8), 3))
     with pytest.raises(ValueError, match="^kv_residual: "):
-        BudgetedKV(16, 4, 4, Scissorhands(), store=PackedKVStore(4, 8, residual=3), merge=True)
-    BudgetedKV(16, 3, 4, Scissorhands(), store=PackedKVStore(4, 8, residual=3))
+        BudgetedKV(16, 4, 4, Scissorhands(), store=ResidualStore(PackedKVStore(4, 8), 3), merge=True)
+    BudgetedKV(16, 3, 4, Scissorhands(), store=ResidualStore(PackedKVStore(4, 8), 3))
 
 
 def test_eval_refuses_a_residual_that_does_not_fit_before_any_cell(capsys, tmp_path):

@@ -23,13 +23,13 @@ def decode_logprobs(model, ids, setup):
     return torch.stack(out), cache
 
 
-def assert_scorer_equals_decoding(name, arch="llama"):
-    """The exactness every method must show: one blocked forward = token-by-token decoding, budget held."""
+def assert_scorer_equals_decoding(name, arch="llama", base=BASE):
+    """The exactness every method (and store) must show: one blocked forward = token-by-token decoding, budget held."""
     model = tiny_model(arch)
     ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(1))
-    setup = ScoreSetup(get_method(name), 16, BASE, seed=5)
+    setup = ScoreSetup(get_method(name), 16, base, seed=5)
     fast, _ = token_logprobs(model, ids, setup)
-    slow, cache = decode_logprobs(model, ids, ScoreSetup(get_method(name), 16, BASE, seed=5))
+    slow, cache = decode_logprobs(model, ids, ScoreSetup(get_method(name), 16, base, seed=5))
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
     assert isinstance(cache, ScissorhandsCache) and cache.memory_report()["peak_stored"] <= 16
     assert all(layer.compressions > 0 for layer in cache.budgeted_layers)

@@ -20,9 +20,6 @@ Two extension points let features join an eviction without editing it:
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 
 from .merging import MergeState
@@ -34,40 +31,11 @@ from .state import TokenState
 from .stores.base import DenseKVStore, KVStore
 
 
-@functools.cache
-def _accepts_rows(func) -> bool:
-    try:
-        return "rows" in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _takes_rows(fn) -> bool:
-    """Whether a store's ``reorder`` or a state's ``compact`` accepts ``rows`` (parts written before it did not).
-
-    Asked once per class's function, not at every eviction.
-    """
-    return _accepts_rows(getattr(fn, "__func__", fn))
-
-
-def _whole_batch(keep: torch.Tensor, sel: torch.Tensor, batch: int):
-    """A function giving ``keep`` (len(sel), H_kv, L) widened to every row, the identity order elsewhere."""
-    def build() -> torch.Tensor:
-        b, h, length = batch, keep.shape[1], keep.shape[2]
-        order = torch.arange(length, device=keep.device).expand(b, h, length).clone()
-        return order.index_copy_(0, sel, keep)
-
-    return build
-
-
-def _apply(fn, keep: torch.Tensor, sel, whole) -> None:
-    """Call ``fn(keep, sel)``, or ``fn(whole_batch_keep)`` for a part that compacts whole batches only."""
-    if sel is None:
-        fn(keep)
-    elif _takes_rows(fn):
-        fn(keep, sel)
-    else:
-        fn(whole())
+def _whole_batch(keep: torch.Tensor, sel: torch.Tensor, batch: int) -> torch.Tensor:
+    """``keep`` (len(sel), H_kv, L) widened to every row, the identity order elsewhere."""
+    b, h, length = batch, keep.shape[1], keep.shape[2]
+    order = torch.arange(length, device=keep.device).expand(b, h, length).clone()
+    return order.index_copy_(0, sel, keep)
 
 
 class BudgetedKV:
@@ -95,23 +63,23 @@ class BudgetedKV:
         Further spans never evicted.
     merge : bool
         Fold evicted tokens into their nearest kept token (see :mod:`.merging`).
-    prefill : {"stream", "prompt-aware"}, observe : int
-        How a first chunk longer than the budget is taken (see :mod:`.streaming`).
+    prefill : scissorhands.core.prefill.Prefill, optional
+        How a chunk of new tokens is taken (:mod:`.prefill`; default streamed).
     """
 
     def __init__(self, budget: int, recent: int, drop: int, method: EvictionMethod,
                  state: TokenState | None = None, layer_idx: int = 0, store: KVStore | None = None, *,
-                 sinks: int = 0, merge: bool = False, prefill: str = "stream", observe: int = 32,
+                 sinks: int = 0, merge: bool = False, prefill=None,
                  protect: Protection | None = None):
         if drop > budget - recent:
             raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
-        residual = getattr(store, "residual", 0)
+        residual = store.residual if store is not None else 0
         if residual and not method.is_full and residual > recent:
             raise ValueError(f"kv_residual: must be <= the recent window ({recent}) for this layer, got {residual}")
         if residual and merge:
             raise ValueError("kv_residual: cannot be combined with merge")
         self.budget, self.recent, self.drop = budget, recent, drop
-        self.prefill, self.observe = prefill, observe
+        self.prefill = prefill  # None: streamed (see :func:`.streaming.attend`)
         self.method = method
         self.state = state if state is not None else TokenState()
         self.layer_idx = layer_idx
@@ -201,10 +169,10 @@ class BudgetedKV:
         slots.advance_uniform()
         return length + 1
 
-    def view(self) -> LayerView:
-        """The read-only view a method scores."""
+    def view(self, prompt_attention: torch.Tensor | None = None) -> LayerView:
+        """The read-only view a method scores (``prompt_attention``: see :class:`.prefill.PromptAware`)."""
         return LayerView(self.layer_idx, self.slots.length, self.compressions, self.state, self.slots,
-                         self.store.read)
+                         self.store.read, prompt_attention)
 
     def compress(self, rows: torch.Tensor) -> None:
         """Evict ``drop`` tokens from each KV head of the rows ``rows`` (CPU bool, (B,))."""
@@ -242,10 +210,16 @@ class BudgetedKV:
         if self.merge is not None:
             keys, values = self.store.read(length)
             self.store.write(0, keys, self.merge.fold(keys, values, keep, self.slots.lengths, n_drop))
-        whole = None if sel is None else _whole_batch(keep, sel, scores.shape[0])
-        _apply(self.store.reorder, keep, sel, whole)
+        self.store.reorder(keep, sel)
+        whole = None
         for state in self.states:
-            _apply(state.compact, keep, sel, whole)
+            if sel is None:
+                state.compact(keep)
+            elif state.compacts_rows:
+                state.compact(keep, sel)
+            else:  # a state that compacts whole batches only (it says so): the identity order in other rows
+                whole = _whole_batch(keep, sel, scores.shape[0]) if whole is None else whole
+                state.compact(whole)
         self.slots.compact(keep, n_drop, sel)
         self.compressions += 1
 

@@ -2,220 +2,186 @@
 
 :class:`CacheSettings` holds everything but the budget: what callers that
 resolve a budget per sequence (the evaluation grid, the lm-eval backend, the
-analysis) carry around. :class:`ScissorhandsConfig` adds the budget. Every bad
-value raises ``ValueError`` whose message starts with the parameter's name, so
-the CLI can print it as a one-line error.
+analysis) carry around. :class:`ScissorhandsConfig` adds the budget. Each
+field is declared once (:func:`~.settings.setting`): its default, its help,
+how it is parsed from text and how it is checked. The CLI flags, the lm-eval
+and vLLM arguments and the README's table are derived from those declarations.
+Every bad value raises ``ValueError`` whose message starts with the parameter's
+name, so the entry points print it as one line.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+
+from . import settings as s
+from .settings import REQUIRED, declared, setting, settings_table
 
 IMPORTANCE_FORMS = ("sum", "count", "mean")
 SCHEDULES = ("uniform", "increasing")
 PREFILL_MODES = ("stream", "prompt-aware")
 KV_BITS = (2, 4, 8, 16)
 
+DEFAULT_RESIDUAL = 32
+"""Tokens of full-precision residual a packed cache keeps by default (``kv_residual=None``).
+
+Measured on SmolLM2-135M (docs/quantization.md, docs/results.md): 4-bit K/V
+cost +0.040 nats/token without it and +0.003 with the newest 32 tokens exact;
+128 tokens brought nothing more."""
+
 
 def check_int(name: str, value, low: int) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an integer >= ``low``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}: must be an integer, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name}: must be >= {low}, got {value}")
+    s.integer(low)(name, value)
+
+
+def _schedule(name, value):
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, tuple):
+        for b in value:
+            check_int(name, b, 1)
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: must be a name, a list of budgets or a JSON path, got {value!r}")
+    if value not in SCHEDULES and not value.endswith(".json"):
+        raise ValueError(f"{name}: must be one of {SCHEDULES}, a list of budgets or a .json file, got {value!r}")
+    return value
+
+
+def _path(name, value):
+    return s.optional_path(name, os.fspath(value) if isinstance(value, os.PathLike) else value)
+
+
+def _odd(name, value):
+    value = s.integer(1)(name, value)
+    if value % 2 == 0:
+        raise ValueError(f"{name}: must be odd (the pooled slot sits in the middle), got {value}")
+    return value
+
+
+def _store_name(name, value):
+    from .stores import STORES  # the registry fills as stores register; read it when checking
+
+    if value is not None and (not isinstance(value, str) or value not in STORES):
+        raise ValueError(f"{name}: must be a registered store ({', '.join(STORES)}) or None, got {value!r}")
+    return value
+
+
+def _group_size(name, value):
+    value = s.integer(4)(name, value)
+    if value & (value - 1):
+        raise ValueError(f"{name}: must be a power of two >= 4, got {value}")
+    return value
+
+
+_KV = "packed K/V"
+_PREFILL = "prefill"
 
 
 @dataclass(frozen=True)
 class CacheSettings:
     """How a budgeted cache evicts, whatever its budget.
 
-    Parameters
-    ----------
-    recent : int or float
-        The ``r`` most recently appended tokens are never evicted. A float in
-        [0, 1) is a fraction of each layer's budget (rounded down).
-    sinks : int
-        The first ``k`` tokens of every sequence are never evicted (attention sinks).
-    window : int or None
-        History window ``w``: importance counts the queries of the last ``w``
-        steps. ``None`` means the whole history (the H2O end of the family).
-    window_buckets : int or None
-        How many buckets of steps represent the window. Each stored token keeps
-        one accumulator per bucket, so the importance state costs
-        ``window_buckets`` numbers per token per KV head instead of ``window``.
-        The window then spans between ``w - s + 1`` and ``w`` steps, with
-        ``s = ceil(w / window_buckets)``. ``None`` gives one bucket per step: exact.
-    drop : float or int
-        Drop amount ``m``. A float in (0, 1) is a fraction of each layer's
-        budget; an int is a token count. At least ``m`` tokens go at each
-        compression, so compression runs once every ``m`` decode steps.
-    importance : {"sum", "count", "mean"}
-        ``sum`` adds attention probabilities; ``count`` counts the queries
-        in which a token's probability exceeded ``1/n`` (n = tokens attended);
-        ``mean`` is ``sum`` divided by the number of queries that scored the
-        token inside the window, so a token that arrived late is not judged
-        by fewer queries than an old one.
-    value_weighted : bool
-        Multiply importance by the norm of the token's value vector (attention
-        that moves a large value matters more).
-    merge : bool
-        Fold each evicted token's value into the kept token with the most
-        similar key, carrying its weight as a logit bias (see :mod:`.merging`),
-        instead of dropping it.
-    schedule : str, sequence of int, or path
-        ``"uniform"``, ``"increasing"`` (later layers get more, same total),
-        an explicit list of per-layer budgets, or a path to a JSON schedule.
-    increasing_slope : float
-        For ``"increasing"``: the last layer gets ``1 + slope`` times the
-        average and the first ``1 - slope`` times, linearly in between.
-    query_tile : int
-        Most query rows scored at once while prefilling; bounds the size of
-        the probability block to ``query_tile x budget`` per head.
-    prefill : {"stream", "prompt-aware"}
-        ``stream`` feeds a long prompt through the budget (peak memory = the
-        budget; the prompt's tokens are judged by the prompt's own attention).
-        ``prompt-aware`` holds the whole first chunk (the prompt) once, scores
-        its tokens by the attention of its last ``observe`` queries (usually the
-        question), and evicts down to the budget before decoding (peak memory =
-        the prompt's length).
-    observe : int
-        For ``prompt-aware``: how many of the prompt's last queries score it.
-    kv_bits : {None, 16, 8, 4, 2}
-        Bits per stored K/V element. ``None`` or 16 keeps K/V in the model's
-        dtype; 8, 4 or 2 packs them (see :mod:`.quant`), with a float16 scale
-        and zero-point per group. With the ``full`` method this is a quantised
-        cache without eviction.
-    kv_key_bits : {None, 8, 4, 2}
-        Bits per stored key element when K/V are packed; ``None`` takes
-        ``kv_bits``. Keys lose more than values to per-token groups: 8-bit
-        keys with 4-bit values cost about what 8-bit K/V cost
-        (docs/quantization.md).
-    kv_group_size : int
-        Channels per quantisation group along the head dimension (a smaller
-        head is one group); each group costs 4 bytes of scale and zero-point.
-    kv_key_centers : str or None
-        With packed K/V: a JSON file of per-channel key centres for this model
-        (``scissorhands calibrate``); keys are quantised around them, which
-        halves the 4-bit loss (docs/quantization.md).
-    kv_tile : int
-        With packed K/V: the most stored slots attention dequantises at once.
-        Keys, then values, are read back tile by tile, so the transient dense
-        copy is one tile, not a whole layer (:func:`.kernel.attend_stored`).
-    kv_residual : int or None
-        With packed K/V: each query reads the newest ``kv_residual`` tokens
-        (its own included) exact, from a full-precision copy of each row's
-        newest tokens kept beside the packed ones (:mod:`.residual`); 0 for
-        none. The copy costs that many tokens in the model's dtype per layer,
-        row and KV head, counted in the memory report. A number must fit in
-        every layer's recent window, so that an eviction never touches it.
-        ``None`` (the default) takes :data:`DEFAULT_RESIDUAL` tokens with
-        packed K/V, at most each layer's recent window (see
-        :meth:`residual_for`); it cuts the 4-bit loss by about 90%.
-    preset : str or None
-        ``"paper"`` reproduces the published algorithm (see :data:`PRESETS`):
-        its values replace the library defaults; any field set to a
-        non-default value is kept as given. It is applied when the settings
-        are made, and the field then reads None.
+    Every field's meaning, default and range is in its declaration below (and
+    in the README's table, which is generated from them). Read
+    :mod:`scissorhands.core.importance` for the bucketed window, and
+    docs/quantization.md for packed K/V.
     """
 
     # Chosen by measurement on SmolLM2-135M (docs/results.md, "Choosing the defaults by measurement").
-    recent: int | float = 0.25
-    window: int | None = None
-    window_buckets: int | None = 8
-    drop: float | int = 0.05
-    importance: str = "mean"
-    schedule: str | tuple[int, ...] = "uniform"
-    increasing_slope: float = 0.5
-    query_tile: int = 64
-    sinks: int = 0
-    value_weighted: bool = False
-    merge: bool = False
-    prefill: str = "stream"
-    observe: int = 32
-    kv_bits: int | None = None
-    kv_key_bits: int | None = None
-    kv_group_size: int = 32
-    kv_key_centers: str | None = None
-    kv_tile: int = 512
-    kv_residual: int | None = None
-    preset: str | None = None
+    recent: int | float = setting(
+        0.25, "the *r* most recently appended tokens are never evicted: a count, or a fraction of each layer's budget",
+        s.parse_count_or_fraction, s.fraction_or_count(0, fraction_closed_low=True), metavar="R")
+    sinks: int = setting(0, "the first *k* tokens of a sequence are never evicted", s.parse_int, s.integer(0),
+                         metavar="K")
+    window: int | None = setting(
+        None, "history window *w* in steps; `None` = whole history (H2O)", s.parse_optional_int,
+        s.integer(1, allow_none=True), metavar="W|none")
+    window_buckets: int | None = setting(
+        8, "accumulators per token per KV head representing the window; `None` = exact per-step window",
+        s.parse_optional_int, s.integer(1, allow_none=True), metavar="N|none")
+    drop: float | int = setting(
+        0.05, "drop amount *m*: fraction of the layer budget (float) or token count (int)",
+        s.parse_count_or_fraction, s.fraction_or_count(1, fraction_closed_low=False), metavar="M")
+    importance: str = setting(
+        "mean", '`"sum"` of attention probabilities, `"count"` of queries where it exceeded 1/n, or `"mean"` '
+        "(sum / queries in the window)", s.parse_text, s.one_of(IMPORTANCE_FORMS), metavar="|".join(IMPORTANCE_FORMS))
+    value_weighted: bool = setting(False, "multiply importance by the value norm", s.parse_bool, s.boolean,
+                                   switch=True)
+    merge: bool = setting(False, "fold evicted tokens into the most similar kept token instead of dropping them",
+                          s.parse_bool, s.boolean, switch=True)
+    schedule: str | tuple[int, ...] = setting(
+        "uniform", '`"uniform"`, `"increasing"` (later layers more, same total), a list of budgets, or a JSON file',
+        s.parse_schedule, _schedule, metavar="uniform|increasing|b1,b2,...|FILE.json")
+    increasing_slope: float = setting(
+        0.5, '`"increasing"` schedule: the last layer gets 1 + slope times the average, the first 1 - slope',
+        s.parse_float, s.real(0.0, 1.0))
+    query_tile: int = setting(64, "most query rows scored at once (bounds a block's probabilities to tile x budget)",
+                              s.parse_int, s.integer(1), metavar="N")
+    prefill: str = setting(
+        "stream", '`"stream"` (peak = budget) or `"prompt-aware"` (hold the prompt once, score it by its last queries)',
+        s.parse_text, s.one_of(PREFILL_MODES), group=_PREFILL, metavar="|".join(PREFILL_MODES))
+    observe: int = setting(32, "prompt-aware prefill: how many of the prompt's last queries score it", s.parse_int,
+                           s.integer(1), group=_PREFILL, metavar="N")
+    pool: int = setting(7, "prompt-aware prefill: max-pool width over neighbouring slots (odd), so a fact spanning "
+                        "several tokens stays whole; 1 = none", s.parse_int, _odd, group=_PREFILL, metavar="N")
+    kv_bits: int | None = setting(
+        None, "bits per stored K/V element: `None`/16 = the model's dtype; 8, 4 or 2 = packed, quantised once per "
+        "token ([below](#packed-low-bit-kv))", s.parse_optional_int, s.integer(2, allow_none=True, choices=KV_BITS),
+        group=_KV, metavar="16|8|4|2")
+    kv_key_bits: int | None = setting(
+        None, "bits per key element when packed (`None` = `kv_bits`); 8-bit keys help 4-bit values when there is no "
+        "residual", s.parse_optional_int, s.integer(2, allow_none=True, choices=KV_BITS[:-1]), group=_KV,
+        metavar="8|4|2")
+    kv_group_size: int = setting(
+        32, "channels per quantisation group along head_dim (a float16 scale and zero-point each)", s.parse_int,
+        _group_size, group=_KV, metavar="G")
+    kv_key_centers: str | None = setting(
+        None, "packed K/V: a JSON file of per-channel key centres (`scissorhands calibrate`); keys are quantised "
+        "around them", s.parse_optional_text, _path, group=_KV, metavar="FILE.json")
+    kv_tile: int = setting(
+        512, "packed K/V: the most stored slots attention dequantises at once (keys, then values, tile by tile)",
+        s.parse_int, s.integer(1), group=_KV, metavar="N")
+    kv_residual: int | None = setting(
+        None, "packed K/V: keep each row's newest R tokens also in full precision; every query reads its last R "
+        "tokens exact. `None` = 32, at most each layer's recent window; 0 = none; a number must fit the recent "
+        "window", s.parse_optional_int, s.integer(0, allow_none=True), group=_KV, metavar="R")
+    kv_store: str | None = setting(
+        None, "the K/V store by name (`scissorhands.core.stores.STORES`); `None` = `dense`, or `packed` when "
+        "`kv_bits` is below 16", s.parse_optional_text, _store_name, group=_KV, metavar="NAME")
+    preset: str | None = setting(
+        None, '`"paper"`: the published setting (w = 400 exact, r = 10, m = 0.4·B, `sum`); fields you set to other '
+        "values win", s.parse_optional_text, s.one_of(("paper",), allow_none=True), metavar="paper")
 
     def __post_init__(self):
         if self.preset is not None:
             self._apply_preset()
-        if isinstance(self.recent, float):
-            if not 0.0 <= self.recent < 1.0:
-                raise ValueError(f"recent: a fractional recent window must be in [0, 1), got {self.recent}")
-        else:
-            check_int("recent", self.recent, 0)
-        check_int("sinks", self.sinks, 0)
-        for flag in ("value_weighted", "merge"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag}: must be True or False, got {getattr(self, flag)!r}")
-        if self.prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill: must be one of {PREFILL_MODES}, got {self.prefill!r}")
-        check_int("observe", self.observe, 1)
-        if self.window is not None:
-            check_int("window", self.window, 1)
-        if self.window_buckets is not None:
-            check_int("window_buckets", self.window_buckets, 1)
-        if isinstance(self.drop, bool) or not isinstance(self.drop, (numbers.Integral, float)):
-            raise ValueError(f"drop: must be a fraction in (0, 1) or a token count, got {self.drop!r}")
-        if isinstance(self.drop, float):
-            if not 0.0 < self.drop < 1.0:
-                raise ValueError(f"drop: a fractional drop must be in (0, 1), got {self.drop}")
-        else:
-            check_int("drop", self.drop, 1)
-        if self.importance not in IMPORTANCE_FORMS:
-            raise ValueError(f"importance: must be one of {IMPORTANCE_FORMS}, got {self.importance!r}")
-        if isinstance(self.schedule, list):
-            object.__setattr__(self, "schedule", tuple(self.schedule))
-        if isinstance(self.schedule, Path):
-            object.__setattr__(self, "schedule", str(self.schedule))
+        s.validate(self)
+        # Checks that tie fields together (each field's own check is in its declaration).
         if isinstance(self.schedule, tuple):
             for b in self.schedule:
                 check_int("schedule", b, self.protected + 1)
-        elif not isinstance(self.schedule, str):
-            raise ValueError(f"schedule: must be a name, a list of budgets or a JSON path, got {self.schedule!r}")
-        elif self.schedule not in SCHEDULES and not self.schedule.endswith(".json"):
-            raise ValueError(
-                f"schedule: must be one of {SCHEDULES}, a list of budgets or a .json file, got {self.schedule!r}"
-            )
-        if not 0.0 <= self.increasing_slope < 1.0:
-            raise ValueError(f"increasing_slope: must be in [0, 1), got {self.increasing_slope}")
-        check_int("query_tile", self.query_tile, 1)
-        if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
-            raise ValueError(f"kv_bits: must be one of {KV_BITS} or None, got {self.kv_bits!r}")
-        if self.kv_key_bits is not None:
-            if isinstance(self.kv_key_bits, bool) or self.kv_key_bits not in KV_BITS[:-1]:
-                raise ValueError(f"kv_key_bits: must be one of {KV_BITS[:-1]} or None, got {self.kv_key_bits!r}")
-            if not self.quantized:
-                raise ValueError(f"kv_key_bits: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
-        check_int("kv_group_size", self.kv_group_size, 1)
-        if self.kv_group_size & (self.kv_group_size - 1) or self.kv_group_size < 4:
-            raise ValueError(f"kv_group_size: must be a power of two >= 4, got {self.kv_group_size}")
-        check_int("kv_tile", self.kv_tile, 1)
-        if self.kv_key_centers is not None:
-            if not isinstance(self.kv_key_centers, str) or not self.kv_key_centers.strip():
-                raise ValueError(f"kv_key_centers: must be a file path, got {self.kv_key_centers!r}")
-            if not self.quantized:
-                raise ValueError(f"kv_key_centers: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
-        if self.kv_residual is not None:
-            check_int("kv_residual", self.kv_residual, 0)
+        if self.kv_key_bits is not None and not self.quantized:
+            raise ValueError(f"kv_key_bits: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
+        if self.kv_key_centers is not None and not self.quantized:
+            raise ValueError(f"kv_key_centers: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
         if self.kv_residual:
-            if not self.quantized:
-                raise ValueError(f"kv_residual: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
+            if not self.lossy:
+                raise ValueError(f"kv_residual: needs a lossy store (kv_bits below 16, or a kv_store other than "
+                                 f"dense), got kv_bits={self.kv_bits}")
             if self.merge:
                 raise ValueError("kv_residual: cannot be combined with merge (merging rewrites kept tokens' values, "
                                  "and the residual's exact copies would go stale)")
 
     def _apply_preset(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset: must be one of {tuple(PRESETS)}, got {self.preset!r}")
-        for name, value in PRESETS[self.preset].items():
+        preset = s.one_of(tuple(PRESETS))("preset", self.preset)
+        for name, value in PRESETS[preset].items():
             if getattr(self, name) == getattr(_LIBRARY_DEFAULTS, name):
                 object.__setattr__(self, name, value)
         # Applied once: the values are now the fields themselves, so a later `replace` (a method's own
@@ -226,6 +192,11 @@ class CacheSettings:
     def quantized(self) -> bool:
         """Whether K/V are stored packed (``kv_bits`` below 16)."""
         return self.kv_bits is not None and self.kv_bits < 16
+
+    @property
+    def lossy(self) -> bool:
+        """Whether K/V are stored other than exactly (packed, or a store of another name than dense)."""
+        return self.quantized or self.kv_store not in (None, "dense")
 
     @property
     def protected(self) -> int:
@@ -244,10 +215,12 @@ class CacheSettings:
         evicts (``evicts`` False: a cache that never evicts), and none without
         packing or with ``merge``.
         """
-        if not self.quantized or self.merge:
+        if not self.lossy or self.merge:
             return 0
         if self.kv_residual is not None:
             return int(self.kv_residual)
+        if not self.quantized:
+            return 0  # a store of another name keeps a residual only when asked
         return DEFAULT_RESIDUAL if not evicts else min(DEFAULT_RESIDUAL, self.recent_for(layer_budget))
 
     def check_residual(self, layer_budget: int, evicts: bool = True) -> int:
@@ -293,13 +266,6 @@ class CacheSettings:
 
 _LIBRARY_DEFAULTS = CacheSettings()
 
-DEFAULT_RESIDUAL = 32
-"""Tokens of full-precision residual a packed cache keeps by default (``kv_residual=None``).
-
-Measured on SmolLM2-135M (docs/quantization.md, docs/results.md): 4-bit K/V
-cost +0.040 nats/token without it and +0.003 with the newest 32 tokens exact;
-128 tokens brought nothing more."""
-
 PRESETS: dict[str, dict] = {
     # The published algorithm: importance summed over an exact 400-step window, 10 recent tokens, drop 0.4 B,
     # no sinks, streamed prefill.
@@ -325,11 +291,10 @@ class ScissorhandsConfig(CacheSettings):
         no layer ever stores more than its own budget.
     """
 
-    budget: int
+    budget: int = setting(REQUIRED, "average tokens stored per full-attention layer; each layer's own budget is a "
+                          "hard peak", s.parse_int, s.integer(1), metavar="B")
 
     def __post_init__(self):
-        check_int("budget", self.budget, 1)
-        object.__setattr__(self, "budget", int(self.budget))
         super().__post_init__()
         if self.budget <= self.protected:
             what = f"recent ({self.recent})" if not self.sinks else f"recent + sinks ({self.protected})"
@@ -348,3 +313,14 @@ class ScissorhandsConfig(CacheSettings):
 
     def with_budget(self, budget: int) -> ScissorhandsConfig:
         return replace(self, budget=budget)
+
+
+def settings_rows() -> list:
+    """Every declared setting, the budget first: what the CLI, the lm-eval backend and the README show."""
+    rows = declared(ScissorhandsConfig)
+    return [r for r in rows if r[0] == "budget"] + [r for r in rows if r[0] != "budget"]
+
+
+def readme_table() -> str:
+    """The README's settings table (a test keeps the two equal)."""
+    return settings_table(settings_rows())

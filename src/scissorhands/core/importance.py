@@ -97,6 +97,7 @@ class ImportanceState(TokenState):
     """
 
     wants_attention = True
+    compacts_rows = True
 
     def __init__(self, form: str, bucket_steps: int | None, n_buckets: int, value_weighted: bool = False):
         self.form = form

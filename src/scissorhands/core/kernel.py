@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from .stores.residual import ResidualStore
+
 
 def attention_probs(
     q: torch.Tensor,
@@ -113,13 +115,13 @@ def attend_stored(
     probability anyway), then value tiles are dequantised one at a time and
     their products summed. So no more than one tile of K or V is ever dense.
 
-    A store with a residual (``store.residual`` = R > 0) needs ``limits``, the
+    A residual store (:class:`~.stores.residual.ResidualStore`, R = ``store.residual``) needs ``limits``, the
     slots each query sees (an int for all, or (B, n) for the ``n`` queries of
     ``shape`` = (B, H_kv, g, n, L)), and ``ends``, each row's stored length:
     a query that sees ``limit`` slots reads slots ``[limit - R, limit)`` exact
     and the ones before packed, as it would have when it was decoded alone.
     """
-    if getattr(store, "residual", 0) and limits is not None:  # stores written before residuals have none
+    if isinstance(store, ResidualStore) and limits is not None:
         if ends is None:
             if not isinstance(limits, int):
                 raise ValueError("ends: per-query limits need each row's stored length")
@@ -145,8 +147,8 @@ def attend_stored(
     return probs, out.to(values.dtype)
 
 
-def _attend_residual(q, store, length, scaling, softcap, allowed, shape, bias, mask_from, query_weight, limits,
-                     ends) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_residual(q, store: ResidualStore, length, scaling, softcap, allowed, shape, bias, mask_from,
+                     query_weight, limits, ends) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend_stored` over a store whose newest ``R`` tokens per query are read exact.
 
     Slots below ``x_lo`` are packed for every query of the tile and slots from

@@ -19,6 +19,8 @@ from .stores.base import gather_rows
 class MergeState(TokenState):
     """The mass of each stored slot (B, H_kv, capacity), float32; fresh tokens have mass 1."""
 
+    compacts_rows = True
+
     def __init__(self):
         self.reset()
 

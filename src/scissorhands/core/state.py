@@ -19,6 +19,9 @@ class TokenState:
     """Base class: per-slot state, moved with the same index as K/V."""
 
     wants_attention = False
+    #: Whether :meth:`compact` takes ``rows`` (compacting only the rows that evict, in a ragged batch). A state
+    #: that says False is handed the whole batch, with the identity order in the rows that keep everything.
+    compacts_rows = False
     """Set True to receive attention probabilities in :meth:`observe` (they cost a little to hand over)."""
 
     def allocate(self, batch: int, heads: int, capacity: int, group: int, device, dtype: torch.dtype) -> None:

@@ -21,11 +21,12 @@ from scissorhands.core.config import ScissorhandsConfig
 from scissorhands.core.memory import layer_memory
 from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.methods.scissorhands import Scissorhands
+from scissorhands.core.prefill import make_prefill
 from scissorhands.core.protect import Protection, SpanSpec, check_room
 from scissorhands.core.schedule import layer_budgets
 from scissorhands.core.slots import SlotTable
 from scissorhands.core.state import TokenState
-from scissorhands.core.stores.packed import make_store
+from scissorhands.core.stores import make_store
 from scissorhands.core.streaming import attend
 
 from .guard import ModelGuard, check_continues, reuse_message
@@ -259,10 +260,9 @@ class ScissorhandsCache(Cache):
             residual = config.check_residual(budget, evicts=not self.method.is_full)
             layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
                                       self.method.make_state(config), self.method, config.query_tile, idx,
-                                      sinks=config.sinks, merge=config.merge, prefill=config.prefill,
-                                      observe=config.observe, protect=protection,
-                                      store=make_store(config.kv_bits, config.kv_group_size, config.kv_key_bits,
-                                                       config.kv_tile, centers.get(idx), residual))
+                                      sinks=config.sinks, merge=config.merge, prefill=make_prefill(config),
+                                      protect=protection,
+                                      store=make_store(config, centers.get(idx), residual))
             if audit is not None:
                 layer.kv.listeners.append(audit)
                 audit.attach(idx)

@@ -6,13 +6,15 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from scissorhands import __version__
-from scissorhands.core.config import DEFAULTS, IMPORTANCE_FORMS, KV_BITS, PREFILL_MODES, PRESETS, CacheSettings
+from scissorhands.core.config import CacheSettings, ScissorhandsConfig, settings_rows
 from scissorhands.core.methods import METHODS, get_method
+from scissorhands.core.settings import declared, parse_int
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,34 +22,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _window(text: str) -> int | str:
-    if text.strip().lower() in ("none", "inf", "all"):
-        return "none"  # an explicit 'no window', told apart from 'flag not given'
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number of steps or 'none', got {text!r}") from None
-
-
-def _count_or_fraction(text: str) -> float | int:
-    try:
-        value = float(text) if any(c in text for c in ".eE") else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a token count or a fraction, got {text!r}") from None
-    if isinstance(value, float) and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
-
-
-def _schedule(text: str):
-    if "," in text or text.strip().isdigit():
-        try:
-            return tuple(int(x) for x in text.split(","))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad budget list {text!r}") from None
-    return text
 
 
 def _finite(text: str) -> float:
@@ -59,56 +33,6 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
-
-
-def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = None, with_budget: bool = True) -> None:
-    """The cache settings; their defaults are the library's (``scissorhands.core.config.DEFAULTS``)."""
-    g = p.add_argument_group("cache")
-    if with_budget:
-        g.add_argument("--budget", type=int, default=budget_default, required=budget_default is None,
-                       help="average tokens stored per full-attention layer (a hard peak per layer)")
-        g.add_argument("--method", default="scissorhands", help=f"eviction method: {', '.join(METHODS)}")
-    # Flags default to None: only what is given overrides the preset (or the library defaults).
-    g.add_argument("--preset", default=None, help=f"start from a named setting: {', '.join(PRESETS)}")
-    g.add_argument("--recent", type=_count_or_fraction, default=None,
-                   help=f"most recent tokens never evicted (r): a count, or a fraction of the budget "
-                   f"(default {DEFAULTS.recent})")
-    g.add_argument("--sinks", type=int, default=None, help=f"first tokens never evicted (default {DEFAULTS.sinks})")
-    g.add_argument("--window", type=_window, default=None,
-                   help=f"history window w in steps, or 'none' (default {DEFAULTS.window})")
-    g.add_argument("--window-buckets", type=_window, default=None,
-                   help=f"buckets representing the window, or 'none' for the exact per-step window "
-                   f"(default {DEFAULTS.window_buckets})")
-    g.add_argument("--drop", type=_count_or_fraction, default=None,
-                   help=f"drop amount m: a fraction of the budget or a count (default {DEFAULTS.drop})")
-    g.add_argument("--importance", default=None,
-                   help=f"{' | '.join(IMPORTANCE_FORMS)} (default {DEFAULTS.importance})")
-    g.add_argument("--value-weighted", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"weigh importance by the value norm (default {DEFAULTS.value_weighted})")
-    g.add_argument("--merge", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"fold evicted tokens into their most similar kept token (default {DEFAULTS.merge})")
-    g.add_argument("--prefill", default=None,
-                   help=f"{' | '.join(PREFILL_MODES)} (default {DEFAULTS.prefill})")
-    g.add_argument("--observe", type=int, default=None,
-                   help=f"prompt-aware prefill: the prompt's last queries that score it (default {DEFAULTS.observe})")
-    g.add_argument("--schedule", type=_schedule, default=None,
-                   help=f"uniform | increasing | b1,b2,... | calibrated.json (default {DEFAULTS.schedule})")
-    g.add_argument("--kv-bits", type=int, default=None,
-                   help=f"bits per stored K/V element: {' | '.join(map(str, KV_BITS))} (16 or unset: the model's "
-                   "dtype); below 16 K/V are packed. With --method full: a quantised cache without eviction")
-    g.add_argument("--kv-key-bits", type=int, default=None,
-                   help="bits per stored key element when packed (default: --kv-bits); 8 with --kv-bits 4 "
-                   "meets the 4-bit target without a residual")
-    g.add_argument("--kv-group-size", type=int, default=None,
-                   help=f"channels per quantisation group along the head dimension (default {DEFAULTS.kv_group_size})")
-    g.add_argument("--kv-key-centers", default=None, metavar="FILE.json",
-                   help="packed K/V: quantise keys around per-channel centres measured by 'scissorhands calibrate'")
-    g.add_argument("--kv-tile", type=int, default=None,
-                   help=f"packed K/V: most stored slots attention dequantises at once (default {DEFAULTS.kv_tile})")
-    g.add_argument("--kv-residual", type=int, default=None, metavar="R",
-                   help="packed K/V: keep each row's newest R tokens also in full precision; every query reads its "
-                   "last R tokens exact (at most the recent window; default 32, capped at each layer's recent "
-                   "window; 0 for none)")
 
 
 def _add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, compare_full: bool) -> None:
@@ -143,20 +67,56 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default cpu)")
 
 
-_CACHE_FLAGS = ("recent", "sinks", "window", "window_buckets", "drop", "importance", "value_weighted", "merge",
-                "prefill", "observe", "schedule", "kv_bits", "kv_key_bits", "kv_group_size",
-                "kv_key_centers", "kv_tile", "kv_residual")
-_UNSET = object()
+def _arg_type(parse):
+    """An argparse type from a declared parser: its ValueError becomes argparse's one-line error."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        return value
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
 
 
-def _settings(args) -> CacheSettings:
+def _plain(text: str) -> str:
+    """A declaration's help without its markdown (the README renders it; a terminal does not)."""
+    text = re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", text)
+    return text.replace("`", "").replace("*", "")
+
+
+def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = None, with_budget: bool = True) -> None:
+    """One flag per declared cache setting (:mod:`scissorhands.core.settings`): help, type and default from there.
+
+    A flag that is not given is absent from the namespace, so only what the user typed overrides the preset
+    (or the library defaults).
+    """
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    g = groups["eviction"] = p.add_argument_group("eviction")
+    if with_budget:
+        g.add_argument("--budget", type=_arg_type(parse_int), default=budget_default,
+                       required=budget_default is None, metavar="B",
+                       help=_plain(dict((n, d.help) for n, _, d in settings_rows())["budget"]))
+        g.add_argument("--method", default="scissorhands", help=f"eviction method: {', '.join(METHODS)}")
+    for name, default, decl in declared(CacheSettings):
+        g = groups.get(decl.group) or groups.setdefault(decl.group, p.add_argument_group(decl.group))
+        flag = "--" + name.replace("_", "-")
+        text = f"{_plain(decl.help)} (default {default})"
+        if decl.switch:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        else:
+            g.add_argument(flag, type=_arg_type(decl.parse), default=argparse.SUPPRESS, metavar=decl.metavar,
+                           help=text)
+
+
+def cache_settings(args) -> CacheSettings:
     """The preset (or the defaults), then every cache flag that was given."""
-    given = {name: getattr(args, name) for name in _CACHE_FLAGS if getattr(args, name, _UNSET) not in (None, _UNSET)}
-    if "window" in given and given["window"] == "none":
-        given["window"] = None
-    if "window_buckets" in given and given["window_buckets"] == "none":
-        given["window_buckets"] = None
-    base = CacheSettings(preset=args.preset)
+    given = {name: getattr(args, name) for name, _, _ in declared(CacheSettings)
+             if name != "preset" and hasattr(args, name)}
+    base = CacheSettings(preset=getattr(args, "preset", None))
     return replace(base, preset=None, **given) if given else base
 
 
@@ -395,20 +355,30 @@ def memory_line(mem: dict) -> str:
     return line
 
 
-def _run_generate(args, prompt: str, label_budget: str) -> int:
-    from .generation import generate
-    from .models import load_model
-
+def _method(args):
     try:
-        method = get_method(args.method)  # validate before the slow model load
+        return get_method(args.method)  # validate before the slow model load
     except ValueError as e:  # the registry names its 'methods'; this command's option is --method
         raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
-    settings = _settings(args)
+
+
+def generate_config(args) -> ScissorhandsConfig:
+    """The cache configuration ``generate`` and ``demo`` run with: the flags, then the method's own settings."""
+    method = _method(args)
+    settings = cache_settings(args)
     if method.is_full and not settings.quantized:
         raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method, "
                          "or --kv-bits for a quantised full cache")
     # The quantised full cache: packed K/V and a budget no sequence reaches, so nothing is evicted.
-    config = method.configure(settings, _NO_BUDGET if method.is_full else args.budget)
+    return method.configure(settings, _NO_BUDGET if method.is_full else args.budget)
+
+
+def _run_generate(args, prompt: str, label_budget: str) -> int:
+    from .generation import generate
+    from .models import load_model
+
+    method = _method(args)
+    config = generate_config(args)
     _check_schedule_file(config)
     _check_generation_args(args)
     _check_trust_args(args)
@@ -486,7 +456,7 @@ def _run_eval(args) -> int:
     from .paths import check_output_folder
     from .text import load_texts
 
-    base = _settings(args)
+    base = cache_settings(args)
     _check_schedule_file(base)
     methods = [get_method(m) for m in _names(args.methods, "methods")]
     budgets = _eval_budgets(args, base, methods)
@@ -568,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from .bench_cli import run as run_bench
 
-            return run_bench(args, _settings(args), _check_model_args)
+            return run_bench(args, cache_settings(args), _check_model_args)
         if args.command == "calibrate":
             return _run_calibrate(args)
         if args.command == "demo":

@@ -61,17 +61,18 @@ try:
     import lm_eval.models  # noqa: F401
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "scissorhands.tools.lm_eval_backend needs lm-evaluation-harness: pip install 'scissorhands[lmeval]'"
     ) from exc
 
 from scissorhands.core.budget import check_budget_spec, resolve_budget
-from scissorhands.core.config import DEFAULTS, CacheSettings
+from scissorhands.core.config import CacheSettings
 from scissorhands.core.methods import METHODS, EvictionMethod
+from scissorhands.core.settings import from_strings
 from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 
+from .lm_eval_tokens import RequestTokens
 from .models import check_supported, load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -164,13 +165,12 @@ class ScissorhandsLM(LM):
         Tokens each budgeted layer may store. Up to 1: a fraction of each
         sequence's own length; above 1: a token count. Never below
         ``recent + 1``. Required unless ``method=full``.
-    recent, window, window_buckets, drop, importance, schedule, sinks, value_weighted, merge, prefill, observe, preset
-        Shared cache settings, as in :class:`scissorhands.CacheSettings`
-        (methods such as ``h2o`` or ``tova`` override some of them).
-    kv_bits, kv_key_bits, kv_group_size, kv_key_centers, kv_tile, kv_residual
-        Packed low-bit K/V, as in :class:`scissorhands.CacheSettings`
-        (``kv_bits=4,kv_residual=32``; with ``method=full``, a quantised cache
-        without eviction).
+    **settings
+        Every field of :class:`scissorhands.CacheSettings` by name (``recent``,
+        ``window``, ``kv_bits``, ...), parsed and checked by its declaration,
+        as the CLI's flags are (``window=none``; methods such as ``h2o`` or
+        ``tova`` override some of them; with ``method=full`` and ``kv_bits``, a
+        quantised cache without eviction).
     seed : int
         Seed of the ``random`` method.
     dtype : str
@@ -202,24 +202,6 @@ class ScissorhandsLM(LM):
         tokenizer=None,
         method: str = "scissorhands",
         budget: float | int | None = None,
-        recent: int | float = DEFAULTS.recent,
-        window: int | None = DEFAULTS.window,
-        window_buckets: int | None = DEFAULTS.window_buckets,
-        drop: float | int = DEFAULTS.drop,
-        importance: str = DEFAULTS.importance,
-        schedule: str | tuple[int, ...] = DEFAULTS.schedule,
-        sinks: int = DEFAULTS.sinks,
-        value_weighted: bool = DEFAULTS.value_weighted,
-        merge: bool = DEFAULTS.merge,
-        prefill: str = DEFAULTS.prefill,
-        observe: int = DEFAULTS.observe,
-        preset: str | None = None,
-        kv_bits: int | None = DEFAULTS.kv_bits,
-        kv_key_bits: int | None = DEFAULTS.kv_key_bits,
-        kv_group_size: int = DEFAULTS.kv_group_size,
-        kv_key_centers: str | None = DEFAULTS.kv_key_centers,
-        kv_tile: int = DEFAULTS.kv_tile,
-        kv_residual: int | None = DEFAULTS.kv_residual,
         seed: int = 0,
         dtype: str = "float32",
         device: str | None = None,
@@ -228,22 +210,15 @@ class ScissorhandsLM(LM):
         prefix_token_id: int | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | None = None,
-        **unknown,
+        **settings,
     ):
         super().__init__()
-        if unknown:
-            name = sorted(unknown)[0]
-            raise ValueError(f"{name}: unknown model argument for {MODEL_NAME}")
         if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"method: unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method = METHODS[method]
         self.budget_spec = _check_budget(budget, self.method)
-        self.base = CacheSettings(recent=recent, window=window, window_buckets=window_buckets, drop=drop,
-                                  importance=importance, schedule=schedule, sinks=sinks,
-                                  value_weighted=value_weighted, merge=merge, prefill=prefill, observe=observe,
-                                  preset=preset, kv_bits=kv_bits, kv_key_bits=kv_key_bits,
-                                  kv_group_size=kv_group_size, kv_key_centers=kv_key_centers, kv_tile=kv_tile,
-                                  kv_residual=kv_residual)
+        # Every cache setting by its declaration: the same names, parsing and checks as the CLI's flags.
+        self.base = CacheSettings(**from_strings(CacheSettings, settings, f"model argument for {MODEL_NAME}"))
         self.seed = _check_int("seed", seed)
         self._max_gen_toks = _check_positive_int("max_gen_toks", max_gen_toks)
         max_length = None if max_length is None else _check_positive_int("max_length", max_length)
@@ -261,8 +236,7 @@ class ScissorhandsLM(LM):
         if isinstance(prefix_token_id, bool) or not isinstance(prefix_token_id, int) or prefix_token_id < 0:
             raise ValueError(f"prefix_token_id: must be a token id (an integer >= 0), got {prefix_token_id!r}")
         self._prefix_token_id = prefix_token_id
-        bos = self.tokenizer.bos_token
-        self._bos_text = bos if isinstance(bos, str) and bos else None
+        self.tokens = RequestTokens(self.tokenizer, self._max_length, prefix_token_id)
         logger.info("lm-eval backend: method=%s budget=%s max_length=%d prefix token %d",
                     self.method.name, self.budget_spec, self._max_length, self._prefix_token_id)
 
@@ -339,57 +313,15 @@ class ScissorhandsLM(LM):
         budget = None if self.budget_spec is None else resolve_budget(self.budget_spec, length, self.base.protected)
         return ScoreSetup(self.method, budget, self.base, self.seed)
 
-    # -- tokenisation (lm-eval's hf conventions) --------------------------------------------
+    # -- tokenisation (lm-eval's hf conventions; see :class:`.lm_eval_tokens.RequestTokens`) ------------
     def encode(self, text: str, special_tokens: bool | None = None) -> list[int]:
-        """Token ids of ``text``.
-
-        ``special_tokens=None`` uses the tokenizer's default (BOS added if the
-        tokenizer adds one), except for a text already starting with the BOS
-        string, which is encoded as is.
-        """
-        kwargs = {}
-        if special_tokens is not None:
-            kwargs["add_special_tokens"] = special_tokens
-        elif self._bos_text is not None and text.startswith(self._bos_text):
-            kwargs["add_special_tokens"] = False
-        return list(self.tokenizer.encode(text, **kwargs))
+        return self.tokens.encode(text, special_tokens)
 
     def split_request(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Context and continuation token ids of one loglikelihood request.
+        return self.tokens.split_request(context, continuation)
 
-        Whitespace at the end of the context belongs to the continuation (so
-        " Paris" stays one word token); the two are encoded as one string and
-        cut where the context's own encoding ends, so the continuation's
-        tokens are those the model would really see. An empty context becomes
-        the prefix token (unless the continuation starts with it). The
-        sequence is cut from the left to ``max_length + 1`` tokens.
-
-        Returns
-        -------
-        context_ids : list of int, non-empty
-        continuation_ids : list of int, non-empty
-        """
-        trimmed = context.rstrip()
-        if trimmed:
-            moved = context[len(trimmed):]
-            continuation = moved + continuation
-            whole = self.encode(trimmed + continuation)
-            ctx = self.encode(trimmed)
-            cont = whole[len(ctx):]
-        else:
-            cont = self.encode(context + continuation, special_tokens=False)
-            if cont and cont[0] == self._prefix_token_id:
-                ctx, cont = cont[:1], cont[1:]
-            else:
-                ctx = [self._prefix_token_id]
-        if not cont:
-            raise ValueError(f"continuation: {continuation!r} encodes to no token after its context")
-        if len(cont) > self._max_length:
-            raise ValueError(f"continuation: {len(cont)} tokens, longer than max_length ({self._max_length})")
-        keep = self._max_length + 1 - len(cont)
-        if len(ctx) > keep:
-            ctx = ctx[-keep:]
-        return ctx, cont
+    def rolling_windows(self, text: str) -> list[tuple[list[int], list[int]]]:
+        return self.tokens.rolling_windows(text)
 
     # -- the three request kinds --------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -423,18 +355,6 @@ class ScissorhandsLM(LM):
                 results[i] = score
                 self.cache_hook.add_partial("loglikelihood", requests[i].args, score)
         return [r for r in results if r is not None]
-
-    def rolling_windows(self, text: str) -> list[tuple[list[int], list[int]]]:
-        """lm-eval's disjoint rolling windows of ``text``: (conditioning ids, predicted ids) pairs.
-
-        The first window is conditioned on the prefix token alone; each later
-        one predicts up to ``max_length`` new tokens from the tokens before them
-        (``max_length`` tokens of input in all).
-        """
-        ids = self.encode(text)
-        windows = get_rolling_token_windows(token_list=ids, prefix_token=self._prefix_token_id,
-                                            max_seq_len=self._max_length, context_len=1)
-        return [make_disjoint_window(w) for w in windows]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-prob of whole texts: rolling windows, each through a fresh compressed cache.
@@ -489,24 +409,10 @@ class ScissorhandsLM(LM):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return out
 
-    def _stop_strings(self, until) -> list[str]:
-        if until is None:
-            until = []
-        elif isinstance(until, str):
-            until = [until]
-        elif not isinstance(until, (list, tuple)) or not all(isinstance(s, str) for s in until):
-            raise ValueError(f"until: must be a string or a list of strings, got {until!r}")
-        stops = [s for s in until if s]
-        if self.tokenizer.eos_token_id is not None:
-            eos = self.tokenizer.decode([self.tokenizer.eos_token_id])
-            if eos and eos not in stops:
-                stops.append(eos)
-        return stops
-
     @torch.no_grad()
     def generate_one(self, context: str, gen_kwargs: dict) -> str:
         """Greedy continuation of one prompt; see :meth:`generate_until`."""
-        stops = self._stop_strings(gen_kwargs.pop("until", None))
+        stops = self.tokens.stop_strings(gen_kwargs.pop("until", None))
         new_tokens = _check_positive_int("max_gen_toks", gen_kwargs.pop("max_gen_toks", self._max_gen_toks))
         temperature = gen_kwargs.pop("temperature", 0.0)
         if gen_kwargs.pop("do_sample", False) and temperature not in (0, 0.0, None):

@@ -40,16 +40,23 @@ class LayerView:
         Evictions this layer has made so far in this sequence.
     state : TokenState or None
         The method's own per-layer state (from :meth:`EvictionMethod.make_state`).
+    prompt_attention : Tensor of shape (B, H_kv, length), or None
+        Set only while a prompt-aware prefill scores the prompt it holds: the
+        attention the prompt's last ``observe`` queries paid each slot, summed
+        over a group's query heads (:class:`~scissorhands.core.prefill.PromptAware`).
+        Methods that score by attention score by it then.
     """
 
-    __slots__ = ("layer_idx", "length", "compressions", "state", "_slots", "_read")
+    __slots__ = ("layer_idx", "length", "compressions", "state", "prompt_attention", "_slots", "_read")
 
     def __init__(self, layer_idx: int, length: int, compressions: int, state: TokenState | None,
-                 slots: SlotTable, read: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
+                 slots: SlotTable, read: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                 prompt_attention: torch.Tensor | None = None):
         self.layer_idx = layer_idx
         self.length = length
         self.compressions = compressions
         self.state = state
+        self.prompt_attention = prompt_attention
         self._slots = slots
         self._read = read
 

@@ -20,6 +20,8 @@ class Scissorhands(EvictionMethod):
         return ImportanceState.from_settings(config)
 
     def score(self, view: LayerView) -> torch.Tensor:
+        if view.prompt_attention is not None:  # a held prompt, judged by its last queries
+            return view.prompt_attention
         state = view.state
         assert isinstance(state, ImportanceState)
         scores = state.scores(view.length)  # (B, H_kv, L)

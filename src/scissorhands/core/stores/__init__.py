@@ -1,1 +1,59 @@
-"""Where a budgeted layer keeps K and V: the store interface, the dense and packed stores, the residual."""
+"""Where a budgeted layer keeps K and V: the store interface, the registry, and the shipped stores.
+
+A store is registered by name, as a method is; the settings choose it
+(``kv_store``; by default ``dense``, or ``packed`` when ``kv_bits`` is below
+16), and the full-precision residual wraps whichever store that is. To add a
+store, subclass :class:`~.base.KVStore`, set ``name``, override
+``from_settings`` if it reads settings, and decorate it with
+:func:`register_store`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import DenseKVStore, KVStore, gather_rows
+from .packed import PackedKVStore
+from .residual import ResidualStore
+
+STORES: dict[str, type[KVStore]] = {}
+
+
+def register_store(cls: type[KVStore]) -> type[KVStore]:
+    """Class decorator: make ``cls`` available as ``kv_store=cls.name``."""
+    if not (isinstance(cls, type) and issubclass(cls, KVStore)):
+        raise TypeError(f"register_store: {cls!r} is not a KVStore subclass")
+    if not cls.name or cls.name == KVStore.name:
+        raise ValueError(f"register_store: {cls.__name__} needs a name")
+    if cls.name in STORES and STORES[cls.name] is not cls:
+        raise ValueError(f"register_store: a store named {cls.name!r} is already registered")
+    STORES[cls.name] = cls
+    return cls
+
+
+def unregister_store(name: str) -> None:
+    """Remove a registered store (for tests and experiments)."""
+    STORES.pop(name, None)
+
+
+def store_name(settings) -> str:
+    """The store the settings ask for: ``kv_store``, else packed for ``kv_bits`` below 16, else dense."""
+    if settings.kv_store is not None:
+        return settings.kv_store
+    return "packed" if settings.quantized else "dense"
+
+
+def make_store(settings, key_center: torch.Tensor | None = None, residual: int = 0) -> KVStore:
+    """One layer's store for these settings, wrapped in a residual of ``residual`` tokens if that is > 0."""
+    name = store_name(settings)
+    if name not in STORES:
+        raise ValueError(f"kv_store: unknown store {name!r}; choose from {', '.join(STORES)}")
+    store = STORES[name].from_settings(settings, key_center)
+    return ResidualStore(store, residual) if residual else store
+
+
+register_store(DenseKVStore)
+register_store(PackedKVStore)
+
+__all__ = ["STORES", "DenseKVStore", "KVStore", "PackedKVStore", "ResidualStore", "gather_rows", "make_store",
+           "register_store", "store_name", "unregister_store"]

@@ -17,13 +17,22 @@ tensors. Its contract:
 * ``resize`` grows the slots (geometrically, up to the budget), or shrinks
   them back to the budget after a prompt-aware prefill held a whole prompt;
 * ``nbytes`` counts what is really allocated, scales and zero-points included;
-* a store with a full-precision residual (``residual`` > 0) also keeps each
-  row's newest tokens exact; ``read_exact_keys``/``read_exact_values`` read
-  them, and ``settle`` (called when a chunk's attention is done) drops the
-  exact copies no later query needs.
+* ``settle`` is called when a chunk's attention is done (a store may free
+  what only that chunk's queries needed; nothing by default).
+
+What a store can do beyond that is declared, never probed: ``read_tile``
+(reads cost a copy, so attention reads that many slots at a time) and
+``residual`` (newest tokens of each row a query reads exact; only the
+:class:`~.residual.ResidualStore` wrapper has any). The methods a store must
+have are abstract, so a store missing one fails when it is made, not at its
+first eviction. Stores are registered by name (:mod:`scissorhands.core.stores`)
+and built from the settings by ``from_settings``.
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
@@ -45,47 +54,54 @@ def gather_rows(t: torch.Tensor, order: torch.Tensor, rows: torch.Tensor | None,
     t[where] = t[where].gather(dim, idx)
 
 
-class KVStore:
+class KVStore(ABC):
     """Interface of a K/V store; see the module docstring for the contract."""
 
+    #: The registry key (``kv_store=NAME``).
+    name: ClassVar[str] = "base"
     #: Most slots attention reads back at once; None when a read costs nothing (dense views).
     read_tile: int | None = None
-    #: Newest tokens of each row a query reads exact (0: the store has no residual).
+    #: Newest tokens of each row a query reads exact (0: no residual; see :class:`~.residual.ResidualStore`).
     residual: int = 0
 
-    @property
-    def capacity(self) -> int:
-        raise NotImplementedError
+    @classmethod
+    def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> KVStore:
+        """The store for these :class:`~scissorhands.core.config.CacheSettings` (``key_center``: one layer's)."""
+        return cls()
 
+    @property
+    @abstractmethod
+    def capacity(self) -> int: ...
+
+    @abstractmethod
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Empty storage shaped after a chunk ``key``/``value`` (B, H_kv, T, D)."""
-        raise NotImplementedError
 
-    def reset(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def reset(self) -> None: ...
 
+    @abstractmethod
     def resize(self, capacity: int) -> None:
         """Set the number of slots per row to ``capacity``, keeping what the remaining slots hold."""
-        raise NotImplementedError
 
+    @abstractmethod
     def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write a block (B, H_kv, c, D) at slots ``[start, start + c)`` of every row."""
-        raise NotImplementedError
 
+    @abstractmethod
     def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write token ``i`` (key[i]: (H_kv, D)) at slot ``slots[i]`` of row ``rows[i]``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Permute the first ``L`` slots of each (row, head) by ``order`` (B, H_kv, L).
 
         With ``rows`` (a device index), only those rows, and ``order`` is (len(rows), H_kv, L).
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K and V of the first ``length`` slots, each (B, H_kv, length, D)."""
-        raise NotImplementedError
 
     def read_keys(self, start: int, end: int) -> torch.Tensor:
         """Dense keys of slots ``[start, end)``: (B, H_kv, end - start, D)."""
@@ -95,32 +111,24 @@ class KVStore:
         """Dense values of slots ``[start, end)``: (B, H_kv, end - start, D_v)."""
         return self.read(end)[1][:, :, start:]
 
-    def read_exact_keys(self, start: int, end: int, ends) -> torch.Tensor:
-        """Exact keys of slots ``[start, end)`` for a store with a residual; ``ends``: each row's stored length."""
-        raise NotImplementedError
-
-    def read_exact_values(self, start: int, end: int, ends) -> torch.Tensor:
-        """Exact values of slots ``[start, end)``, as :meth:`read_exact_keys`."""
-        raise NotImplementedError
-
-    def settle(self) -> None:
+    def settle(self) -> None:  # noqa: B027  (optional: most stores keep nothing per chunk)
         """A chunk's attention is done: free what only its queries needed (nothing, by default)."""
 
+    @abstractmethod
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (any order, repeats allowed)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def nbytes(self) -> int:
         """Bytes allocated now."""
-        raise NotImplementedError
 
+    @abstractmethod
     def bytes_per_token_head(self) -> int:
         """Bytes one stored token costs per KV head (K and V together)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one token per KV head would cost unpacked, in ``dtype`` (default: the compute dtype)."""
-        raise NotImplementedError
 
     # The parts of ``nbytes``: element data, per-group scales and zero-points, full-precision residual.
     def data_bytes(self) -> int:
@@ -135,6 +143,8 @@ class KVStore:
 
 class DenseKVStore(KVStore):
     """K and V in the model's dtype, each of shape (B, H_kv, capacity, D)."""
+
+    name = "dense"
 
     def __init__(self):
         self.reset()

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import DenseKVStore, KVStore, gather_rows
-from .residual import ExactTail
+from .base import KVStore, gather_rows
 
 BITS = (2, 4, 8)
 _MIN_SCALE = 2.0**-14  # the smallest normal float16: a constant group still gets a usable scale
@@ -216,35 +215,30 @@ class PackedKVStore(KVStore):
         the transient dense copy is one tile of K or V, never the whole layer.
     key_center : Tensor, optional
         (H_kv, D): each key channel's offset, taken off before quantising and
-        added back when reading (see :mod:`.calibrate`).
-    residual : int
-        Each query reads the newest ``residual`` tokens of its row (its own
-        included) exact, from a full-precision copy kept beside the packed
-        rows (:mod:`.residual`); 0 for none. Every token is still packed once,
-        when written; the copy costs ``residual`` tokens in the model's dtype
-        per row and KV head, counted in ``residual_bytes``.
+        added back when reading (see :mod:`scissorhands.core.centers`).
+
+    A full-precision residual of the newest tokens is a wrapper over this
+    store (:class:`~.residual.ResidualStore`), as over any other.
     """
 
+    name = "packed"
+
     def __init__(self, bits: int = 4, group_size: int = 32, key_bits: int | None = None, read_tile: int = 512,
-                 key_center: torch.Tensor | None = None, residual: int = 0):
+                 key_center: torch.Tensor | None = None):
         _check_bits(bits)
         if key_bits is not None and key_bits not in BITS:
             raise ValueError(f"kv_key_bits: must be one of {BITS} or None, got {key_bits!r}")
         if isinstance(read_tile, bool) or not isinstance(read_tile, int) or read_tile < 1:
             raise ValueError(f"kv_tile: must be an integer >= 1, got {read_tile!r}")
         self.bits, self.group_size, self.read_tile = bits, group_size, read_tile
-        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
-            raise ValueError(f"kv_residual: must be an integer >= 0, got {residual!r}")
         self.key_center = key_center
         self.key_bits = bits if key_bits is None else key_bits
-        self.residual = residual
         self.reset()
 
     def reset(self) -> None:
         self.k: PackedTensor | None = None
         self.v: PackedTensor | None = None
         self.paired = False
-        self.tail = ExactTail(self.residual) if self.residual else None
         self.dtype = torch.float32
 
     def _group(self, dim: int) -> int:
@@ -263,8 +257,6 @@ class PackedKVStore(KVStore):
         # K and V quantised alike (bits, group, width, no centre): one call on both halves the fixed cost of
         # writing a token, which a decode step pays in every layer.
         self.paired = self.k.pairs_with(self.v) and key.dtype == value.dtype
-        if self.tail is not None:
-            self.tail.allocate(key, value)
 
     def _parts(self) -> tuple[PackedTensor, PackedTensor]:
         if self.k is None or self.v is None:
@@ -291,22 +283,15 @@ class PackedKVStore(KVStore):
         k_parts, v_parts = self._quantized(key, value)
         for p, parts in zip(self._parts(), (k_parts, v_parts)):
             p.put(start, parts)
-        if self.tail is not None:
-            self.tail.append(key, value)
 
     def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         k_parts, v_parts = self._quantized(key, value)
         for p, parts in zip(self._parts(), (k_parts, v_parts)):
             p.put_at(rows, slots, parts)
-        if self.tail is not None:
-            self.tail.append_at(rows, key, value)
 
     def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         for p in self._parts():
             p.reorder(order, rows)
-        if self.tail is not None:
-            # The newest ``residual`` tokens are recent, hence kept, and stay the last slots: the tail holds.
-            self.tail.trim()
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._parts()
@@ -318,32 +303,12 @@ class PackedKVStore(KVStore):
     def read_values(self, start: int, end: int) -> torch.Tensor:
         return self._parts()[1].read(end, self.dtype, start)
 
-    def _tail(self) -> ExactTail:
-        if self.tail is None:
-            raise RuntimeError("PackedKVStore: no residual (kv_residual is 0)")
-        return self.tail
-
-    def read_exact_keys(self, start: int, end: int, ends) -> torch.Tensor:
-        return self._tail().read("keys", start, end, ends)
-
-    def read_exact_values(self, start: int, end: int, ends) -> torch.Tensor:
-        return self._tail().read("values", start, end, ends)
-
-    def settle(self) -> None:
-        if self.tail is not None:
-            self.tail.trim()
-
     def select_batch(self, index: torch.Tensor) -> None:
         for p in self._parts():
             p.select_batch(index)
-        if self.tail is not None:
-            self.tail.select_batch(index)
 
     def nbytes(self) -> int:
-        return self.data_bytes() + self.scale_bytes() + self.residual_bytes()
-
-    def residual_bytes(self) -> int:
-        return 0 if self.tail is None else self.tail.nbytes()
+        return self.data_bytes() + self.scale_bytes()
 
     def data_bytes(self) -> int:
         return 0 if self.k is None or self.v is None else self.k.data_bytes() + self.v.data_bytes()
@@ -360,10 +325,6 @@ class PackedKVStore(KVStore):
         itemsize = torch.empty(0, dtype=dtype or self.dtype).element_size()
         return (k.dim + v.dim) * itemsize
 
-
-def make_store(bits: int | None, group_size: int, key_bits: int | None = None, read_tile: int = 512,
-               key_center: torch.Tensor | None = None, residual: int = 0) -> KVStore:
-    """The store for ``kv_bits`` (and ``kv_key_bits``): dense in the model's dtype for None or 16, else packed."""
-    if bits is None or bits == 16:
-        return DenseKVStore()
-    return PackedKVStore(bits, group_size, key_bits, read_tile, key_center, residual)
+    @classmethod
+    def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> PackedKVStore:
+        return cls(settings.kv_bits, settings.kv_group_size, settings.kv_key_bits, settings.kv_tile, key_center)

@@ -1,7 +1,8 @@
-"""A full-precision copy of each row's newest tokens, beside packed K/V (KIVI's residual, under eviction).
+"""A full-precision copy of each row's newest tokens, beside a lossy store (KIVI's residual, under eviction).
 
-Every token is still quantised once, when it is written, into the packed
-store. The tail keeps, in addition, the exact K/V of each row's newest
+:class:`ResidualStore` wraps any store (the packed one by default). Every
+token is still written once into the wrapped store (quantised once, for a
+packed one). The tail keeps, in addition, the exact K/V of each row's newest
 tokens, so that a query reads its own last ``R`` positions exact and every
 older slot from its packed form. That is where 4-bit error hurts most: the
 newest tokens get much of each query's attention (docs/quantization.md).
@@ -27,6 +28,8 @@ tokens, since a row that gets none must keep its ``R``).
 from __future__ import annotations
 
 import torch
+
+from .base import KVStore
 
 
 class ExactTail:
@@ -120,3 +123,98 @@ class ExactTail:
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+
+class ResidualStore(KVStore):
+    """Any store, plus each row's newest ``size`` tokens exact: a query reads its last ``size`` tokens from here.
+
+    Everything else is the wrapped store's. The tail costs ``size`` tokens in
+    the model's dtype per row and KV head (``residual_bytes``). The layer
+    refuses a residual larger than its recent window, so an eviction never
+    touches the tail's tokens (see the module docstring).
+
+    Parameters
+    ----------
+    inner : KVStore
+        The store every token is written to.
+    size : int
+        Newest tokens of each row kept exact (>= 1).
+    """
+
+    def __init__(self, inner: KVStore, size: int):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"kv_residual: must be an integer >= 1 for a residual store, got {size!r}")
+        self.inner, self.residual = inner, size
+        self.name = f"{inner.name}+residual"  # type: ignore[misc]  # per instance: what it wraps
+        self.read_tile = inner.read_tile
+        self.tail = ExactTail(size)
+
+    @property
+    def capacity(self) -> int:
+        return self.inner.capacity
+
+    def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.inner.allocate(key, value)
+        self.tail.allocate(key, value)
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.tail = ExactTail(self.residual)
+
+    def resize(self, capacity: int) -> None:
+        self.inner.resize(capacity)
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.inner.write(start, key, value)
+        self.tail.append(key, value)
+
+    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.inner.write_at(rows, slots, key, value)
+        self.tail.append_at(rows, key, value)
+
+    def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        self.inner.reorder(order, rows)
+        # The newest ``residual`` tokens are recent, hence kept, and stay the last slots: the tail holds.
+        self.tail.trim()
+
+    def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.read(length)
+
+    def read_keys(self, start: int, end: int) -> torch.Tensor:
+        return self.inner.read_keys(start, end)
+
+    def read_values(self, start: int, end: int) -> torch.Tensor:
+        return self.inner.read_values(start, end)
+
+    def read_exact_keys(self, start: int, end: int, ends) -> torch.Tensor:
+        """Exact keys of slots ``[start, end)``; ``ends``: each row's stored length (see :meth:`ExactTail.read`)."""
+        return self.tail.read("keys", start, end, ends)
+
+    def read_exact_values(self, start: int, end: int, ends) -> torch.Tensor:
+        return self.tail.read("values", start, end, ends)
+
+    def settle(self) -> None:
+        self.inner.settle()
+        self.tail.trim()
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.inner.select_batch(index)
+        self.tail.select_batch(index)
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes() + self.tail.nbytes()
+
+    def data_bytes(self) -> int:
+        return self.inner.data_bytes()
+
+    def scale_bytes(self) -> int:
+        return self.inner.scale_bytes()
+
+    def residual_bytes(self) -> int:
+        return self.tail.nbytes()
+
+    def bytes_per_token_head(self) -> int:
+        return self.inner.bytes_per_token_head()
+
+    def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
+        return self.inner.dense_bytes_per_token_head(dtype)

@@ -1,6 +1,6 @@
 """Parity of the budgeted cache on an accelerator against the CPU, on tiny random models from configs.
 
-    python benchmarks/device_check.py --device cuda --out device_check.json
+    python experiments/device_check.py --device cuda --out device_check.json
 
 For each architecture and cache setting it runs the same work on the CPU and on ``--device``:
 

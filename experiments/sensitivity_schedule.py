@@ -5,7 +5,7 @@ of layers alone (every other layer keeps the whole sequence). A group's weight i
 ``floor + dNLL_group / mean(dNLL)``; every layer of the group gets it. The schedule is relative:
 ``scissorhands`` rescales a JSON schedule to the total of the budget it is used with.
 
-    python benchmarks/sensitivity_schedule.py docs/results/sweep2/layers.jsonl --floor 0.25 \
+    python experiments/sensitivity_schedule.py docs/results/sweep2/layers.jsonl --floor 0.25 \
         --out docs/results/sweep2/sensitivity_schedule.json
 """
 

@@ -3,7 +3,7 @@
 Both give the same log-probs (checked here too); the scorer computes each layer
 for all positions at once, with one block per compression event.
 
-    python benchmarks/scorer_speed.py --seq-len 2048 --budget 0.2 --out docs/bench_scorer.json
+    python experiments/scorer_speed.py --seq-len 2048 --budget 0.2 --out docs/bench_scorer.json
 """
 
 import argparse

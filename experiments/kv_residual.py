@@ -6,7 +6,7 @@ K/V before them, which a blocked forward cannot reproduce, so this script decode
 through a quantised full cache (no eviction) whose store mirrors every token both ways, and pairs each
 variant's mean NLL per window with the unquantised cache's on the same windows.
 
-    python benchmarks/kv_residual.py --windows 4 --seq-len 1024 --bits 4 --residuals 0,32,128 \
+    python experiments/kv_residual.py --windows 4 --seq-len 1024 --bits 4 --residuals 0,32,128 \
         --out docs/results/kvbits/residual.json
 """
 

@@ -4,19 +4,24 @@ Peers come from the ``scissorhands eval`` results of docs/results/ppl (every met
 of 2,048 tokens, bf16); the defaults from ``defaults_sweep.py`` on the same windows. Negative means the
 defaults lose less.
 
-    python benchmarks/paired_vs_peers.py docs/results/sweep2/final16.jsonl docs/results/ppl/results.jsonl \
+    python experiments/paired_vs_peers.py docs/results/sweep2/final16.jsonl docs/results/ppl/results.jsonl \
         docs/results/sweep/w400-exact/results.jsonl
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from scissorhands.tools.stats import paired_difference
 
 
 def main():
-    ours_path, *peer_paths = sys.argv[1:]
+    ap = argparse.ArgumentParser(description="Paired NLL differences between the shipped defaults and each peer "
+                                             "method, over the same text windows.")
+    ap.add_argument("ours", help="the defaults_sweep.py JSONL of the defaults")
+    ap.add_argument("peers", nargs="+", help="scissorhands eval results.jsonl files of the peers")
+    args = ap.parse_args()
+    ours_path, peer_paths = args.ours, args.peers
     ours = {r["budget"]: r["nll"] for r in map(json.loads, Path(ours_path).read_text().splitlines())}
     peers = {}
     for path in peer_paths:

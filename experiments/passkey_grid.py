@@ -4,7 +4,8 @@ Each (method, prefill, budget) cell scores the same prompts (a 5-digit key
 planted at several depths of Shakespeare filler, lengths 1k-4k tokens); one
 JSON line per cell, resumable.
 
-    python benchmarks/passkey_grid.py --cells benchmarks/passkey_cells.json --out docs/results/passkey/results.jsonl
+    python experiments/passkey_grid.py --cells experiments/configs/passkey_cells.json \
+        --out docs/results/passkey/results.jsonl
 """
 
 import argparse

@@ -5,9 +5,9 @@ environment; ours runs in the project's. The same script drives both and
 writes the same JSON records (``--engine``), which ``--merge`` joins:
 
     python -m venv kvpress-venv && kvpress-venv/bin/pip install kvpress==0.5.5 torch==2.13.0
-    kvpress-venv/bin/python benchmarks/kvpress_side_by_side.py --engine kvpress --out kvpress.json
-    python benchmarks/kvpress_side_by_side.py --engine scissorhands --out ours.json
-    python benchmarks/kvpress_side_by_side.py --merge kvpress.json ours.json --out docs/bench/kvpress_side_by_side.json
+    kvpress-venv/bin/python experiments/kvpress_side_by_side.py --engine kvpress --out kvpress.json
+    python experiments/kvpress_side_by_side.py --engine scissorhands --out ours.json
+    python experiments/kvpress_side_by_side.py --merge kvpress.json ours.json --out docs/bench/kvpress_side_by_side.json
 
 Both sides load SmolLM2-135M-Instruct from the safetensors folder the project
 converts the embedded GGUF into (``scissorhands.tools.models.load_model`` writes it

@@ -3,12 +3,12 @@
 Reports median decode tokens/s over repeats (prefill excluded) and the ratio to
 DynamicCache, for: no eviction (budget >= length), and eviction at a few budgets.
 
-    python benchmarks/decode_speed.py --prompt-tokens 1024 --new-tokens 128 --repeats 5 --out docs/bench_decode.json
+    python experiments/decode_speed.py --prompt-tokens 1024 --new-tokens 128 --repeats 5 --out docs/bench_decode.json
 
 ``--variants`` adds named settings on top of ``--settings`` (e.g. packed K/V
 against dense), each at every budget, interleaved in the same run:
 
-    python benchmarks/decode_speed.py --variants '{"dense": {}, "4-bit": {"kv_bits": 4}}'
+    python experiments/decode_speed.py --variants '{"dense": {}, "4-bit": {"kv_bits": 4}}'
 """
 
 import argparse

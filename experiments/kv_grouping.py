@@ -20,7 +20,7 @@ cache of a ``defaults_sweep.py`` run (its ``.full.json``, same windows).
   group once it is complete, and keeping the newest tokens exact) would not
   allow; it can only flatter the per-channel layout.
 
-    python benchmarks/kv_grouping.py --variants token:4:32,channel:4:32 \
+    python experiments/kv_grouping.py --variants token:4:32,channel:4:32 \
         --baseline docs/results/kvbits/grid.full.json --out docs/results/kvbits/grouping.jsonl
 """
 

@@ -1,6 +1,6 @@
 """Prefill time of one forward pass: SDPA (DynamicCache) against our streamed prefill with no eviction, per query tile.
 
-    python benchmarks/prefill_tiles.py --tokens 2048 --tiles 256,128,64 --rounds 3
+    python experiments/prefill_tiles.py --tokens 2048 --tiles 256,128,64 --rounds 3
 
 One thread; one warm-up round, then the variants interleaved; medians and the ratio to SDPA.
 """

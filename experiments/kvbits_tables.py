@@ -7,8 +7,8 @@ Compounding: each window's loss of the combination minus the sum of the two
 separate losses (eviction alone at that budget, quantisation alone without
 eviction), mean and 95% interval over windows.
 
-    python benchmarks/kvbits_tables.py docs/results/kvbits/grid.jsonl
-    python benchmarks/kvbits_tables.py --fewshot docs/results/kvbits/fewshot/results.jsonl
+    python experiments/kvbits_tables.py docs/results/kvbits/grid.jsonl
+    python experiments/kvbits_tables.py --fewshot docs/results/kvbits/fewshot/results.jsonl
 
 With ``--fewshot`` it reads ``scissorhands eval`` records instead: accuracy per
 cell (bits x budget; the ``full`` method is budget 1.0) and its change against
@@ -16,8 +16,8 @@ the bf16 full cache of the same file, paired over the same questions, per task
 and pooled over the tasks, with the K/V reduction measured by the eval.
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from scissorhands.tools.stats import mean_ci
@@ -111,8 +111,6 @@ def kv_reduction(r):
 
 
 def fewshot(path):
-    from scissorhands.tools.stats import mean_ci
-
     recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     tasks = list(dict.fromkeys(r["task"] for r in recs))
     cells = {}
@@ -151,8 +149,6 @@ def fewshot(path):
 
 def excess(cells, tasks, bits, budget):
     """Compounding, pooled over tasks: per question, combination - eviction alone - quantisation alone + full."""
-    from scissorhands.tools.stats import mean_ci
-
     if bits == "16 (bf16)" or budget == 1.0:
         return "—"
     d = []
@@ -168,7 +164,12 @@ def excess(cells, tasks, bits, budget):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--fewshot":
-        fewshot(sys.argv[2])
+    ap = argparse.ArgumentParser(description="Markdown tables for the eviction x quantisation grid.")
+    ap.add_argument("path", help="a defaults_sweep.py JSONL (its .full.json beside it), or with --fewshot "
+                                 "a scissorhands eval results.jsonl")
+    ap.add_argument("--fewshot", action="store_true", help="read scissorhands eval few-shot records")
+    args = ap.parse_args()
+    if args.fewshot:
+        fewshot(args.path)
     else:
-        main(sys.argv[1])
+        main(args.path)

@@ -5,7 +5,7 @@ setting, so differences are paired. Each setting is a JSON object of
 ``CacheSettings`` fields; results append to a JSONL file (one line per setting
 and budget) and a setting already there is not recomputed.
 
-    python benchmarks/defaults_sweep.py --settings benchmarks/sweep_stage1.json --budgets 0.2,0.1 \
+    python experiments/defaults_sweep.py --settings experiments/configs/sweep_stage1.json --budgets 0.2,0.1 \
         --seq-len 2048 --num-samples 8 --out docs/results/sweep2/stage1.jsonl
 """
 

@@ -10,7 +10,7 @@ in the greedy answer. Cells: the full cache, Scissorhands alone, and
 Scissorhands with the system prompt protected; the audit of the unprotected
 runs says when the code was evicted.
 
-    python benchmarks/protect_demo.py --trials 20 --out docs/results/protect/trials.jsonl
+    python experiments/protect_demo.py --trials 20 --out docs/results/protect/trials.jsonl
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Markdown tables from the JSONL files of ``defaults_sweep.py`` and ``passkey_grid.py``.
 
-    python benchmarks/sweep_tables.py sweep docs/results/sweep2/stage1.jsonl docs/results/sweep2/stage2.jsonl ...
-    python benchmarks/sweep_tables.py passkey docs/results/passkey/results.jsonl
-    python benchmarks/sweep_tables.py long docs/results/long/t4096.jsonl docs/results/long/t8192.jsonl
-    python benchmarks/sweep_tables.py protect docs/results/protect/trials.jsonl
+    python experiments/sweep_tables.py sweep docs/results/sweep2/stage1.jsonl docs/results/sweep2/stage2.jsonl ...
+    python experiments/sweep_tables.py passkey docs/results/passkey/results.jsonl
+    python experiments/sweep_tables.py long docs/results/long/t4096.jsonl docs/results/long/t8192.jsonl
+    python experiments/sweep_tables.py protect docs/results/protect/trials.jsonl
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
-
-
-def _short(settings: dict) -> str:
-    keys = ("importance", "recent", "drop", "window", "window_buckets", "sinks", "value_weighted", "merge")
-    return ", ".join(f"{k}={settings[k]}" for k in keys if k in settings)
 
 
 def sweep(paths):
@@ -92,5 +87,10 @@ def protect(path):
 
 
 if __name__ == "__main__":
-    kind, *files = sys.argv[1:]
-    {"sweep": sweep, "passkey": lambda f: passkey(f[0]), "long": long, "protect": lambda f: protect(f[0])}[kind](files)
+    tables = {"sweep": sweep, "passkey": lambda f: passkey(f[0]), "long": long, "protect": lambda f: protect(f[0])}
+    ap = argparse.ArgumentParser(description="Markdown tables from the JSONL files of defaults_sweep.py, "
+                                             "passkey_grid.py and protect_demo.py.")
+    ap.add_argument("kind", choices=list(tables), help="which table")
+    ap.add_argument("files", nargs="+", help="the JSONL files (passkey and protect read the first)")
+    args = ap.parse_args()
+    tables[args.kind](args.files)

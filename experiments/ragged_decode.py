@@ -1,6 +1,6 @@
 """Decode step time of a ragged batch (rows left-padded by different amounts) against an aligned one.
 
-    python benchmarks/ragged_decode.py --batch 8 --prompt 512 --pad-step 16 --budgets 256,1024 --steps 12 \
+    python experiments/ragged_decode.py --batch 8 --prompt 512 --pad-step 16 --budgets 256,1024 --steps 12 \
         --out docs/bench/ragged.json
 
 The aligned batch takes the fast path (one token per row, rows in step); the ragged batch takes the

@@ -1,0 +1,59 @@
+"""The queries of one block over each row's stored slots plus the block's own tokens, tile by tile.
+
+Shared by every prefill strategy (:mod:`.prefill`): it computes the block's
+attention output in place, lets the method's state observe each tile with each
+query's own step, and can add marked queries' probabilities to a snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kernel import attend_stored
+
+if TYPE_CHECKING:
+    from .budgeted import BudgetedKV
+
+
+def attend_block(kv: BudgetedKV, q, out, base, cum, valid, scaling, softcap, query_tile, snap=None) -> None:
+    """Queries of one block over each row's old slots plus the block's real tokens (causal).
+
+    q : (B, H_kv, g, c, D); out : (B, H_kv, g, c, D_v), written in place;
+    base : (B,) CPU stored lengths before the block; cum, valid : (B, c) CPU;
+    snap : optional ((B, c) bool, (B, H_kv, capacity) float): add the marked queries' probabilities to the tensor.
+    """
+    b, h, g, c, d = q.shape
+    track = kv.state.wants_attention
+    aligned = valid is None and kv.slots.aligned(base)
+    device = q.device
+    a = 0
+    while a < c:
+        e = min(c, a + query_tile)
+        n = e - a
+        limit = base[:, None] + cum[:, a:e]  # (B, n) slots each query sees
+        length = int(limit.max())
+        qt = q[:, :, :, a:e].reshape(b, h, g * n, d)  # (B, H_kv, g*n, D)
+        allowed = None
+        lo = int(limit.min())  # every query of the tile sees all slots before this one: only the rest is masked
+        if not (aligned and n == 1) and lo < length:
+            slot = torch.arange(lo, length, device=device)
+            allowed = (slot < limit.to(device)[:, :, None])[:, None, None]  # (B, 1, 1, n, L - lo)
+        bias = None if kv.merge is None else kv.merge.bias(length)[:, :, None, None, :]  # (B, H_kv, 1, 1, L)
+        weight = None if valid is None else valid[:, a:e].to(device=device, dtype=torch.float32)
+        # probs (B, H_kv, g, n, L); ctx (B, H_kv, g*n, D_v)
+        probs, ctx = attend_stored(qt, kv.store, length, scaling, softcap, allowed, shape=(b, h, g, n, length),
+                                   bias=bias, mask_from=lo,
+                                   query_weight=None if weight is None else weight[:, None, None, :, None],
+                                   limits=limit, ends=kv.slots.lengths)
+        out[:, :, :, a:e] = ctx.view(b, h, g, n, -1)
+        if snap is not None:
+            marked = snap[0][:, a:e].to(device=device, dtype=probs.dtype)[:, None, None, :, None]  # (B, 1, 1, n, 1)
+            snap[1][:, :, :length] += (probs * marked).sum(dim=(2, 3))
+        if track:
+            attended = limit.to(device=device, dtype=probs.dtype)[:, None, None, :, None]  # (B, 1, 1, n, 1)
+            steps = kv.slots.seen[:, None] - (cum[:, -1:] - cum[:, a:e]) - 1  # (B, n) CPU
+            qvalid = None if valid is None else valid[:, a:e]
+            kv.state.observe(probs, attended, int(steps[0, 0]) if aligned and n == 1 else steps, qvalid)
+        a = e

@@ -1,0 +1,222 @@
+"""How a setting is declared: once, with its default, its help, its parsing from text and its check.
+
+Every field of :class:`~scissorhands.core.config.CacheSettings` is made with
+:func:`setting`. What reads settings derives everything from those
+declarations: the dataclass validates each field with its ``check``, the CLI
+builds one flag per field (help, metavar and parsing included), the lm-eval
+backend and the vLLM adapter parse their ``key=value`` strings with ``parse``,
+and the README's settings table is :func:`settings_table` (a test compares them).
+
+A ``check`` takes ``(name, value)`` and returns the value (normalised, e.g. a
+list made a tuple) or raises ``ValueError("<name>: ...")``. A ``parse`` takes
+text and returns a value, or raises ``ValueError`` with the reason only.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+Check = Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field's declaration (kept in the dataclass field's ``metadata["setting"]``)."""
+
+    help: str
+    parse: Callable[[str], Any]
+    check: Check
+    group: str = "eviction"
+    metavar: str | None = None
+    switch: bool = False  # a boolean: ``--name`` / ``--no-name`` on the command line
+
+
+def setting(default, help: str, parse: Callable[[str], Any], check: Check, *, group: str = "eviction",
+            metavar: str | None = None, switch: bool = False) -> Any:
+    """A dataclass field declared with everything the entry points derive from it (``default=REQUIRED``: none)."""
+    meta = {"setting": Setting(help, parse, check, group, metavar, switch)}
+    return field(metadata=meta) if default is REQUIRED else field(default=default, metadata=meta)
+
+
+REQUIRED: Any = MISSING
+"""The default of a setting that must be given (the budget)."""
+
+
+def declared(cls) -> list[tuple[str, Any, Setting]]:
+    """``(name, default, declaration)`` of every declared field of a settings dataclass, in order.
+
+    A required field's default is :data:`REQUIRED`.
+    """
+    return [(f.name, f.default, f.metadata["setting"]) for f in fields(cls) if "setting" in f.metadata]
+
+
+def validate(obj) -> None:
+    """Run every field's own check on a (frozen) settings dataclass, storing normalised values."""
+    for name, _, decl in declared(type(obj)):
+        object.__setattr__(obj, name, decl.check(name, getattr(obj, name)))
+
+
+def from_strings(cls, given: dict[str, Any], what: str = "setting") -> dict[str, Any]:
+    """Parse ``key=value`` pairs (values as text or already typed) into field values of ``cls``.
+
+    Unknown keys and unparsable text are a ``ValueError`` naming the key.
+    """
+    decls = {name: decl for name, _, decl in declared(cls)}
+    out = {}
+    for key, value in given.items():
+        if key not in decls:
+            raise ValueError(f"{key}: unknown {what}; known: {', '.join(decls)}")
+        if isinstance(value, str):
+            try:
+                value = decls[key].parse(value)
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
+        out[key] = value
+    return out
+
+
+def settings_table(rows: Sequence[tuple[str, Any, Setting]]) -> str:
+    """Markdown table of declared fields: name, default, meaning (the README's table is this)."""
+    lines = ["| field | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{name}` | {show(default)} | {decl.help} |" for name, default, decl in rows]
+    return "\n".join(lines)
+
+
+def show(value) -> str:
+    """A default as the table prints it."""
+    if value is REQUIRED:
+        return "—"
+    return f'`"{value}"`' if isinstance(value, str) else f"`{value}`"
+
+
+# -- parsers: text -> value (the reason only in errors; callers name the setting) -----------------------------
+NONE_WORDS = ("none", "null", "inf", "all")
+
+
+def parse_int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"must be a whole number, got {text!r}") from None
+
+
+def parse_float(text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ValueError(f"must be a number, got {text!r}") from None
+
+
+def parse_optional_int(text: str) -> int | None:
+    return None if text.strip().lower() in NONE_WORDS else parse_int(text)
+
+
+def parse_count_or_fraction(text: str) -> int | float:
+    """``"10"`` is a token count, ``"0.25"`` a fraction."""
+    t = text.strip()
+    return parse_float(t) if any(c in t for c in ".eE") else parse_int(t)
+
+
+def parse_text(text: str) -> str:
+    return text.strip()
+
+
+def parse_optional_text(text: str) -> str | None:
+    return None if text.strip().lower() in ("none", "null", "") else text.strip()
+
+
+def parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("true", "1", "yes", "on"):
+        return True
+    if t in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"must be true or false, got {text!r}")
+
+
+def parse_schedule(text: str):
+    """A name, a comma list of per-layer budgets, or a JSON file."""
+    t = text.strip()
+    if "," in t or t.isdigit():
+        try:
+            return tuple(int(x) for x in t.split(","))
+        except ValueError:
+            raise ValueError(f"bad budget list {text!r}") from None
+    return t
+
+
+# -- checks: (name, value) -> value, or ValueError naming the setting ----------------------------------------
+def integer(low: int, *, allow_none: bool = False, choices: tuple[int, ...] | None = None) -> Check:
+    """An integer >= ``low``, optionally one of ``choices``; a float, even an integral one, is refused."""
+
+    def check(name, value):
+        if value is None and allow_none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name}: must be an integer{' or None' if allow_none else ''}, got {value!r}")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{name}: must be one of {choices}{' or None' if allow_none else ''}, got {value!r}")
+        if value < low:
+            raise ValueError(f"{name}: must be >= {low}, got {value}")
+        return int(value)
+
+    return check
+
+
+def fraction_or_count(low_count: int, fraction_closed_low: bool) -> Check:
+    """A fraction (a float in [0, 1) or (0, 1)) or a token count (an integer >= ``low_count``)."""
+
+    def check(name, value):
+        if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float)):
+            raise ValueError(f"{name}: must be a fraction or a token count, got {value!r}")
+        if isinstance(value, float):
+            ok = (0.0 <= value < 1.0) if fraction_closed_low else (0.0 < value < 1.0)
+            if not ok:
+                span = "[0, 1)" if fraction_closed_low else "(0, 1)"
+                raise ValueError(f"{name}: a fraction must be in {span}, got {value}")
+            return value
+        return integer(low_count)(name, value)
+
+    return check
+
+
+def real(low: float, high: float) -> Check:
+    """A finite number in [low, high)."""
+
+    def check(name, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{name}: must be a finite number, got {value!r}")
+        if not low <= value < high:
+            raise ValueError(f"{name}: must be in [{low}, {high}), got {value}")
+        return float(value)
+
+    return check
+
+
+def one_of(choices: tuple, allow_none: bool = False) -> Check:
+    def check(name, value):
+        if value is None and allow_none:
+            return None
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"{name}: must be one of {choices}{' or None' if allow_none else ''}, got {value!r}")
+        return value
+
+    return check
+
+
+def boolean(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be True or False, got {value!r}")
+    return value
+
+
+def optional_path(name, value):
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name}: must be a file path, got {value!r}")
+    return value

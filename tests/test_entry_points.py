@@ -1,0 +1,97 @@
+"""Every entry point builds the same cache from the same method and settings.
+
+A method's own settings (TOVA's window of 1 and no recent window, H2O's summed
+importance, ...) are applied by one resolver (``EvictionMethod.resolve``),
+whichever way the cache is made: ``ScissorhandsCache(model, config, method)``,
+the CLI's ``generate``, the exact scorer, ``eval``'s grid (its settings come from
+the same flags, its cells from the scorer) and the lm-eval backend. The flags
+below are chosen so that every method that fixes a setting overrides one of
+them: a path that ignored the method's settings would show here.
+"""
+
+import pytest
+import torch
+
+from conftest import ByteTokenizer, tiny_model
+from scissorhands import ScissorhandsCache, ScissorhandsConfig
+from scissorhands.core.methods import METHODS, get_method
+from scissorhands.hf.scoring import ScoreSetup
+from scissorhands.tools import cli
+from scissorhands.tools.lm_eval_backend import ScissorhandsLM
+
+BUDGET, LENGTH = 16, 40
+FLAGS = {"recent": 5, "window": 12, "window_buckets": 4, "importance": "count", "drop": 3, "sinks": 1}
+EVICTING = [name for name, cls in METHODS.items() if not cls.is_full]
+
+
+class _Tokenizer(ByteTokenizer):
+    """What the lm-eval backend reads of a tokenizer when it is built (no request is scored here)."""
+
+    bos_token_id = None
+    bos_token = None
+
+
+def _cli_flags() -> list[str]:
+    return [x for k, v in FLAGS.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def _layers(cache) -> list[tuple]:
+    """What each budgeted layer was built with: budget, recent window, drop, and its state's window."""
+    out = []
+    for layer in cache.budgeted_layers:
+        state = layer.state
+        out.append((layer.budget, layer.kv.recent, layer.kv.drop, type(state).__name__,
+                    getattr(state, "form", None), getattr(state, "steps", None)))
+    return out
+
+
+def _built(cache) -> tuple:
+    return cache.config, _layers(cache)
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_every_entry_point_builds_the_same_cache(name):
+    model = tiny_model("llama")
+    method = get_method(name)
+    python_api = ScissorhandsCache(model, ScissorhandsConfig(budget=BUDGET, **FLAGS), method())
+
+    args = cli.build_parser().parse_args(["generate", "--budget", str(BUDGET), "--method", name, "--prompt", "x",
+                                          *_cli_flags()])
+    from_cli = ScissorhandsCache(model, cli.generate_config(args), method())
+
+    settings = ScissorhandsConfig(budget=BUDGET, **FLAGS).settings
+    scorer = ScoreSetup(method, BUDGET, settings).make_cache(model, LENGTH)
+
+    eval_args = cli.build_parser().parse_args(["eval", "--methods", name, "--budgets", str(BUDGET), *_cli_flags()])
+    from_eval = ScoreSetup(method, BUDGET, cli.cache_settings(eval_args)).make_cache(model, LENGTH)
+
+    lm = ScissorhandsLM(model=(model, _Tokenizer()), method=name, budget=BUDGET, **FLAGS)
+    from_lm_eval = lm.setup_for(LENGTH).make_cache(model, LENGTH)
+
+    want = _built(python_api)
+    for label, cache in [("cli", from_cli), ("scorer", scorer), ("eval", from_eval), ("lm-eval", from_lm_eval)]:
+        assert _built(cache) == want, label
+    # The method's own settings won over the flags wherever it has any.
+    for key, value in method.settings.items():
+        assert getattr(python_api.config, key) == value
+
+
+def test_a_method_overriding_a_given_value_says_so(caplog):
+    model = tiny_model("llama")
+    with caplog.at_level("WARNING", logger="scissorhands.core.methods.base"):
+        cache = ScissorhandsCache(model, ScissorhandsConfig(budget=BUDGET, recent=8), get_method("tova")())
+    assert cache.config.recent == 0 and cache.config.window == 1 and cache.config.importance == "sum"
+    assert any("recent=0" in r.getMessage() and "recent=8" in r.getMessage() for r in caplog.records)
+
+
+def test_the_same_settings_give_the_same_numbers_through_the_python_api_and_the_scorer():
+    """Not only the same configuration: the same log-probabilities, for a method that overrides settings."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (LENGTH,), generator=torch.Generator().manual_seed(4))
+    settings = ScissorhandsConfig(budget=BUDGET, **FLAGS).settings
+    scorer = ScoreSetup(get_method("tova"), BUDGET, settings).make_cache(model, LENGTH)
+    direct = ScissorhandsCache(model, ScissorhandsConfig(budget=BUDGET, **FLAGS), get_method("tova")())
+    with torch.no_grad():
+        a = model(ids[None], cache=scorer).logits
+        b = model(ids[None], cache=direct).logits
+    assert torch.equal(a, b)
