@@ -242,7 +242,7 @@ def parse(*argv):
 @pytest.mark.parametrize("argv, name", [
     (["--seq-len", "3"], "seq-len"),
     (["--seq-len", "64,abc"], "seq-len"),
-    (["--windows", "0"], "windows"),
+    (["--num-samples", "0"], "num-samples"),
     (["--thresholds", "0"], "thresholds"),
     (["--topk", "150"], "topk"),
     (["--calib-topk", "7"], "calib-topk"),

@@ -156,8 +156,8 @@ def test_parse_size():
 
 
 @pytest.mark.parametrize("args,param", [
-    (["--contexts", "abc"], "contexts"),
-    (["--contexts", "0,128"], "contexts"),
+    (["--seq-len", "abc"], "seq-len"),
+    (["--seq-len", "0,128"], "seq-len"),
     (["--batches", ""], "batches"),
     (["--budgets", "1.5"], "budgets"),
     (["--budgets", "nan"], "budgets"),
@@ -169,7 +169,7 @@ def test_parse_size():
     (["--parts", "soak"], "soak-tokens"),
     (["--fit", "vibes"], "fit"),
     (["--threads", "-1"], "threads"),
-    (["--contexts", "64", "--budgets", "0.1"], "contexts"),
+    (["--seq-len", "64", "--budgets", "0.1"], "seq-len"),
     (["--recent", "-1"], "recent"),
     (["--model", "/no/such/model"], "model"),
 ])
@@ -183,8 +183,8 @@ def test_bench_rejects_bad_arguments_in_one_line(capsys, tmp_path, args, param):
 def test_bench_command_writes_json_tables_and_plots(capsys, tmp_path):
     folder = save_tiny_model(tmp_path / "tiny")
     out = tmp_path / "out"
-    code = main(["bench", "--model", str(folder), "--contexts", "64", "--batches", "1", "--budgets", "0.5",
-                 "--steps", "2", "--warmup", "1", "--prefill-contexts", "64", "--repeats", "1", "--memory", "1MiB",
+    code = main(["bench", "--model", str(folder), "--seq-len", "64", "--batches", "1", "--budgets", "0.5",
+                 "--steps", "2", "--warmup", "1", "--prefill-seq-len", "64", "--repeats", "1", "--memory", "1MiB",
                  "--fit", "cache", "--cap-prompt", "32", "--cap-new", "4", "--cap-limit", "4", "--soak-tokens", "40",
                  "--soak-budget", "16", "--soak-every", "8", "--soak-prompt", "8", "--recent", "4", "--out", str(out)])
     assert code == 0
@@ -193,3 +193,17 @@ def test_bench_command_writes_json_tables_and_plots(capsys, tmp_path):
     for name in ("tables.md", "throughput.png", "memory.png", "max_batch.png"):
         assert (out / name).stat().st_size > 0
     assert "vs reference" in capsys.readouterr().out
+
+
+def test_bench_takes_methods_as_eval_does(tmp_path):
+    """Several methods at each budget in one interleaved run, each with the method's own settings."""
+    folder = save_tiny_model(tmp_path / "tiny")
+    code = main(["bench", "--model", str(folder), "--seq-len", "64", "--batches", "1", "--budgets", "0.5",
+                 "--methods", "scissorhands,tova", "--steps", "2", "--warmup", "1", "--parts", "decode",
+                 "--out", str(tmp_path / "out")])
+    assert code == 0
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    names = [v["name"] for v in result["decode"][0]["variants"]]
+    assert names == ["full", "scissorhands 0.5", "tova 0.5", "full at 32"]
+    assert [r["method"] for r in result["decode"][0]["ratios"]] == ["scissorhands", "tova"]
+    assert all(v["bytes_match"] for v in result["decode"][0]["variants"])

@@ -71,3 +71,38 @@ def test_beam_search_reorders_the_cache():
         model.generate(ids, cache=small, **kw)
     assert torch.equal(full, ours)
     assert small.memory_report()["peak_stored"] <= 12
+
+
+@pytest.mark.parametrize("old, new, dest, value", [
+    (["eval", "--data"], "--text", "text", "t.txt"),
+    (["bench", "--contexts"], "--seq-len", "seq_len", "64"),
+    (["bench", "--prefill-contexts"], "--prefill-seq-len", "prefill_seq_len", "64"),
+    (["analyze", "--windows"], "--num-samples", "num_samples", "3"),
+    (["analyze", "--bound-windows"], "--bound-samples", "bound_samples", "3"),
+    (["analyze", "--ppl-windows"], "--ppl-samples", "ppl_samples", "3"),
+])
+def test_old_spellings_still_work_and_say_what_to_use(capsys, old, new, dest, value):
+    from scissorhands.tools.cli import build_parser
+
+    args = build_parser().parse_args([*old, value])
+    assert getattr(args, dest) == value
+    assert f"{old[1]} is deprecated; use {new}" in capsys.readouterr().err
+    assert old[1] not in build_parser().parse_args([old[0]]).__dict__  # hidden: not an option of its own
+    assert getattr(build_parser().parse_args([old[0], new, value]), dest) == value
+
+
+def test_budget_means_the_same_in_every_command():
+    """A token count (> 1) or a fraction (<= 1) of the sequence: generate, eval, bench and analyze alike."""
+    from scissorhands.tools.bench_cli import config_from_args
+    from scissorhands.tools.cli import build_parser, cache_settings, generate_config
+
+    gen = build_parser().parse_args(["generate", "--budget", "0.25", "--prompt", "x", "--recent", "2"])
+    assert generate_config(gen) is None  # a fraction waits for the prompt's length
+    assert generate_config(gen, 400).budget == 100
+    assert generate_config(build_parser().parse_args(["generate", "--budget", "100", "--prompt", "x"])).budget == 100
+    bench = build_parser().parse_args(["bench", "--budgets", "0.25,100", "--seq-len", "400"])
+    cfg, _ = config_from_args(bench, cache_settings(bench))
+    assert cfg.budgets == (0.25, 100.0)
+    from scissorhands.tools.bench import budget_tokens
+
+    assert [budget_tokens(f, 400) for f in cfg.budgets] == [100, 100]

@@ -114,7 +114,7 @@ def snapshot(*folders: Path) -> dict:
 
 G = ["generate", "--model", "{tiny}"]
 D = ["demo", "--model", "{tiny}"]
-E = ["eval", "--model", "{tiny}", "--out", "out", "--data", "prompt.txt"]
+E = ["eval", "--model", "{tiny}", "--out", "out", "--text", "prompt.txt"]
 A = ["analyze", "--model", "{tiny}", "--out", "aout", "--text", "prompt.txt"]
 P = ["--prompt", "hi"]
 
@@ -189,10 +189,10 @@ CASES = [
     ("eval-budgets-empty", [*E, "--budgets", ","], "budgets"),
     ("eval-budget-count-below-recent", [*E, "--budgets", "50", "--recent", "80"], "budgets"),
     ("eval-budgets-clamped-to-one-row", [*E, "--budgets", "0.2,0.5", "--recent", "80", "--seq-len", "96",
-                                         "--num-samples", "1", "--data", "big.txt"], "budgets"),
+                                         "--num-samples", "1", "--text", "big.txt"], "budgets"),
     ("eval-drop-above-budget", [*E, "--budgets", "0.5", "--drop", "100", "--seq-len", "96", "--num-samples", "1",
-                                "--data", "big.txt"], "drop"),
-    ("eval-seq-len-past-positions", [*E, "--seq-len", "5000", "--num-samples", "1", "--data", "big.txt"],
+                                "--text", "big.txt"], "drop"),
+    ("eval-seq-len-past-positions", [*E, "--seq-len", "5000", "--num-samples", "1", "--text", "big.txt"],
      "seq-len"),
     ("eval-methods-unknown", [*E, "--methods", "magic"], "methods"),
     ("eval-methods-empty", [*E, "--methods", ","], "methods"),
@@ -209,9 +209,9 @@ CASES = [
     ("eval-seq-len-1", [*E, "--seq-len", "1"], "seq-len"),
     ("eval-num-samples-0", [*E, "--num-samples", "0"], "num-samples"),
     ("eval-seed-negative", [*E, "--seed", "-1"], "seed"),
-    ("eval-data-missing", [*E, "--data", "/no/such/dir"], "data"),
-    ("eval-data-binary", [*E, "--data", "binary.bin"], "data"),
-    ("eval-data-empty", [*E, "--data", "empty.txt"], "data"),
+    ("eval-text-missing", [*E, "--text", "/no/such/dir"], "text"),
+    ("eval-text-binary", [*E, "--text", "binary.bin"], "text"),
+    ("eval-text-empty", [*E, "--text", "empty.txt"], "text"),
     ("eval-recent-negative", [*E, "--recent", "-1"], "recent"),
     ("eval-window-0", [*E, "--window", "0"], "window"),
     ("eval-schedule-random-bytes", [*E, "--schedule", "random.json"], "schedule"),
@@ -229,7 +229,7 @@ CASES = [
     ("analyze-ratios-2", [*A, "--ratios", "2"], "ratios"),
     ("analyze-calib-fraction-1", [*A, "--calib-fraction", "1"], "calib-fraction"),
     ("analyze-topk-0", [*A, "--topk", "0"], "topk"),
-    ("analyze-windows-0", [*A, "--windows", "0"], "windows"),
+    ("analyze-num-samples-0", [*A, "--num-samples", "0"], "num-samples"),
     ("analyze-seed-negative", [*A, "--seed", "-1"], "seed"),
     ("analyze-parts", [*A, "--parts", "everything"], "parts"),
     ("analyze-weight-floor-nan", [*A, "--weight-floor", "nan"], "weight-floor"),

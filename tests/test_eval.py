@@ -98,7 +98,7 @@ def test_real_task_data_is_read():
     (["--budgets", "0.2,x"], "budgets"),
     (["--budgets", "-1"], "budgets"),
     (["--methods", "magic"], "methods"),
-    (["--data", "/no/such/dir"], "data"),
+    (["--text", "/no/such/dir"], "text"),
     (["--recent", "-1"], "recent"),
     (["--limit", "0"], "limit"),
 ])

@@ -432,7 +432,7 @@ def test_cli_generate_and_eval_with_packed_kv(capsys, tmp_path):
     data = tmp_path / "text.txt"
     data.write_text("All the world's a stage, and all the men and women merely players. " * 30)
     code, _, err = _cli(capsys, "eval", "--model", tiny, "--methods", "full,scissorhands", "--budgets", "0.5",
-                        "--tasks", "ppl", "--data", str(data), "--seq-len", "64", "--num-samples", "2",
+                        "--tasks", "ppl", "--text", str(data), "--seq-len", "64", "--num-samples", "2",
                         "--kv-bits", "4", "--kv-group-size", "8", "--kv-residual", "0", "--out", str(tmp_path / "out"))
     assert code == 0, err
     records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
@@ -834,7 +834,7 @@ def test_eval_refuses_a_residual_that_does_not_fit_before_any_cell(capsys, tmp_p
     data = tmp_path / "text.txt"
     data.write_text("All the world's a stage, and all the men and women merely players. " * 30)
     code, _, err = _cli(capsys, "eval", "--model", tiny, "--methods", "full,scissorhands", "--budgets", "0.5",
-                        "--tasks", "ppl", "--data", str(data), "--seq-len", "64", "--num-samples", "2",
+                        "--tasks", "ppl", "--text", str(data), "--seq-len", "64", "--num-samples", "2",
                         "--recent", "0.1", "--kv-bits", "4", "--kv-residual", "8", "--out", str(tmp_path / "out"))
     assert code == 2 and err.strip().count("\n") == 0 and "kv_residual" in err
     assert not (tmp_path / "out" / "results.jsonl").exists()

@@ -126,7 +126,7 @@ def test_a_changed_data_file_is_not_reused(tmp_path, text_file):
 
 def test_cli_summary_holds_only_the_current_run(tmp_path, tiny_folder, text_file, capsys):
     out = tmp_path / "out"
-    common = ["eval", "--model", str(tiny_folder), "--data", str(text_file), "--methods", "full,scissorhands",
+    common = ["eval", "--model", str(tiny_folder), "--text", str(text_file), "--methods", "full,scissorhands",
               "--budgets", "0.5", "--num-samples", "1", "--out", str(out), "--recent", "4"]
     assert cli(capsys, *common, "--seq-len", "64")[0] == 0
     code, stdout, _ = cli(capsys, *common, "--seq-len", "96")
@@ -214,7 +214,7 @@ def test_read_only_output_folder(tmp_path, capsys, monkeypatch, command, text_fi
             monkeypatch.setattr(tempfile, "mkstemp", refuse)
         loads = []
         monkeypatch.setattr(models_module, "load_model", lambda *a, **k: loads.append(a))
-        extra = ["--data", str(text_file)] if command == "eval" else ["--text", str(text_file)]
+        extra = ["--text", str(text_file)]
         code, _, err = cli(capsys, command, "--model", "x", "--out", str(folder / "sub"), *extra)
     finally:
         folder.chmod(0o755)
@@ -233,7 +233,7 @@ def test_oserror_while_working_is_one_line_naming_the_option_and_path(tmp_path, 
 
     monkeypatch.setattr(models_module, "load_model", lambda *a, **k: (None, None))
     monkeypatch.setattr(eval_pkg, "run_grid", fail)
-    code, _, err = cli(capsys, "eval", "--data", str(text_file), "--out", str(out))
+    code, _, err = cli(capsys, "eval", "--text", str(text_file), "--out", str(out))
     assert code == 2
     assert one_line(err) == f"scissorhands: error: out: Permission denied: {str(out / RESULTS_FILE)!r}"
 
@@ -250,7 +250,7 @@ def test_ctrl_c_is_one_line_and_exit_code_130(capsys, monkeypatch):
 def test_ctrl_c_in_a_real_process(tmp_path, tiny_folder, text_file):
     env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "scissorhands.tools.cli", "-v", "eval", "--model", str(tiny_folder),
-                             "--data", str(text_file), "--seq-len", "32", "--num-samples", "64", "--out",
+                             "--text", str(text_file), "--seq-len", "32", "--num-samples", "64", "--out",
                              str(tmp_path / "out")], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=env)
     seen = []

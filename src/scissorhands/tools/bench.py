@@ -41,6 +41,7 @@ import torch
 from transformers import DynamicCache
 
 from scissorhands.core.config import PREFILL_MODES, CacheSettings
+from scissorhands.core.methods import get_method
 from scissorhands.core.stores.packed import packed_bytes_per_token_head
 from scissorhands.hf.cache import ScissorhandsCache
 from scissorhands.hf.modelinfo import FULL, model_facts, text_config
@@ -108,17 +109,25 @@ class BenchConfig:
     parts: tuple[str, ...] = ("decode", "prefill", "maxbatch", "soak")
     settings: CacheSettings = field(default_factory=CacheSettings)
     seed: int = 0
+    methods: tuple[str, ...] = ("scissorhands",)
 
     def __post_init__(self):
-        for name in ("contexts", "batches", "prefill_contexts"):
+        if not self.methods:
+            raise ValueError("methods: is empty")
+        for name in self.methods:
+            if get_method(name).is_full:
+                raise ValueError("methods: 'full' is always measured (the full cache and the reference point); "
+                                 "give evicting methods")
+        for name, option in (("contexts", "seq-len"), ("batches", "batches"), ("prefill_contexts", "prefill-seq-len")):
             values = getattr(self, name)
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 given = ",".join(str(v) for v in values) or "(empty)"
-                raise ValueError(f"{name.replace('_', '-')}: must be a comma list of whole numbers >= 1, got {given}")
-        if not self.budgets or any(not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 < f < 1
-                                   for f in self.budgets):
+                raise ValueError(f"{option}: must be a comma list of whole numbers >= 1, got {given}")
+        if not self.budgets or any(not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0
+                                   or (f >= 1 and f != int(f)) or f == 1 for f in self.budgets):
             given = ",".join(f"{f:g}" if isinstance(f, (int, float)) else repr(f) for f in self.budgets) or "(empty)"
-            raise ValueError(f"budgets: must be a comma list of fractions in (0, 1), got {given}")
+            raise ValueError(f"budgets: must be a comma list of fractions in (0, 1) of each context or token counts "
+                             f"(> 1), got {given}")
         for name, low in (("steps", 1), ("warmup", 0), ("prefill_chunk", 1), ("repeats", 1), ("cap_prompt", 1),
                           ("cap_new", 1), ("cap_limit", 1), ("soak_tokens", 0), ("soak_budget", 2),
                           ("soak_every", 1), ("soak_prompt", 1), ("seed", 0)):
@@ -138,9 +147,9 @@ class BenchConfig:
         lead = self.steps + self.warmup
         for t in self.contexts:
             for f in self.budgets:
-                if round(f * t) <= lead:
-                    raise ValueError(f"contexts: at context {t} the budget {f} is {round(f * t)} tokens, which must "
-                                     f"exceed the warm-up + timed steps ({lead}), the reference point's decoding")
+                if budget_tokens(f, t) <= lead:
+                    raise ValueError(f"seq-len: at context {t} the budget {f:g} is {budget_tokens(f, t)} tokens, which "
+                                     f"must exceed the warm-up + timed steps ({lead}), the reference point's decoding")
 
     def record(self) -> dict:
         """The config as JSON-ready fields."""
@@ -263,13 +272,14 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
     return {"kv_bytes": kv, "importance_bytes": importance}
 
 
-def _make_cache(model, budget: int | None, settings: CacheSettings, prefill: str | None = None):
+def _make_cache(model, budget: int | None, settings: CacheSettings, prefill: str | None = None,
+                method: str = "scissorhands"):
     if budget is None:
         return DynamicCache(config=model.config)
     config = settings.with_budget(budget)
     if prefill is not None:
         config = replace(config, prefill=prefill)
-    return ScissorhandsCache(model, config)
+    return ScissorhandsCache(model, config, get_method(method)())
 
 
 def _tokens(model, batch: int, length: int, seed: int) -> torch.Tensor:
@@ -302,12 +312,18 @@ def _prefill(model, ids: torch.Tensor, cache, chunk: int | None) -> torch.Tensor
 
 # -- decode ----------------------------------------------------------------------------------------------------
 
-def _variants(context: int, budgets) -> list[dict]:
+def budget_tokens(spec: float, context: int) -> int:
+    """A bench budget in tokens: a fraction (< 1) of the context, or a token count."""
+    return round(spec * context) if spec < 1 else int(spec)
+
+
+def _variants(context: int, budgets, methods=("scissorhands",)) -> list[dict]:
     out = [{"name": "full", "cache": "full", "context": context, "budget": None}]
     for f in budgets:
-        b = round(f * context)
-        out.append({"name": f"scissorhands {f:g}", "cache": "scissorhands", "context": context, "budget": b,
-                    "fraction": f})
+        b = budget_tokens(f, context)
+        for m in methods:
+            out.append({"name": f"{m} {f:g}", "cache": "scissorhands", "method": m, "context": context, "budget": b,
+                        "fraction": f})
         out.append({"name": f"full at {b}", "cache": "full", "context": b, "budget": None, "reference_for": f})
     return out
 
@@ -324,11 +340,11 @@ def decode_point(model, cfg: BenchConfig, context: int, batch: int) -> dict:
         cache's at context = budget) and ``vs_full`` (over the full cache's at T).
     """
     lead = cfg.steps + cfg.warmup
-    variants = _variants(context, cfg.budgets)
+    variants = _variants(context, cfg.budgets, cfg.methods)
     states = []
     for i, v in enumerate(variants):
         ids = _tokens(model, batch, v["context"] - lead, cfg.seed + i)
-        cache = _make_cache(model, v["budget"], cfg.settings)
+        cache = _make_cache(model, v["budget"], cfg.settings, method=v.get("method", "scissorhands"))
         start = time.perf_counter()
         with torch.no_grad():
             nxt = _prefill(model, ids, cache, cfg.prefill_chunk)
@@ -363,7 +379,8 @@ def reference_ratios(rows: list[dict]) -> list[dict]:
         if r["cache"] != "scissorhands":
             continue
         ref = next(x for x in rows if x.get("reference_for") == r["fraction"])
-        out.append({"fraction": r["fraction"], "budget": r["budget"], "tokens_per_s": r["tokens_per_s"],
+        out.append({"method": r.get("method", "scissorhands"), "fraction": r["fraction"], "budget": r["budget"],
+                    "tokens_per_s": r["tokens_per_s"],
                     "reference_tokens_per_s": ref["tokens_per_s"], "full_tokens_per_s": full["tokens_per_s"],
                     "vs_reference": r["tokens_per_s"] / ref["tokens_per_s"],
                     "vs_full": r["tokens_per_s"] / full["tokens_per_s"]})
@@ -380,13 +397,13 @@ def prefill_part(model, cfg: BenchConfig) -> list[dict]:
                                                                ("scissorhands, no eviction", context + 1, "stream")]
         for f in cfg.budgets:
             for prefill in PREFILL_MODES:
-                variants.append((f"scissorhands {f:g}, {prefill}", round(f * context), prefill))
+                variants.append((f"scissorhands {f:g}, {prefill}", budget_tokens(f, context), prefill))
         ids = _tokens(model, 1, context, cfg.seed)
         times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
         with torch.no_grad():
             for rep in range(cfg.repeats + 1):  # the first round is the warm-up
                 for name, budget, mode in variants:
-                    cache = _make_cache(model, budget, cfg.settings, mode)
+                    cache = _make_cache(model, budget, cfg.settings, mode, cfg.methods[0])
                     start = time.perf_counter()
                     _prefill(model, ids, cache, None)
                     if rep:
@@ -484,19 +501,19 @@ def maxbatch_part(model, cfg: BenchConfig, trial: Callable[..., dict] = generati
     """Largest batch that fits the cap, full cache and each budget (a fraction of prompt + new tokens)."""
     assert cfg.memory is not None
     total = cfg.cap_prompt + cfg.cap_new
-    variants: list[tuple[str, int | None]] = [("full", None)]
-    variants += [(f"scissorhands {f:g}", round(f * total)) for f in cfg.budgets]
+    variants: list[tuple[str, str, int | None]] = [("full", "full", None)]
+    variants += [(f"{m} {f:g}", m, budget_tokens(f, total)) for f in cfg.budgets for m in cfg.methods]
     out: list[dict] = []
     # One discarded run first: the process's first generation pays one-time allocations (thread pools,
     # allocator arenas) that would otherwise count against whichever variant runs first.
     trial(model, lambda: _make_cache(model, None, cfg.settings), 1, cfg.cap_prompt, cfg.cap_new, cfg.prefill_chunk,
           cfg.seed)
-    for name, budget in variants:
+    for name, method, budget in variants:
         runs: dict[int, dict] = {}
 
-        def fits(b: int, budget=budget, runs=runs) -> bool:
-            r = trial(model, lambda: _make_cache(model, budget, cfg.settings), b, cfg.cap_prompt, cfg.cap_new,
-                      cfg.prefill_chunk, cfg.seed)
+        def fits(b: int, budget=budget, runs=runs, method=method) -> bool:
+            r = trial(model, lambda: _make_cache(model, budget, cfg.settings, method=method), b, cfg.cap_prompt,
+                      cfg.cap_new, cfg.prefill_chunk, cfg.seed)
             used = r["rss_growth_bytes"] if cfg.fit == "rss" and r["rss_growth_bytes"] is not None else r["cache_bytes"]
             r["used_bytes"] = used
             runs[b] = r
@@ -523,7 +540,7 @@ def soak_part(model, cfg: BenchConfig) -> dict:
     ``flat`` is True when the cache's bytes at the end equal its bytes at the
     first record after the cache filled (seen > budget).
     """
-    cache = _make_cache(model, cfg.soak_budget, cfg.settings)
+    cache = _make_cache(model, cfg.soak_budget, cfg.settings, method=cfg.methods[0])
     ids = _tokens(model, 1, cfg.soak_prompt, cfg.seed)
     records: list[dict] = []
     with torch.no_grad():
@@ -575,13 +592,13 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] | None = 
     facts = model_facts(model)
     limit = facts.max_positions
     if isinstance(limit, int) and limit > 0:
-        lengths = [0]
-        lengths += list(cfg.contexts) if "decode" in cfg.parts else []
-        lengths += list(cfg.prefill_contexts) if "prefill" in cfg.parts else []
-        lengths += [cfg.cap_prompt + cfg.cap_new] if "maxbatch" in cfg.parts else []
-        longest = max(lengths)
+        lengths = [(0, "seq-len")]
+        lengths += [(t, "seq-len") for t in cfg.contexts] if "decode" in cfg.parts else []
+        lengths += [(t, "prefill-seq-len") for t in cfg.prefill_contexts] if "prefill" in cfg.parts else []
+        lengths += [(cfg.cap_prompt + cfg.cap_new, "cap-prompt")] if "maxbatch" in cfg.parts else []
+        longest, option = max(lengths)
         if longest > limit:
-            raise ValueError(f"contexts: {longest} tokens exceed the model's {limit} positions")
+            raise ValueError(f"{option}: {longest} tokens exceed the model's {limit} positions")
     result: dict = {"config": cfg.record(), "machine": machine(), "model": facts.model_type,
                     "dtype": str(next(model.parameters()).dtype), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     if "decode" in cfg.parts:
@@ -620,7 +637,8 @@ def tables(result: dict) -> str:
                   "full at context tok/s | vs full |", "|---|---|---|---|---|---|---|---|"]
         for point in result["decode"]:
             for r in point["ratios"]:
-                lines.append(f"| {point['context']} | {point['batch']} | {r['fraction']:g} ({r['budget']}) | "
+                label = "" if r.get("method", "scissorhands") == "scissorhands" else f"{r['method']} "
+                lines.append(f"| {point['context']} | {point['batch']} | {label}{r['fraction']:g} ({r['budget']}) | "
                              f"{r['tokens_per_s']:.1f} | {r['reference_tokens_per_s']:.1f} | {r['vs_reference']:.2f} | "
                              f"{r['full_tokens_per_s']:.1f} | {r['vs_full']:.2f} |")
         lines += ["", "| context | batch | variant | KV bytes (storage) | analytic | importance bytes | analytic | "

@@ -11,6 +11,8 @@ import json
 import math
 import sys
 
+from .cliargs import alias
+
 _OUTPUT_FILES = ("bench.json", "tables.md", "throughput.png", "memory.png", "max_batch.png")
 
 
@@ -22,13 +24,19 @@ def add_parser(subparsers, add_model_args, add_cache_args):
     add_model_args(p)
     add_cache_args(p, with_budget=False)
     g = p.add_argument_group("bench")
-    g.add_argument("--contexts", default="1024,2048,4096,8192", help="decode: comma list of context lengths T")
+    g.add_argument("--seq-len", default="1024,2048,4096,8192", help="decode: comma list of context lengths T")
+    alias(g, "--contexts", "--seq-len", "seq_len")
     g.add_argument("--batches", default="1,8", help="decode: comma list of batch sizes")
-    g.add_argument("--budgets", default="0.5,0.2,0.1", help="comma list of budgets, fractions of the context in (0, 1)")
+    g.add_argument("--methods", default="scissorhands",
+                   help="comma list of evicting methods to measure beside the full cache, as in eval (decode and "
+                   "max batch; prefill and soak use the first)")
+    g.add_argument("--budgets", default="0.5,0.2,0.1",
+                   help="comma list of budgets: fractions (< 1) of each context, or token counts (> 1), as in eval")
     g.add_argument("--steps", default="16", help="decode: timed steps per variant (median reported)")
     g.add_argument("--warmup", default="2", help="decode: untimed steps per variant first")
     g.add_argument("--prefill-chunk", default="512", help="prompt chunk when building the decode and max-batch caches")
-    g.add_argument("--prefill-contexts", default="2048,8192", help="prefill: comma list of prompt lengths")
+    g.add_argument("--prefill-seq-len", default="2048,8192", help="prefill: comma list of prompt lengths")
+    alias(g, "--prefill-contexts", "--prefill-seq-len", "prefill_seq_len")
     g.add_argument("--repeats", default="3", help="prefill: interleaved repeats (median reported)")
     g.add_argument("--memory", default=None, help="max batch: memory cap, e.g. 2GiB or 512MiB")
     g.add_argument("--fit", default="rss",
@@ -72,6 +80,17 @@ def _list(text: str, name: str, kind) -> tuple:
     return values
 
 
+def _methods(text: str) -> tuple[str, ...]:
+    from scissorhands.core.methods import get_method
+
+    names = tuple(x.strip() for x in str(text).split(",") if x.strip())
+    if len(set(names)) != len(names):
+        raise ValueError(f"methods: a method is listed twice in {text!r}")
+    for name in names:
+        get_method(name)  # one line naming methods for an unknown one
+    return names
+
+
 def config_from_args(args, settings):
     """A validated :class:`~.bench.BenchConfig` from the parsed options (``ValueError`` naming one)."""
     from .bench import BenchConfig, parse_size
@@ -88,13 +107,13 @@ def config_from_args(args, settings):
     if threads < 0:
         raise ValueError(f"threads: must be >= 0, got {threads}")
     return BenchConfig(
-        contexts=_list(args.contexts, "contexts", int),
+        contexts=_list(args.seq_len, "seq-len", int),
         batches=_list(args.batches, "batches", int),
         budgets=_list(args.budgets, "budgets", float),
         steps=_int(args.steps, "steps"),
         warmup=_int(args.warmup, "warmup"),
         prefill_chunk=_int(args.prefill_chunk, "prefill-chunk"),
-        prefill_contexts=_list(args.prefill_contexts, "prefill-contexts", int),
+        prefill_contexts=_list(args.prefill_seq_len, "prefill-seq-len", int),
         repeats=_int(args.repeats, "repeats"),
         memory=memory,
         fit=str(args.fit),
@@ -108,6 +127,7 @@ def config_from_args(args, settings):
         parts=tuple(parts),
         settings=settings,
         seed=_int(args.seed, "seed"),
+        methods=_methods(args.methods),
     ), threads
 
 

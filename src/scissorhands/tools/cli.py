@@ -12,9 +12,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from scissorhands import __version__
-from scissorhands.core.config import CacheSettings, ScissorhandsConfig, settings_rows
+from scissorhands.core.budget import check_budget_spec, resolve_budget
+from scissorhands.core.config import CacheSettings, ScissorhandsConfig
 from scissorhands.core.methods import METHODS, get_method
-from scissorhands.core.settings import declared, parse_int
+from scissorhands.core.settings import declared, parse_count_or_fraction
+
+from .cliargs import alias
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,9 +100,10 @@ def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = Non
     groups: dict[str, argparse._ArgumentGroup] = {}
     g = groups["eviction"] = p.add_argument_group("eviction")
     if with_budget:
-        g.add_argument("--budget", type=_arg_type(parse_int), default=budget_default,
+        g.add_argument("--budget", type=_arg_type(parse_count_or_fraction), default=budget_default,
                        required=budget_default is None, metavar="B",
-                       help=_plain(dict((n, d.help) for n, _, d in settings_rows())["budget"]))
+                       help="average tokens stored per full-attention layer (a hard peak per layer): a token count "
+                       "(> 1), or a fraction (<= 1) of the prompt plus --max-new-tokens, as in eval's --budgets")
         g.add_argument("--method", default="scissorhands", help=f"eviction method: {', '.join(METHODS)}")
     for name, default, decl in declared(CacheSettings):
         g = groups.get(decl.group) or groups.setdefault(decl.group, p.add_argument_group(decl.group))
@@ -150,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seq-len", type=int, default=2048, help="perplexity window length T")
     ev.add_argument("--num-samples", type=int, default=16,
                     help="perplexity: number of text samples of --seq-len tokens (not the history --window)")
-    ev.add_argument("--data", default=None, help="text file or folder for ppl/agreement (default: Shakespeare)")
+    ev.add_argument("--text", default=None, help="text file or folder for ppl/agreement (default: Shakespeare)")
+    alias(ev, "--data", "--text", "text")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", type=Path, default=Path("eval-out"))
     ev.add_argument("--no-resume", action="store_true", help="recompute results already in OUT/results.jsonl")
@@ -218,8 +223,17 @@ def _check_trust_args(args) -> None:
             raise ValueError(f"audit: {str(args.audit)!r} is a folder; give a file name")
 
 
-def _protection(args, model, tokenizer, prompt: str, config) -> tuple[str, list, dict]:
-    """The prompt to run (chat-templated with --system), the spans to pin, and the spans to audit."""
+def _chat(args, tokenizer, prompt: str) -> tuple[str, int | None]:
+    """The prompt to run (chat-templated with --system) and the system prompt's tokens (None without one)."""
+    if args.system is None:
+        return prompt, None
+    from .generation import chat_prompt
+
+    return chat_prompt(tokenizer, args.system, prompt)
+
+
+def _protection(args, model, tokenizer, prompt: str, n_system: int | None, config) -> tuple[list, dict]:
+    """The spans to pin and the spans to audit."""
     from scissorhands.core.protect import Protection, check_room
     from scissorhands.core.schedule import layer_budgets
     from scissorhands.hf.modelinfo import model_facts
@@ -227,10 +241,7 @@ def _protection(args, model, tokenizer, prompt: str, config) -> tuple[str, list,
     spans: list[tuple[int, int]] = []
     watched: dict[str, tuple[int, int]] = {}
     names = []
-    if args.system is not None:
-        from .generation import chat_prompt
-
-        prompt, n_system = chat_prompt(tokenizer, args.system, prompt)
+    if n_system is not None:
         watched["system"] = (0, n_system)
         if args.protect_system:
             spans.append((0, n_system))
@@ -245,7 +256,7 @@ def _protection(args, model, tokenizer, prompt: str, config) -> tuple[str, list,
         budgets = layer_budgets(config, len(model_facts(model).full_layers))
         check_room(Protection([spans]), [(b, config.recent_for(b), config.drop_for(b)) for b in budgets],
                    name="/".join(names))
-    return prompt, spans, watched
+    return spans, watched
 
 
 def _write_audit(args, audit, cache, watched: dict) -> None:
@@ -362,15 +373,25 @@ def _method(args):
         raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
 
 
-def generate_config(args) -> ScissorhandsConfig:
-    """The cache configuration ``generate`` and ``demo`` run with: the flags, then the method's own settings."""
+def generate_config(args, length: int | None = None) -> ScissorhandsConfig | None:
+    """The cache configuration ``generate`` and ``demo`` run with: the flags, then the method's own settings.
+
+    A fractional ``--budget`` is a fraction of ``length`` (prompt + new tokens); without ``length`` it is only
+    checked, and None comes back until the prompt is tokenized.
+    """
     method = _method(args)
     settings = cache_settings(args)
     if method.is_full and not settings.quantized:
         raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method, "
                          "or --kv-bits for a quantised full cache")
-    # The quantised full cache: packed K/V and a budget no sequence reaches, so nothing is evicted.
-    return method.configure(settings, _NO_BUDGET if method.is_full else args.budget)
+    if method.is_full:  # the quantised full cache: a budget no sequence reaches, so nothing is evicted
+        return method.configure(settings, _NO_BUDGET)
+    spec = check_budget_spec(args.budget, "budget")
+    if isinstance(spec, float):
+        if length is None:
+            return None
+        spec = resolve_budget(spec, length, method.resolve(settings).protected, "budget")
+    return method.configure(settings, spec)
 
 
 def _run_generate(args, prompt: str, label_budget: str) -> int:
@@ -379,12 +400,17 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
 
     method = _method(args)
     config = generate_config(args)
-    _check_schedule_file(config)
+    _check_schedule_file(config if config is not None else cache_settings(args))
     _check_generation_args(args)
     _check_trust_args(args)
     _check_model_args(args)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    prompt, spans, watched = _protection(args, model, tokenizer, prompt, config)
+    prompt, n_system = _chat(args, tokenizer, prompt)
+    if config is None:  # a fractional budget: of this prompt and the new tokens
+        config = generate_config(args, len(tokenizer(prompt)["input_ids"]) + args.max_new_tokens)
+        assert config is not None
+        label_budget = f"{args.budget:g} ({config.budget} tokens)"
+    spans, watched = _protection(args, model, tokenizer, prompt, n_system, config)
     audit = None
     if args.audit is not None:
         from scissorhands.core.audit import EvictionAudit
@@ -467,11 +493,11 @@ def _run_eval(args) -> int:
     _check_range("seed", args.seed, 0, _MAX_SEED)
     _check_model_args(args)
     names = _names(args.tasks, "tasks")
-    if args.data is not None:
-        if not Path(args.data).expanduser().exists():
-            raise ValueError(f"data: no such file or folder {args.data!r}")
-        load_texts(args.data, "data")  # binary or empty data is refused now, not after the model loads
-    tasks = [make_task(t, args.seq_len, args.num_samples, args.data) for t in names]
+    if args.text is not None:
+        if not Path(args.text).expanduser().exists():
+            raise ValueError(f"text: no such file or folder {args.text!r}")
+        load_texts(args.text, "text")  # binary or empty text is refused now, not after the model loads
+    tasks = [make_task(t, args.seq_len, args.num_samples, args.text) for t in names]
     for task in tasks:
         check = getattr(task, "check", None)
         if check is not None:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..cliargs import alias
 from .settings import PARTS, AnalysisSettings
 
 # What ``analyze`` writes into --out (checked before any work starts).
@@ -28,7 +29,9 @@ def add_parser(subparsers):
     p.add_argument("--seq-len", default="256,512,1024",
                    help="comma list of lengths T for persistence; the largest is used for the maps, "
                    "power law and bound")
-    p.add_argument("--windows", default="8", help="calibration windows for persistence and power law")
+    p.add_argument("--num-samples", default="8",
+                   help="text samples of --seq-len tokens for persistence and power law (not the history --window)")
+    alias(p, "--windows", "--num-samples", "num_samples")
     p.add_argument("--thresholds", default="1,2,5,10", help="form (a) thresholds as multiples of 1/t")
     p.add_argument("--topk", default="5,10,20,30", help="form (b) top sets, percent of the first half")
     p.add_argument("--calib-topk", default="10", help="form (b) top-set percent that drives calibration")
@@ -36,9 +39,11 @@ def add_parser(subparsers):
                    help="average budget of the calibrated schedule: fraction of --ppl-seq-len (<=1) or tokens")
     p.add_argument("--weight-floor", default="0.1", help="added to each layer's weight 1 - persistence")
     p.add_argument("--ratios", default="0.1,0.2,0.3,0.5,0.7,1.0", help="B/T values for the bound analysis")
-    p.add_argument("--bound-windows", default="2", help="evaluation windows for the bound analysis")
+    p.add_argument("--bound-samples", default="2", help="text samples for the bound analysis")
+    alias(p, "--bound-windows", "--bound-samples", "bound_samples")
     p.add_argument("--ppl-seq-len", default="2048", help="window length for the schedule perplexity comparison")
-    p.add_argument("--ppl-windows", default="16", help="windows for the schedule perplexity comparison")
+    p.add_argument("--ppl-samples", default="16", help="text samples for the schedule perplexity comparison")
+    alias(p, "--ppl-windows", "--ppl-samples", "ppl_samples")
     p.add_argument("--compressions", default="3,5", help="compression factors T/budget for the comparison")
     p.add_argument("--calib-fraction", default="0.5",
                    help="share of the corpus tokens (from the start) used for calibration; the rest evaluates")
@@ -82,16 +87,16 @@ def settings_from_args(args) -> AnalysisSettings:
     calib = next(k for k in topk if abs(calib - k) < 1e-12)
     return AnalysisSettings(
         seq_lens=_numbers(args.seq_len, "seq-len", int),
-        windows=_number(args.windows, "windows", int),
+        windows=_number(args.num_samples, "num-samples", int),
         thresholds=_numbers(args.thresholds, "thresholds"),
         topk=topk,
         calib_topk=calib,
         budget=_number(args.budget, "budget"),
         weight_floor=_number(args.weight_floor, "weight-floor"),
         ratios=_numbers(args.ratios, "ratios"),
-        bound_windows=_number(args.bound_windows, "bound-windows", int),
+        bound_windows=_number(args.bound_samples, "bound-samples", int),
         ppl_seq_len=_number(args.ppl_seq_len, "ppl-seq-len", int),
-        ppl_windows=_number(args.ppl_windows, "ppl-windows", int),
+        ppl_windows=_number(args.ppl_samples, "ppl-samples", int),
         compressions=_numbers(args.compressions, "compressions"),
         calib_fraction=_number(args.calib_fraction, "calib-fraction"),
         rank_lo=_number(args.rank_lo, "rank-lo", int),

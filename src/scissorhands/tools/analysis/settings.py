@@ -87,7 +87,7 @@ class AnalysisSettings:
                 raise ValueError(f"{name.replace('_', '-')}: is empty")
         for t in self.seq_lens:
             check_int("seq-len", t, 16)
-        check_int("windows", self.windows, 1)
+        check_int("num-samples", self.windows, 1)
         for m in self.thresholds:
             if not m > 0:
                 raise ValueError(f"thresholds: must be > 0, got {m:g}")
@@ -103,9 +103,9 @@ class AnalysisSettings:
         for r in self.ratios:
             if not 0.0 < r <= 1.0:
                 raise ValueError(f"ratios: must be in (0, 1], got {r:g}")
-        check_int("bound-windows", self.bound_windows, 1)
+        check_int("bound-samples", self.bound_windows, 1)
         check_int("ppl-seq-len", self.ppl_seq_len, 16)
-        check_int("ppl-windows", self.ppl_windows, 1)
+        check_int("ppl-samples", self.ppl_windows, 1)
         for c in self.compressions:
             if not c >= 1.0:
                 raise ValueError(f"compressions: must be >= 1, got {c:g}")
