@@ -144,6 +144,40 @@ def _pick_device(device) -> torch.device:
     return device
 
 
+def _build(model, tokenizer, dtype, device):
+    """Load (or accept) the model and tokenizer."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        raise ValueError("tokenizer: must be a tokenizer object (a model name or folder brings its own)")
+    if isinstance(model, (tuple, list)):
+        if len(model) != 2 or tokenizer is not None:
+            raise ValueError("model: a built model is given as (model, tokenizer), or model= plus tokenizer=")
+        model, tokenizer = model
+    if isinstance(model, (str, os.PathLike)):
+        dtype = resolve_dtype(dtype)
+        device = _pick_device(device)
+        loaded, loaded_tokenizer = load_model(model, dtype=dtype, device=device)
+        return loaded, tokenizer if tokenizer is not None else loaded_tokenizer
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model: expected a model name, a path or a built model, got {type(model).__name__}")
+    if tokenizer is None:
+        raise ValueError("tokenizer: is required with an already-built model")
+    check_supported(model)
+    model.eval()
+    return model, tokenizer
+
+
+def _prefix_token(tokenizer, given) -> int:
+    """The token that conditions an empty context: ``given``, else BOS, else EOS (as lm-eval's ``hf``)."""
+    token = given
+    if token is None:
+        token = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if token is None:
+        raise ValueError("prefix_token_id: the tokenizer has neither a BOS nor an EOS token; give one")
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        raise ValueError(f"prefix_token_id: must be a token id (an integer >= 0), got {token!r}")
+    return token
+
+
 class ScissorhandsLM(LM):
     """lm-eval model whose requests are scored under a budgeted (evicting) KV cache.
 
@@ -225,43 +259,12 @@ class ScissorhandsLM(LM):
         if batch_size not in (None, 1, "1"):
             logger.info("batch_size=%s: requests are scored one context at a time", batch_size)
 
-        self._model, self.tokenizer = self._build(model, tokenizer, dtype, device)
+        self._model, self.tokenizer = _build(model, tokenizer, dtype, device)
         self._max_length = max_length or _context_length(self._model, self.tokenizer)
-        if prefix_token_id is None:
-            prefix_token_id = self.tokenizer.bos_token_id
-            if prefix_token_id is None:
-                prefix_token_id = self.tokenizer.eos_token_id
-            if prefix_token_id is None:
-                raise ValueError("prefix_token_id: the tokenizer has neither a BOS nor an EOS token; give one")
-        if isinstance(prefix_token_id, bool) or not isinstance(prefix_token_id, int) or prefix_token_id < 0:
-            raise ValueError(f"prefix_token_id: must be a token id (an integer >= 0), got {prefix_token_id!r}")
-        self._prefix_token_id = prefix_token_id
+        self._prefix_token_id = prefix_token_id = _prefix_token(self.tokenizer, prefix_token_id)
         self.tokens = RequestTokens(self.tokenizer, self._max_length, prefix_token_id)
         logger.info("lm-eval backend: method=%s budget=%s max_length=%d prefix token %d",
                     self.method.name, self.budget_spec, self._max_length, self._prefix_token_id)
-
-    # -- construction ---------------------------------------------------------------------
-    @staticmethod
-    def _build(model, tokenizer, dtype, device):
-        """Load (or accept) the model and tokenizer."""
-        if isinstance(tokenizer, (str, os.PathLike)):
-            raise ValueError("tokenizer: must be a tokenizer object (a model name or folder brings its own)")
-        if isinstance(model, (tuple, list)):
-            if len(model) != 2 or tokenizer is not None:
-                raise ValueError("model: a built model is given as (model, tokenizer), or model= plus tokenizer=")
-            model, tokenizer = model
-        if isinstance(model, (str, os.PathLike)):
-            dtype = resolve_dtype(dtype)
-            device = _pick_device(device)
-            loaded, loaded_tokenizer = load_model(model, dtype=dtype, device=device)
-            return loaded, tokenizer if tokenizer is not None else loaded_tokenizer
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"model: expected a model name, a path or a built model, got {type(model).__name__}")
-        if tokenizer is None:
-            raise ValueError("tokenizer: is required with an already-built model")
-        check_supported(model)
-        model.eval()
-        return model, tokenizer
 
     # -- what lm-eval reads -----------------------------------------------------------------
     @property
@@ -294,18 +297,10 @@ class ScissorhandsLM(LM):
         return str(getattr(self.tokenizer, "name_or_path", "tokenizer")).replace("/", "__")
 
     def get_model_info(self) -> dict:
-        """Settings recorded in lm-eval's results under ``config``."""
-        return {
-            "scissorhands_method": self.method.name,
-            "scissorhands_budget": self.budget_spec,
-            "scissorhands_recent": self.base.recent,
-            "scissorhands_window": self.base.window,
-            "scissorhands_drop": self.base.drop,
-            "scissorhands_kv_bits": self.base.kv_bits,
-            "scissorhands_kv_residual": self.base.kv_residual,
-            "max_length": self._max_length,
-            "prefix_token_id": self._prefix_token_id,
-        }
+        """Settings recorded in lm-eval's results under ``config``: method, budget and every cache setting."""
+        settings = {f"scissorhands_{k}": v for k, v in self.base.as_dict().items()}
+        return {"scissorhands_method": self.method.name, "scissorhands_budget": self.budget_spec, **settings,
+                "max_length": self._max_length, "prefix_token_id": self._prefix_token_id}
 
     # -- budgets -----------------------------------------------------------------------------
     def setup_for(self, length: int) -> ScoreSetup:
@@ -338,23 +333,7 @@ class ScissorhandsLM(LM):
             Summed log-prob of the continuation tokens and whether each of them
             was the greedy (argmax) prediction.
         """
-        from tqdm.auto import tqdm
-
-        encoded = [self.split_request(*req.args) for req in requests]
-        # Requests with the same context tokens and the same resolved budget
-        # share one pass over the context (e.g. the choices of one question).
-        groups: dict[tuple, list[int]] = {}
-        for i, (ctx, cont) in enumerate(encoded):
-            setup = self.setup_for(len(ctx) + len(cont))
-            groups.setdefault((tuple(ctx), setup.budget), []).append(i)
-        results: list[tuple[float, bool] | None] = [None] * len(encoded)
-        for (ctx, budget), members in tqdm(groups.items(), desc="scissorhands loglikelihood", disable=disable_tqdm):
-            conts = [encoded[i][1] for i in members]
-            setup = ScoreSetup(self.method, budget, self.base, self.seed)
-            for i, score in zip(members, continuation_logprobs(self._model, list(ctx), conts, setup)):
-                results[i] = score
-                self.cache_hook.add_partial("loglikelihood", requests[i].args, score)
-        return [r for r in results if r is not None]
+        return _loglikelihood(self, requests, disable_tqdm)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-prob of whole texts: rolling windows, each through a fresh compressed cache.
@@ -409,38 +388,64 @@ class ScissorhandsLM(LM):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return out
 
-    @torch.no_grad()
     def generate_one(self, context: str, gen_kwargs: dict) -> str:
         """Greedy continuation of one prompt; see :meth:`generate_until`."""
-        stops = self.tokens.stop_strings(gen_kwargs.pop("until", None))
-        new_tokens = _check_positive_int("max_gen_toks", gen_kwargs.pop("max_gen_toks", self._max_gen_toks))
-        temperature = gen_kwargs.pop("temperature", 0.0)
-        if gen_kwargs.pop("do_sample", False) and temperature not in (0, 0.0, None):
-            raise ValueError("do_sample: only greedy decoding is supported by the scissorhands backend")
-        if gen_kwargs:
-            logger.debug("generate_until: ignoring %s", sorted(gen_kwargs))
-        prompt = self.encode(context) if context else [self._prefix_token_id]
-        room = max(self._max_length - new_tokens, 1)
-        prompt = prompt[-room:]
-        total = len(prompt) + new_tokens
-        cache = self.setup_for(total).make_cache(self._model, total)
-        device = self._model.device
-        step_input = torch.tensor([prompt], device=device)  # (1, T)
-        produced: list[int] = []
-        eos_id = self.tokenizer.eos_token_id
-        for _ in range(new_tokens):
-            logits = self._model(step_input, cache=cache, logits_to_keep=1).logits  # (1, 1, V)
-            token = int(logits[0, -1].argmax())
-            if token == eos_id:
-                break
-            produced.append(token)
-            if stops and any(s in self.tokenizer.decode(produced) for s in stops):
-                break
-            step_input = torch.tensor([[token]], device=device)  # (1, 1)
-        text = self.tokenizer.decode(produced, skip_special_tokens=True)
-        for stop in stops:
-            text = text.split(stop)[0]
-        return text
+        return _greedy(self, context, gen_kwargs)
+
+
+@torch.no_grad()
+def _greedy(lm: ScissorhandsLM, context: str, gen_kwargs: dict) -> str:
+    """Greedy continuation of one prompt through a fresh compressed cache, cut before the first stop string."""
+    stops = lm.tokens.stop_strings(gen_kwargs.pop("until", None))
+    new_tokens = _check_positive_int("max_gen_toks", gen_kwargs.pop("max_gen_toks", lm._max_gen_toks))
+    temperature = gen_kwargs.pop("temperature", 0.0)
+    if gen_kwargs.pop("do_sample", False) and temperature not in (0, 0.0, None):
+        raise ValueError("do_sample: only greedy decoding is supported by the scissorhands backend")
+    if gen_kwargs:
+        logger.debug("generate_until: ignoring %s", sorted(gen_kwargs))
+    prompt = lm.encode(context) if context else [lm._prefix_token_id]
+    room = max(lm._max_length - new_tokens, 1)
+    prompt = prompt[-room:]
+    total = len(prompt) + new_tokens
+    cache = lm.setup_for(total).make_cache(lm._model, total)
+    device = lm._model.device
+    step_input = torch.tensor([prompt], device=device)  # (1, T)
+    produced: list[int] = []
+    eos_id = lm.tokenizer.eos_token_id
+    for _ in range(new_tokens):
+        logits = lm._model(step_input, cache=cache, logits_to_keep=1).logits  # (1, 1, V)
+        token = int(logits[0, -1].argmax())
+        if token == eos_id:
+            break
+        produced.append(token)
+        if stops and any(s in lm.tokenizer.decode(produced) for s in stops):
+            break
+        step_input = torch.tensor([[token]], device=device)  # (1, 1)
+    text = lm.tokenizer.decode(produced, skip_special_tokens=True)
+    for stop in stops:
+        text = text.split(stop)[0]
+    return text
+
+
+def _loglikelihood(lm: ScissorhandsLM, requests, disable_tqdm: bool) -> list[tuple[float, bool]]:
+    """See :meth:`ScissorhandsLM.loglikelihood`."""
+    from tqdm.auto import tqdm
+
+    encoded = [lm.split_request(*req.args) for req in requests]
+    # Requests with the same context tokens and the same resolved budget
+    # share one pass over the context (e.g. the choices of one question).
+    groups: dict[tuple, list[int]] = {}
+    for i, (ctx, cont) in enumerate(encoded):
+        setup = lm.setup_for(len(ctx) + len(cont))
+        groups.setdefault((tuple(ctx), setup.budget), []).append(i)
+    results: list[tuple[float, bool] | None] = [None] * len(encoded)
+    for (ctx, budget), members in tqdm(groups.items(), desc="scissorhands loglikelihood", disable=disable_tqdm):
+        conts = [encoded[i][1] for i in members]
+        setup = ScoreSetup(lm.method, budget, lm.base, lm.seed)
+        for i, score in zip(members, continuation_logprobs(lm._model, list(ctx), conts, setup)):
+            results[i] = score
+            lm.cache_hook.add_partial("loglikelihood", requests[i].args, score)
+    return [r for r in results if r is not None]
 
 
 def main(argv: list[str] | None = None) -> None:
