@@ -247,6 +247,11 @@ class ImportanceState(TokenState):
     def select_batch(self, index: torch.Tensor) -> None:
         self.acc = self.acc.index_select(1, index)
 
+    def load_row(self, row: int, other: TokenState, other_row: int, length: int) -> None:
+        assert isinstance(other, ImportanceState) and other.acc.dtype == self.acc.dtype
+        self.acc[:, row] = 0
+        self.acc[:, row, :, :length] = other.acc[:, other_row, :, :length]
+
     def nbytes(self) -> int:
         return self.acc.numel() * self.acc.element_size()
 

@@ -122,6 +122,16 @@ class SlotTable:
         self.seen = self.seen.index_select(0, cpu)
         self.sync_uniform()
 
+    def load_row(self, b: int, positions: torch.Tensor, seen: int) -> None:
+        """Row ``b`` now holds the tokens at ``positions`` (H_kv, L), in stored order, after ``seen`` tokens."""
+        length = positions.shape[-1]
+        self.positions[b] = -1
+        self.positions[b, :, :length] = positions.to(self.positions)
+        self.lengths[b] = length
+        self.seen[b] = seen
+        self.peak = max(self.peak, length)
+        self.sync_uniform()
+
     def row(self, b: int) -> torch.Tensor:
         """Positions stored for row ``b``, shape (H_kv, lengths[b]), in stored order."""
         return self.positions[b, :, : int(self.lengths[b])]

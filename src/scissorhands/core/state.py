@@ -66,6 +66,15 @@ class TokenState:
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (any order, repeats allowed)."""
 
+    def load_row(self, row: int, other: TokenState, other_row: int, length: int) -> None:
+        """Row ``row`` now holds what row ``other_row`` of ``other`` (a state of the same kind) holds in its first
+        ``length`` slots, and nothing after them: a sequence that started elsewhere joins this batch.
+
+        An engine that batches many sequences in one layer state (the vLLM adapter) needs it; a state that
+        cannot say how is refused there.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.load_row")
+
     def reset(self) -> None:
         """Forget everything (a new sequence starts)."""
 

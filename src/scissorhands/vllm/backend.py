@@ -1,0 +1,96 @@
+"""vLLM's CPU attention, with each budgeted layer presented as a sliding window and its slots chosen by the core.
+
+Registered over ``CPU_ATTN`` by the plugin (:mod:`.plugin`). With the plugin
+off (no ``scissorhands`` settings), every method here is the parent's, so
+vLLM behaves exactly as without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+from . import worker
+from .paged import PagedLayer
+from .settings import PluginSettings, from_vllm
+
+logger = logging.getLogger(__name__)
+
+#: This engine's settings, read when its attention layers are built (the spec hook that follows has no config).
+ACTIVE: dict[str, PluginSettings | None] = {}
+#: The kernels whose cache holds K transposed within a block (the layout :mod:`.paged` reads).
+_LAYOUTS = ("vec", "vec16")
+
+
+def _settings() -> PluginSettings | None:
+    ACTIVE["settings"] = from_vllm(get_current_vllm_config().additional_config)
+    return ACTIVE["settings"]
+
+
+class ScissorhandsImpl(CPUAttentionBackendImpl):
+    """The CPU kernel, then the core's bookkeeping for the step (prompts' outputs are the core's exact ones)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.settings = _settings()
+        self.rows = get_current_vllm_config().scheduler_config.max_num_seqs
+        self.paged: PagedLayer | None = None
+        if self.settings is not None and self.sliding_window in (-1, None):
+            self.sliding_window = self.settings.budget  # the window the kernel attends: the stored slots
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                              output_block_scale)
+        if self.settings is None or attn_metadata is None or self.sliding_window != self.settings.budget:
+            return out
+        request_ids = worker.request_ids()
+        if request_ids is None:
+            return out  # a warm-up or profiling run: no requests
+        if getattr(layer, "isa", "vec") not in _LAYOUTS:
+            raise RuntimeError(f"scissorhands: the CPU attention kernel {layer.isa!r} packs K/V in tiles the "
+                               f"plugin cannot read; run in float32 (kernels {', '.join(_LAYOUTS)})")
+        if self.paged is None:
+            match = re.search(r"layers\.(\d+)\.", getattr(layer, "layer_name", ""))
+            self.paged = PagedLayer(self.settings, int(match.group(1)) if match else 0, self.num_heads,
+                                    self.num_kv_heads, self.head_size, self.scale, self.logits_soft_cap or None,
+                                    self.rows)
+            worker.LAYERS.append(self.paged)
+        n = attn_metadata.num_actual_tokens
+        md = attn_metadata
+        self.paged.step(request_ids[: md.seq_lens.shape[0]], query[:n].view(n, self.num_heads, -1),
+                        key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1), kv_cache,
+                        md.query_start_loc, md.seq_lens, md.block_table, md.slot_mapping,
+                        out[:n].view(n, self.num_heads, -1))
+        return out
+
+
+class ScissorhandsBackend(CPUAttentionBackend):
+    """``CPU_ATTN``, whose full-attention layers become windows of the budget when the plugin is on."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls():
+        return ScissorhandsImpl
+
+    @classmethod
+    def customize_spec(cls, spec):
+        spec = super().customize_spec(spec)
+        settings = ACTIVE.get("settings")
+        if settings is None or type(spec) is not FullAttentionSpec:
+            return spec
+        # vLLM's block manager frees what falls behind the window: the blocks of evicted tokens go back.
+        return SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                 head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
+                                 kv_quant_mode=spec.kv_quant_mode, sliding_window=settings.budget)
+
+
+__all__ = ["ScissorhandsBackend", "ScissorhandsImpl", "torch"]

@@ -1,0 +1,59 @@
+"""The ``vllm.general_plugins`` entry point: registers the attention backend and prepares the engine config.
+
+vLLM calls :func:`register` in each of its processes. It registers
+:class:`~.backend.ScissorhandsBackend` over ``CPU_ATTN`` (a subclass that is
+exactly the parent while the plugin is off) and extends the CPU platform's
+config step so that, when the ``scissorhands`` settings are present, they are
+checked at start-up (a one-line error naming the bad one), the plugin's worker
+is used, and prefix caching and chunked prefill are turned off (a prompt must
+be held whole and attended once; a shared prefix block cannot be evicted for
+one request alone), saying so in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+_DONE: dict[str, bool] = {}
+
+
+def register() -> None:
+    """Called by vLLM (entry point ``scissorhands``) in the front end, the engine core and each worker."""
+    if _DONE.get("registered"):
+        return
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, "scissorhands.vllm.backend.ScissorhandsBackend")
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original(cls, vllm_config)
+        prepare_config(vllm_config)
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    _DONE["registered"] = True
+
+
+def prepare_config(vllm_config) -> None:
+    """With the plugin on: check its settings now, use its worker, hold prompts whole."""
+    from .settings import from_vllm
+
+    settings = from_vllm(vllm_config.additional_config)  # a bad setting: ValueError("<setting>: ...")
+    if settings is None:
+        return
+    parallel = vllm_config.parallel_config
+    if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
+        raise ValueError(f"worker_cls: the scissorhands plugin brings its own worker, got {parallel.worker_cls!r}")
+    parallel.worker_cls = "scissorhands.vllm.worker.ScissorhandsWorker"
+    cache, scheduler, model = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.model_config
+    if cache.enable_prefix_caching or scheduler.enable_chunked_prefill:
+        logger.info("scissorhands: prefix caching and chunked prefill are off (each prompt is held whole, "
+                    "attended once and evicted to the budget)")
+    cache.enable_prefix_caching = False
+    scheduler.enable_chunked_prefill = False
+    if model is not None:
+        scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, model.max_model_len)
+    logger.info("scissorhands: method %s, budget %d tokens per layer and KV head", settings.method.name,
+                settings.budget)

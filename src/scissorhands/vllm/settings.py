@@ -1,0 +1,124 @@
+"""The plugin's settings: where they come from, what the vLLM adapter supports, and the one config they build.
+
+They are read from vLLM's ``additional_config`` under the key ``"scissorhands"``
+(``--additional-config '{"scissorhands": {"budget": 256}}'`` or
+``LLM(additional_config=...)``), or from the environment variable
+``SCISSORHANDS_VLLM`` holding the same JSON object. Without either, the plugin
+is installed but off, and vLLM runs exactly as without it.
+
+The keys are ``method``, ``budget`` (tokens per layer and KV head),
+``protect_prefix`` (the first N tokens of every prompt are never evicted) and
+every field of :class:`~scissorhands.core.config.CacheSettings`, parsed and
+checked by its declaration, as the CLI and the lm-eval backend do. The same
+method and settings give the same configuration here as through
+``ScissorhandsCache(model, config, method)`` (a test holds the two equal).
+
+What the adapter fixes, and why (each given otherwise is a one-line error):
+
+* ``drop`` is 1: the layer is presented to vLLM as a sliding window of
+  ``budget`` slots, which frees each block as soon as it is behind the window;
+  a slot inside the window is always attended, so the layer must hold exactly
+  ``budget`` tokens once full, and it evicts one token per new token;
+* ``prefill`` is ``"prompt-aware"``: vLLM holds the whole prompt's blocks while
+  it is prefilled whatever the mode, so streaming it would cost one eviction
+  per prompt token and buy no memory; the held prompt is attended exactly and
+  evicted to the budget once, by its last queries;
+* one budget for every layer (``schedule="uniform"``): vLLM's window is one
+  number;
+* K/V stay in vLLM's blocks in the model's dtype: no ``kv_bits``,
+  ``kv_residual``, ``kv_store`` or ``merge``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+
+from scissorhands.core.config import CacheSettings, ScissorhandsConfig
+from scissorhands.core.methods import EvictionMethod, get_method
+from scissorhands.core.protect import Protection, check_room
+from scissorhands.core.settings import from_strings
+
+KEY = "scissorhands"
+ENV = "SCISSORHANDS_VLLM"
+#: What the adapter needs, whatever the library defaults are (see the module docstring).
+FIXED = {"drop": 1, "prefill": "prompt-aware"}
+_UNSUPPORTED = {"kv_bits": None, "kv_key_bits": None, "kv_residual": None, "kv_key_centers": None,
+                "kv_store": None, "merge": False, "schedule": "uniform"}
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """What the plugin runs with: the method, the resolved cache configuration, and the protected prefix."""
+
+    method: type[EvictionMethod]
+    config: ScissorhandsConfig
+    protect_prefix: int = 0
+
+    @property
+    def budget(self) -> int:
+        return self.config.budget
+
+    def protection(self) -> Protection | None:
+        return Protection.prefix(self.protect_prefix) if self.protect_prefix else None
+
+
+def parse(given: dict) -> PluginSettings:
+    """Settings from the ``scissorhands`` object; a one-line ``ValueError`` naming the bad key."""
+    if not isinstance(given, dict):
+        raise ValueError(f"{KEY}: the plugin settings must be a JSON object, got {type(given).__name__}")
+    values = dict(given)
+    name = values.pop("method", "scissorhands")
+    if not isinstance(name, str):
+        raise ValueError(f"method: must be a method name, got {name!r}")
+    method = get_method(name)
+    if method.is_full:
+        raise ValueError("method: 'full' evicts nothing; leave the scissorhands settings out to run vLLM as it is")
+    if "budget" not in values:
+        raise ValueError("budget: is required (tokens each layer keeps per sequence and KV head)")
+    budget = values.pop("budget")
+    if isinstance(budget, str):
+        budget = budget.strip()
+        budget = int(budget) if budget.isdigit() else budget
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 2:
+        raise ValueError(f"budget: must be a token count >= 2, got {budget!r}")
+    prefix = values.pop("protect_prefix", 0)
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+        raise ValueError(f"protect_prefix: must be a token count >= 0, got {prefix!r}")
+    fields = from_strings(CacheSettings, values, "scissorhands setting")
+    for key, value in FIXED.items():
+        if key in fields and fields[key] != value:
+            raise ValueError(f"{key}: the vLLM adapter runs with {key}={value!r} (see scissorhands.vllm.settings), "
+                             f"got {fields[key]!r}")
+    for key, value in _UNSUPPORTED.items():
+        if key in fields and fields[key] != value:
+            raise ValueError(f"{key}: not supported by the vLLM adapter (K/V stay in vLLM's blocks, one budget for "
+                             f"every layer), got {fields[key]!r}")
+    settings = CacheSettings(**{**fields, **FIXED})
+    config = method.resolve(settings.with_budget(budget))
+    for key, value in FIXED.items():
+        if getattr(config, key) != value:
+            raise ValueError(f"method: {name!r} needs {key}={getattr(config, key)!r}; the vLLM adapter runs with "
+                             f"{key}={value!r}")
+    protection = Protection.prefix(prefix) if prefix else None
+    check_room(protection, [(budget, config.recent_for(budget), config.drop_for(budget))], name="protect_prefix")
+    return PluginSettings(method, config, prefix)
+
+
+def from_vllm(additional_config) -> PluginSettings | None:
+    """This engine's settings, or None when the plugin is off (no ``scissorhands`` key, no ``SCISSORHANDS_VLLM``)."""
+    given = None
+    if isinstance(additional_config, dict) and KEY in additional_config:
+        given = additional_config[KEY]
+    elif os.environ.get(ENV, "").strip():
+        try:
+            given = json.loads(os.environ[ENV])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{ENV}: not a JSON object ({e.msg})") from None
+    return None if given is None else parse(given)
+
+
+def with_budget(settings: PluginSettings, budget: int) -> PluginSettings:
+    """The same settings at another budget (benchmarks)."""
+    return replace(settings, config=settings.config.with_budget(budget))
