@@ -130,3 +130,4 @@ def run_in_process(capsys, *args):
     """(exit code, stderr) of :func:`run_cli`."""
     code, _, err = run_cli(capsys, *args)
     return code, err
+collect_ignore = ["on_vllm"]  # run by tests/on_vllm/run, in vLLM's own environment

@@ -70,10 +70,9 @@ class TokenState:
         """Row ``row`` now holds what row ``other_row`` of ``other`` (a state of the same kind) holds in its first
         ``length`` slots, and nothing after them: a sequence that started elsewhere joins this batch.
 
-        An engine that batches many sequences in one layer state (the vLLM adapter) needs it; a state that
-        cannot say how is refused there.
+        An engine that batches many sequences in one layer state (the vLLM adapter) needs it. Like every hook
+        here it does nothing by default, which is right for a state that keeps nothing per slot.
         """
-        raise NotImplementedError(f"{type(self).__name__}.load_row")
 
     def reset(self) -> None:
         """Forget everything (a new sequence starts)."""

@@ -155,6 +155,7 @@ class PagedLayer:
         self.store: PagedSlots = self.kv.store  # type: ignore[assignment]
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(rows - 1, -1, -1))
+        self.restarts = 0  # sequences begun again (a preempted request is recomputed from its first token)
 
     def _budgeted(self, store: KVStore, prefill=None) -> BudgetedKV:
         c = self.settings.config
@@ -172,7 +173,9 @@ class PagedLayer:
 
     def _new_row(self, rid: str) -> int:
         row = self.row_of.get(rid)  # a preempted request starts again from its first token
-        if row is None:
+        if row is not None:
+            self.restarts += 1
+        else:
             if not self.free_rows:
                 raise RuntimeError("scissorhands: more running sequences than rows (max_num_seqs)")
             row = self.row_of[rid] = self.free_rows.pop()

@@ -22,17 +22,27 @@ def register() -> None:
     """Called by vLLM (entry point ``scissorhands``) in the front end, the engine core and each worker."""
     if _DONE.get("registered"):
         return
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from .settings import from_vllm
+
     register_backend(AttentionBackendEnum.CPU_ATTN, "scissorhands.vllm.backend.ScissorhandsBackend")
     original = CpuPlatform.check_and_update_config.__func__
+    create = EngineArgs.create_engine_config
 
     def check_and_update_config(cls, vllm_config) -> None:
         original(cls, vllm_config)
         prepare_config(vllm_config)
 
+    def create_engine_config(self, *args, **kwargs):
+        # Checked before vLLM builds its config, which would wrap the error in a many-line validation report.
+        from_vllm(self.additional_config)
+        return create(self, *args, **kwargs)
+
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    EngineArgs.create_engine_config = create_engine_config
     _DONE["registered"] = True
 
 

@@ -72,7 +72,10 @@ def parse(given: dict) -> PluginSettings:
     name = values.pop("method", "scissorhands")
     if not isinstance(name, str):
         raise ValueError(f"method: must be a method name, got {name!r}")
-    method = get_method(name)
+    try:
+        method = get_method(name)
+    except ValueError as e:  # the registry names eval's 'methods'; the plugin's key is 'method'
+        raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
     if method.is_full:
         raise ValueError("method: 'full' evicts nothing; leave the scissorhands settings out to run vLLM as it is")
     if "budget" not in values:

@@ -1,0 +1,109 @@
+"""vLLM's CPU build with the scissorhands plugin, in its own environment (``tests/on_vllm/run`` makes it).
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: seconds to start, and the layers'
+state can be read), on a tiny random Llama saved from a config. The transformers side of each comparison
+runs in the project's environment (``SCISSORHANDS_REFERENCE_PYTHON``), since vLLM pins an older
+transformers than the project's.
+"""
+
+import gc
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+HERE = Path(__file__).resolve().parent
+BLOCK = 32
+
+
+def reference_python() -> str:
+    exe = os.environ.get("SCISSORHANDS_REFERENCE_PYTHON")
+    if not exe:
+        raise RuntimeError("SCISSORHANDS_REFERENCE_PYTHON: set it to the project environment's python "
+                           "(tests/on_vllm/run does); the transformers side of the comparisons runs there")
+    return exe
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
+    return str(folder)
+
+
+def prompts(*lengths: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+class Engine:
+    """One in-process vLLM engine; ``plugin`` is the scissorhands settings object (None: the plugin is off)."""
+
+    def __init__(self, folder: str, plugin: dict | None = None, **overrides):
+        from vllm import LLM
+
+        args = dict(model=folder, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
+                    block_size=BLOCK, skip_tokenizer_init=True, enable_prefix_caching=False)
+        args.update(overrides)
+        if plugin is not None:
+            args["additional_config"] = {"scissorhands": plugin}
+        self.llm = LLM(**args)
+
+    @property
+    def core(self):
+        return self.llm.llm_engine.engine_core.engine_core  # in-process: the EngineCore itself
+
+    def free_blocks(self) -> int:
+        return self.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def generate(self, token_prompts: list[list[int]], new_tokens: int) -> list[dict]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts],
+                                 SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0),
+                                 use_tqdm=False)
+        return [{"request_id": o.request_id, "tokens": list(o.outputs[0].token_ids),
+                 "logprobs": [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]} for o in outs]
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+def kept_now() -> dict[str, list]:
+    """Per live request: per budgeted layer, the positions each KV head stores (sorted)."""
+    from scissorhands.vllm import worker
+
+    out: dict[str, list] = {}
+    for layer in worker.LAYERS:
+        for rid, row in layer.row_of.items():
+            # The engine's own request ids are the caller's with a suffix ("0-ae8a9492").
+            out.setdefault(rid.rsplit("-", 1)[0], []).append(layer.kv.slots.row(row).sort(dim=-1).values.tolist())
+    return out
+
+
+def reference(folder: str, plugin: dict, token_prompts: list[list[int]], generated: list[list[int]],
+              tmp_path: Path) -> list[dict]:
+    """The transformers ScissorhandsCache on the same prompts and tokens (see reference.py)."""
+    request, answer = tmp_path / "request.json", tmp_path / "answer.json"
+    request.write_text(json.dumps({"folder": folder, "plugin": plugin, "prompts": token_prompts,
+                                   "tokens": generated}))
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    subprocess.run([reference_python(), str(HERE / "reference.py"), str(request), str(answer)], check=True,
+                   env=env, timeout=600)
+    return json.loads(answer.read_text())

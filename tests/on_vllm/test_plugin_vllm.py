@@ -1,0 +1,237 @@
+"""The plugin on vLLM's CPU build: the same eviction as the transformers cache, real block freeing, real serving.
+
+Each comparison runs vLLM with the plugin and ``ScissorhandsCache`` at the same settings, on the same prompts
+and tokens (float32, a tiny random Llama): the positions each layer and KV head keeps must be equal, and the
+log-probabilities within 1e-4 (two implementations of the same float32 model: vLLM's kernels and transformers'
+differ in the last bits, 5e-7 seen here; a token kept or dropped differently moves them by far more).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BLOCK, Engine, kept_now, prompts, reference
+
+LENGTHS = (100, 61, 140)  # prompts longer than the budget, of different lengths, batched together
+NEW = 24
+
+
+def _compare(folder, plugin, tmp_path, lengths=LENGTHS, new=NEW, **engine_args):
+    engine = Engine(folder, plugin, **engine_args)
+    try:
+        token_prompts = prompts(*lengths)
+        got = engine.generate(token_prompts, new)
+        kept = kept_now()
+    finally:
+        engine.close()
+    want = reference(folder, plugin, token_prompts, [g["tokens"] for g in got], tmp_path)
+    for prompt, g, w in zip(token_prompts, got, want):
+        assert g["tokens"] == w["greedy"]
+        assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])) < 1e-4
+        # vLLM has already dropped the token the next step would drop (the window moves on); the transformers
+        # cache drops it when that token comes. Add the next position to vLLM's set to compare like with like.
+        nxt = len(prompt) + new - 1
+        held = [[sorted(head + [nxt]) if len(head) < len(ref_head) else head for head, ref_head in zip(layer, ref)]
+                for layer, ref in zip(kept[g["request_id"]], w["kept"])]
+        assert held == w["kept"]
+    return got, want
+
+
+@pytest.mark.parametrize("plugin", [
+    {"budget": 48},                                   # the library defaults (prompt-aware, one token a step)
+    {"budget": 48, "preset": "paper"},                # the paper's window of 400 exact steps, r = 10, summed
+    {"budget": 48, "method": "h2o", "recent": 4},
+    {"budget": 48, "method": "tova"},
+    {"budget": 48, "method": "streaming", "recent": 8},
+    {"budget": 40, "protect_prefix": 12, "recent": 6},  # a protected prompt prefix
+], ids=["defaults", "paper", "h2o", "tova", "streaming", "protected"])
+def test_same_kept_positions_and_logprobs_as_the_transformers_cache(tiny_folder, tmp_path, plugin):
+    got, want = _compare(tiny_folder, plugin, tmp_path)
+    if "protect_prefix" in plugin:
+        for layer in want[0]["kept"]:
+            for head in layer:
+                assert set(range(plugin["protect_prefix"])) <= set(head)
+
+
+def test_a_budget_that_covers_the_sequence_changes_nothing(tiny_folder):
+    """Greedy tokens and log-probabilities equal vLLM's own, with the plugin off."""
+    token_prompts = prompts(*LENGTHS)
+    runs = []
+    for plugin in (None, {"budget": 400}):
+        engine = Engine(tiny_folder, plugin)
+        try:
+            runs.append(engine.generate(token_prompts, NEW))
+        finally:
+            engine.close()
+    for off, on in zip(*runs):
+        assert off["tokens"] == on["tokens"]
+        assert max(abs(a - b) for a, b in zip(off["logprobs"], on["logprobs"])) < 1e-5
+
+
+def test_blocks_go_back_to_the_pool_and_every_layer_holds_its_budget(tiny_folder):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from scissorhands.vllm import worker
+
+    held = {}
+    for plugin in (None, {"budget": 64}):
+        engine = Engine(tiny_folder, plugin, num_gpu_blocks_override=200)
+        try:
+            total = engine.free_blocks()
+            for i, p in enumerate(prompts(300, 280, 260)):
+                engine.llm.llm_engine.add_request(str(i), TokensPrompt(prompt_token_ids=p),
+                                                  SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+            for _ in range(12):  # the prefills, then some decode steps
+                engine.llm.llm_engine.step()
+            held[plugin is None] = total - engine.free_blocks()
+            if plugin is not None:
+                for layer in worker.LAYERS:
+                    lengths = layer.kv.slots.lengths[list(layer.row_of.values())]
+                    assert len(layer.row_of) == 3 and int(lengths.max()) <= 64
+        finally:
+            engine.close()
+    # Without the plugin each request holds all its blocks (about 300 / 32 each); with it, its window's.
+    assert held[True] >= 3 * (280 // BLOCK)
+    assert held[False] <= 3 * (64 // BLOCK + 2)
+
+
+def test_preemption_starts_the_sequence_again(tiny_folder):
+    """A request preempted mid-decode is recomputed from its first token, as a new prompt of what it had.
+
+    vLLM recomputes a preempted request's prompt and the tokens it had produced as one prefill; the plugin
+    starts its row again, so what follows equals a fresh request for that text, and the other requests of
+    the batch equal their runs alone: nothing of the old row survives.
+    """
+    import time
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from scissorhands.vllm import worker
+
+    plugin = {"budget": 48, "recent": 4}
+    token_prompts = prompts(*LENGTHS)
+    engine = Engine(tiny_folder, plugin)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+        for i, p in enumerate(token_prompts):
+            engine.llm.llm_engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
+        done, steps, had = {}, 0, None
+        while engine.llm.llm_engine.has_unfinished_requests():
+            for out in engine.llm.llm_engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            steps += 1
+            if steps == 8:  # mid-decode: preempt the first request, as the scheduler does when memory runs out
+                scheduler = engine.core.scheduler
+                victim = scheduler.running.pop(0)
+                had = len(victim.output_token_ids)
+                scheduler._preempt_request(victim, time.monotonic())  # frees its blocks, back to waiting
+        restarts = [layer.restarts for layer in worker.LAYERS]
+    finally:
+        engine.close()
+    assert restarts and all(r == 1 for r in restarts) and had is not None and 0 < had < NEW
+    victim_id = victim.request_id.rsplit("-", 1)[0]
+    for i, p in enumerate(token_prompts):
+        engine = Engine(tiny_folder, plugin)
+        try:
+            if str(i) == victim_id:  # the recomputed text, as a new prompt
+                got = done[str(i)]
+                again = engine.generate([p + got[:had]], NEW - had)[0]
+                assert got[had:] == again["tokens"]
+            else:
+                assert done[str(i)] == engine.generate([p], NEW)[0]["tokens"]
+        finally:
+            engine.close()
+
+
+@pytest.mark.parametrize("plugin, name", [
+    ({"budget": 0}, "budget"),
+    ({"budget": 64, "drop": 0.4}, "drop"),
+    ({"budget": 64, "prefill": "stream"}, "prefill"),
+    ({"budget": 64, "kv_bits": 4}, "kv_bits"),
+    ({"budget": 64, "method": "nope"}, "method"),
+    ({"budget": 64, "recnet": 3}, "recnet"),
+    ({"budget": 64, "protect_prefix": 60}, "protect_prefix"),
+])
+def test_a_bad_setting_is_one_line_at_start_up(tiny_folder, plugin, name):
+    with pytest.raises(ValueError) as err:
+        Engine(tiny_folder, plugin)
+    message = str(err.value)
+    assert message.startswith(f"{name}: ") and "\n" not in message, message
+
+
+def test_installed_but_off_is_vllm_as_it_is(tiny_folder, tmp_path):
+    """Two fresh processes, one with the plugin loaded but no settings and one with vLLM's plugins turned off."""
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from conftest import Engine, prompts
+if __name__ == "__main__":
+    e = Engine({tiny_folder!r}, None)
+    print(json.dumps(e.generate(prompts(100, 61), 16)))
+""")
+    outs = []
+    for plugins in (None, ""):
+        env = dict(os.environ)
+        if plugins is not None:
+            env["VLLM_PLUGINS"] = plugins  # an empty allow-list: no plugin loads
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    for a, b in zip(*outs):
+        assert a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+
+
+def test_the_openai_server_serves_completions_and_chat_with_the_plugin(tmp_path):
+    """The real default model (SmolLM2-135M, converted by the project) behind vLLM's OpenAI-compatible server."""
+    import socket
+    import time
+    import urllib.request
+
+    from conftest import reference_python
+
+    folder = subprocess.run([reference_python(), "-c", "from scissorhands.tools.models import cache_dir, load_model; "
+                             "load_model('smollm2-135m'); print(cache_dir() / 'smollm2-135m-instruct')"],
+                            capture_output=True, text=True, check=True, timeout=600).stdout.strip().splitlines()[-1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+                               "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--port", str(port),
+                               "--served-model-name", "smollm2", "--additional-config",
+                               json.dumps({"scissorhands": {"budget": 64}})], stdout=log, stderr=subprocess.STDOUT,
+                              env=env)
+
+    def post(path, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+                time.sleep(1)
+        prompt = "The capital of France is Paris. " * 30 + "The capital of France is"  # past the budget of 64
+        done = post("/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert done["usage"]["prompt_tokens"] > 64 and done["choices"][0]["text"].strip()
+        chat = post("/v1/chat/completions", {"model": "smollm2", "max_tokens": 8, "temperature": 0,
+                                             "messages": [{"role": "user", "content": prompt}]})
+        assert chat["choices"][0]["message"]["content"].strip()
+        assert "scissorhands: method scissorhands, budget 64" in (tmp_path / "server.log").read_text()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
