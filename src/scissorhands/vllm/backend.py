@@ -19,7 +19,7 @@ from . import worker
 from .paged import PagedLayer
 from .settings import PluginSettings, from_vllm
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
 
 #: This engine's settings, read when its attention layers are built (the spec hook that follows has no config).
 ACTIVE: dict[str, PluginSettings | None] = {}

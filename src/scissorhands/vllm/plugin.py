@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
 _DONE: dict[str, bool] = {}
 
 
@@ -54,9 +54,10 @@ def prepare_config(vllm_config) -> None:
     if settings is None:
         return
     parallel = vllm_config.parallel_config
-    if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
+    ours = "scissorhands.vllm.worker.ScissorhandsWorker"  # the config is prepared again in the engine's process
+    if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", ours):
         raise ValueError(f"worker_cls: the scissorhands plugin brings its own worker, got {parallel.worker_cls!r}")
-    parallel.worker_cls = "scissorhands.vllm.worker.ScissorhandsWorker"
+    parallel.worker_cls = ours
     cache, scheduler, model = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.model_config
     if cache.enable_prefix_caching or scheduler.enable_chunked_prefill:
         logger.info("scissorhands: prefix caching and chunked prefill are off (each prompt is held whole, "
