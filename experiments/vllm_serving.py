@@ -96,18 +96,20 @@ def run_variant(folder: str, requests, plugin: dict | None, kv_blocks: int | Non
     head = getattr(kv_spec, "head_dim", None) or kv_spec.hidden_size // kv_spec.num_attention_heads
     block_bytes = layers * 2 * kv_heads * head * block_size * 4  # float32, K and V, every layer
     ttft = sorted(first.values())
+    tail = [(h, r) for h, r in zip(held, running) if r][-max(1, len(held) // 4):]  # the last quarter: decoding
+    per_request_blocks = statistics.mean(h / r for h, r in tail)
     result = {"requests": len(requests), "max_running": max(running), "drain_s": drain,
               "generated_tokens": generated, "tokens_per_s": generated / drain,
               "ttft_median_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
               "kv_blocks": total_blocks, "block_size": block_size, "peak_blocks_held": max(held),
-              "peak_kv_bytes_measured": max(held) * block_bytes}
+              "peak_kv_bytes_measured": max(held) * block_bytes,
+              "decode_kv_bytes_per_request_measured": per_request_blocks * block_bytes}
     if plugin is not None:
         budget = plugin["budget"]
         # What the plugin's layers hold per running request: the window's blocks, at most
         # ceil((budget - 1) / N) + 1 of them, plus the block being filled.
         per_request = ((budget - 1 + block_size - 1) // block_size + 1) * block_bytes
-        result["analytic_kv_bytes_per_request_at_most"] = per_request
-        result["peak_kv_bytes_analytic_at_most"] = per_request * max(running)
+        result["decode_kv_bytes_per_request_analytic_at_most"] = per_request
     llm.llm_engine.engine_core.shutdown()
     del llm
     return result

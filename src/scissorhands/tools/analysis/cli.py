@@ -127,6 +127,7 @@ def run(args) -> int:
     out = check_output_folder(args.out, "out", _OUTPUT_FILES)
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
+    _check_lengths(model, settings)
     result = analyze(model, tokenizer, texts, settings, out, model_name=args.model,
                      progress=not args.no_progress, checkpoint=lambda r: save_json(r, out / "analysis.json"))
     result["seconds"]["total"] = round(time.perf_counter() - start, 1)
@@ -135,6 +136,21 @@ def run(args) -> int:
     _write_reports(result, out)
     print(f"results: {out / 'analysis.json'}", file=sys.stderr)
     return 0
+
+
+def _check_lengths(model, settings: AnalysisSettings) -> None:
+    """Every length the analysis will feed the model fits its positions (checked before any work)."""
+    from scissorhands.hf.modelinfo import model_facts
+
+    limit = model_facts(model).max_positions
+    if limit is None:
+        return
+    lengths = [("seq-len", max(settings.seq_lens))]
+    if "ppl" in settings.parts:
+        lengths.append(("ppl-seq-len", settings.ppl_seq_len))
+    for option, length in lengths:
+        if length > limit:
+            raise ValueError(f"{option}: {length} tokens exceed the model's {limit} positions; give {limit} or fewer")
 
 
 def _write_reports(result: dict, out: Path) -> None:

@@ -85,9 +85,29 @@ def _file_identity(path) -> dict | None:
         files = sorted(q for q in p.rglob("*") if q.is_file())
     else:
         return None
-    stats = [(str(f.relative_to(p)) if f != p else f.name, f.stat()) for f in files]
-    return {"path": str(p.resolve()), "files": len(stats), "bytes": sum(st.st_size for _, st in stats),
-            "mtime_ns": max((st.st_mtime_ns for _, st in stats), default=0)}
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files), "sha256": _digest(p, files)}
+
+
+def _digest(root: Path, files: list[Path]) -> str:
+    """SHA-256 of the files' names (relative to ``root``) and contents: a result is keyed by what it read."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update((str(f.relative_to(root)) if f != root else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _settings_files(settings: dict) -> dict:
+    """Content digests of the files a cache's settings name (a JSON schedule, key centres)."""
+    out = {}
+    for key in ("schedule", "kv_key_centers"):
+        value = settings.get(key)
+        if isinstance(value, str) and value.endswith(".json") and Path(value).expanduser().is_file():
+            path = Path(value).expanduser()
+            out[f"{key}_sha256"] = _digest(path, [path])
+    return out
 
 
 def model_identity(model, model_name: str) -> dict:
@@ -132,8 +152,9 @@ def task_identity(task: Task) -> dict:
 def run_key(model_id: dict, task_id: dict, method: type[EvictionMethod], spec, base: CacheSettings,
             limit: int | None, seed: int) -> dict:
     """Everything that determines one grid cell's result; two cells with equal keys give equal results."""
+    settings = method.resolve(base).as_dict()
     return {"version": __version__, "model": model_id, "task": task_id, "method": method.name,
-            "budget": _jsonable(spec), "settings": _jsonable(method.resolve(base).as_dict()),
+            "budget": _jsonable(spec), "settings": _jsonable(settings), "files": _settings_files(settings),
             "limit": limit, "seed": seed}
 
 

@@ -1,0 +1,163 @@
+"""Perplexity through vLLM with the plugin, against vLLM's full cache and the transformers path, teacher-forced.
+
+Each window of real text is one request: its first ``--prompt`` tokens are the prompt (held and evicted
+to the budget once, as the plugin does), and every later token is forced as the next one, so the
+log-probability vLLM reports for it (raw, before the forcing processor) is the teacher-forced one, decoded
+token by token through the evicting cache. The transformers side feeds the same windows through
+``ScissorhandsCache`` at the same settings. Run the two sides in their own environments, then compare:
+
+    .venv-vllm/bin/python experiments/vllm_quality.py --engine vllm --model FOLDER --text FILE \
+        --out docs/vllm/quality_vllm.json
+    python experiments/vllm_quality.py --engine transformers --model FOLDER --text FILE \
+        --out docs/vllm/quality_hf.json
+    python experiments/vllm_quality.py --compare docs/vllm/quality_vllm.json docs/vllm/quality_hf.json
+
+Windows, budgets and settings are the same on both sides (``--seq-len``, ``--windows``, ``--compression``,
+``--prompt``); the text is tokenized by the model folder's tokenizer on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+
+def windows(model: str, text_path: str, seq_len: int, count: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model)(Path(text_path).read_text())["input_ids"]
+    step = max(seq_len, (len(ids) - seq_len) // max(1, count))
+    out = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, step)][:count]
+    if len(out) < count:
+        raise SystemExit(f"vllm_quality: error: text: {len(ids)} tokens hold only {len(out)} windows of {seq_len}")
+    return out
+
+
+def plugin_settings(args) -> dict:
+    return {"budget": round(args.seq_len / args.compression), "method": args.method}
+
+
+def run_vllm(args, texts) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class ForceNext(AdapterLogitsProcessor):
+        """The next token of the request's ``force`` list is the only one allowed."""
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            force = (params.extra_args or {}).get("force")
+            if force is None:
+                return None
+
+            def step(output_ids, logits):
+                keep = logits.new_full(logits.shape, float("-inf"))
+                keep[force[len(output_ids)]] = 0
+                return logits + keep
+
+            return step
+
+    out = {}
+    for name, plugin in (("full", None), ("scissorhands", plugin_settings(args))):
+        kw = dict(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.seq_len + 8, seed=0,
+                  enable_prefix_caching=False, enable_chunked_prefill=False, logits_processors=[ForceNext],
+                  max_num_seqs=len(texts))
+        if plugin is not None:
+            kw["additional_config"] = {"scissorhands": plugin}
+        llm = LLM(**kw)
+        reqs = [TokensPrompt(prompt_token_ids=w[: args.prompt]) for w in texts]
+        params = [SamplingParams(temperature=0.0, max_tokens=len(w) - args.prompt, logprobs=0, ignore_eos=True,
+                                 extra_args={"force": w[args.prompt :]}) for w in texts]
+        results = llm.generate(reqs, params, use_tqdm=False)
+        nll = []
+        for w, r in zip(texts, results):
+            assert list(r.outputs[0].token_ids) == w[args.prompt :], "the forcing processor did not hold"
+            lps = [d[t].logprob for d, t in zip(r.outputs[0].logprobs, w[args.prompt :])]
+            nll.append(-statistics.mean(lps[1:]))  # the first is the prompt's last prediction, held exactly
+        out[name] = nll
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        torch.manual_seed(0)
+    return out
+
+
+def run_transformers(args, texts) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from scissorhands import ScissorhandsCache
+    from scissorhands.vllm.settings import parse
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    settings = parse(plugin_settings(args))
+    out = {}
+    for name in ("full", "scissorhands"):
+        nll = []
+        for w in texts:
+            cache = DynamicCache(config=model.config) if name == "full" else ScissorhandsCache(
+                model, settings.config, settings.method())
+            ids = torch.tensor([w])
+            with torch.no_grad():
+                model(ids[:, : args.prompt], cache=cache)
+                lps = []
+                for t in range(args.prompt, len(w) - 1):
+                    logits = model(ids[:, t : t + 1], cache=cache).logits[0, -1]
+                    lps.append(float(torch.log_softmax(logits.float(), -1)[w[t + 1]]))
+            nll.append(-statistics.mean(lps))
+        out[name] = nll
+    return out
+
+
+def compare(a_path: str, b_path: str) -> None:
+    a, b = json.loads(Path(a_path).read_text()), json.loads(Path(b_path).read_text())
+    lines = ["| engine | full cache NLL (ppl) | scissorhands NLL (ppl) | ΔNLL vs its full cache |", "|---|---|---|---|"]
+    for rec in (a, b):
+        full, ours = statistics.mean(rec["nll"]["full"]), statistics.mean(rec["nll"]["scissorhands"])
+        lines.append(f"| {rec['engine']} | {full:.4f} ({math.exp(full):.2f}) | {ours:.4f} ({math.exp(ours):.2f}) | "
+                     f"{ours - full:+.4f} |")
+    diffs = [x - y for x, y in zip(a["nll"]["scissorhands"], b["nll"]["scissorhands"])]
+    lines.append("")
+    lines.append(f"vLLM plugin against the transformers path at the same settings, per window: mean "
+                 f"{statistics.mean(diffs):+.6f} nats, largest {max(abs(d) for d in diffs):.6f}")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=("vllm", "transformers"))
+    p.add_argument("--model", help="a safetensors model folder")
+    p.add_argument("--text", help="a text file")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=64, help="the prompt of each window (the rest is forced)")
+    p.add_argument("--compression", type=float, default=5.0)
+    p.add_argument("--method", default="scissorhands")
+    p.add_argument("--out")
+    p.add_argument("--compare", nargs=2, metavar=("VLLM_JSON", "HF_JSON"))
+    args = p.parse_args()
+    if args.compare:
+        return compare(*args.compare)
+    if not (args.engine and args.model and args.text):
+        p.error("--engine, --model and --text are needed to measure")
+    texts = windows(args.model, args.text, args.seq_len, args.windows)
+    nll = run_vllm(args, texts) if args.engine == "vllm" else run_transformers(args, texts)
+    record = {"engine": args.engine, "config": vars(args) | {"plugin": plugin_settings(args)}, "nll": nll}
+    print(json.dumps(record["nll"]))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
