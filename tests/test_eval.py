@@ -107,3 +107,13 @@ def test_eval_cli_rejects_bad_arguments_in_one_line(capsys, args, param):
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"{param}:" in lines[0] and "Traceback" not in err
+
+
+def test_a_task_file_with_a_byte_order_mark_reads_as_without(tmp_path):
+    q = {"context": "The sun rises in the", "choices": [" east", " west"], "label": 0}
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    plain.write_text(json.dumps(q) + "\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    tok = ByteTokenizer()
+    a, b = make_task(str(plain)).items(tok, None), make_task(str(marked)).items(tok, None)
+    assert [(i.key, i.data) for i in a] == [(i.key, i.data) for i in b] and len(a) == 1

@@ -517,3 +517,29 @@ def test_lm_eval_backend_reports_a_bad_argument_in_one_line(capsys):
     ours = [line for line in err.splitlines() if line.startswith("scissorhands")]
     assert "Traceback" not in err and len(ours) == 1
     assert ours[0].startswith("scissorhands: error: method: unknown method 'magic'")
+
+
+def test_results_are_keyed_by_file_contents_not_paths(tmp_path):
+    """Editing a schedule or data file changes the key, and restoring it restores the key (the old rule,
+    size and modification time, reused a stale row after an edit that kept the size)."""
+    from scissorhands.tools.eval.runner import key_id, run_key, task_identity
+
+    model_id = {"name": "m"}
+    method = get_method("scissorhands")
+
+    def key(data, schedule):
+        task = Perplexity(seq_len=32, n_windows=1, data=str(data))
+        base = ScissorhandsConfig(budget=16, recent=4, schedule=str(schedule)).settings
+        return key_id(run_key(model_id, task_identity(task), method, 0.5, base, None, 0))
+
+    text, sched = tmp_path / "a.txt", tmp_path / "s.json"
+    text.write_text("some text " * 50)
+    sched.write_text(json.dumps({"budgets": [20, 20]}))
+    first = key(text, sched)
+    assert key(text, sched) == first
+    sched.write_text(json.dumps({"budgets": [24, 16]}))
+    assert key(text, sched) != first
+    sched.write_text(json.dumps({"budgets": [20, 20]}))
+    assert key(text, sched) == first
+    text.write_text("other text " * 50)
+    assert key(text, sched) != first

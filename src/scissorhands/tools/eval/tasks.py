@@ -83,7 +83,7 @@ def read_requests(path: Path) -> list[dict]:
     out = []
     where = str(path)
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
