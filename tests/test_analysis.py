@@ -241,7 +241,6 @@ def parse(*argv):
 
 @pytest.mark.parametrize("argv, name", [
     (["--seq-len", "3"], "seq-len"),
-    (["--seq-len", "64,abc"], "seq-len"),
     (["--num-samples", "0"], "num-samples"),
     (["--thresholds", "0"], "thresholds"),
     (["--topk", "150"], "topk"),
@@ -252,7 +251,6 @@ def parse(*argv):
     (["--calib-fraction", "1"], "calib-fraction"),
     (["--parts", "persistence,nope"], "parts"),
     (["--parts", "calibrate"], "parts"),
-    (["--seed", "x"], "seed"),
     (["--text", "/no/such/file.txt"], "text"),
     (["--from-json", "/no/such/analysis.json"], "from-json"),
 ])
@@ -261,6 +259,20 @@ def test_analyze_rejects_bad_arguments_with_one_line(argv, name):
         run(parse(*argv, "--model", "/no/such/model.gguf"))
     msg = str(err.value)
     assert msg.startswith(f"{name}: ") and "\n" not in msg
+
+
+@pytest.mark.parametrize("argv, name", [(["--seq-len", "64,abc"], "seq-len"), (["--seed", "x"], "seed"),
+                                        (["--topk", "5,,x"], "topk")])
+def test_analyze_options_that_do_not_parse_are_argparse_one_line_errors(capsys, argv, name):
+    """Typed options, as every command's: the parser refuses them, naming the option, before anything runs."""
+    from scissorhands.tools.cliargs import Parser
+
+    parser = Parser(prog="scissorhands")
+    add_parser(parser.add_subparsers(dest="command", parser_class=Parser))
+    with pytest.raises(SystemExit) as done:
+        parser.parse_args(["analyze", *argv])
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and len(err.splitlines()) == 1 and f"argument --{name}" in err, err
 
 
 def test_pipeline_end_to_end_on_a_tiny_model(tmp_path):

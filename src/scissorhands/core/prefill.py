@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from .blocks import attend_block
+from .config import DEFAULTS
 
 if TYPE_CHECKING:
     from .budgeted import BudgetedKV
@@ -93,7 +94,7 @@ class PromptAware(Prefill):
 
     name = "prompt-aware"
 
-    def __init__(self, observe: int = 32, pool: int = 7):
+    def __init__(self, observe: int = DEFAULTS.observe, pool: int = DEFAULTS.pool):
         self.observe, self.pool = observe, pool
         self.stream = Streamed()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .budgeted import BudgetedKV
+from .config import DEFAULTS
 from .kernel import attend_stored
 from .prefill import Streamed
 
@@ -18,7 +19,7 @@ STREAMED = Streamed()
 
 
 def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-           scaling: float, softcap: float | None = None, query_tile: int = 256) -> torch.Tensor:
+           scaling: float, softcap: float | None = None, query_tile: int = DEFAULTS.query_tile) -> torch.Tensor:
     """Store a chunk in ``kv`` and return its attention output.
 
     Parameters

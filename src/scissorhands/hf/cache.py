@@ -17,7 +17,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 from scissorhands.core.audit import EvictionAudit
 from scissorhands.core.budgeted import BudgetedKV
 from scissorhands.core.centers import load_key_centers
-from scissorhands.core.config import ScissorhandsConfig
+from scissorhands.core.config import DEFAULTS, ScissorhandsConfig
 from scissorhands.core.memory import layer_memory
 from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.methods.scissorhands import Scissorhands
@@ -59,7 +59,8 @@ class ScissorhandsLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, budget: int, recent: int, drop: int, state: TokenState | None = None,
-                 method: EvictionMethod | None = None, query_tile: int = 256, layer_idx: int = 0, **options):
+                 method: EvictionMethod | None = None, query_tile: int = DEFAULTS.query_tile, layer_idx: int = 0,
+                 **options):
         self.kv = BudgetedKV(budget, recent, drop, method or Scissorhands(), state, layer_idx, **options)
         super().__init__()
         self.query_tile = query_tile

@@ -6,7 +6,6 @@ import argparse
 import logging
 import math
 import os
-import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -15,16 +14,9 @@ from scissorhands import __version__
 from scissorhands.core.budget import check_budget_spec, resolve_budget
 from scissorhands.core.config import CacheSettings, ScissorhandsConfig
 from scissorhands.core.methods import METHODS, get_method
-from scissorhands.core.settings import declared, parse_count_or_fraction
+from scissorhands.core.settings import declared
 
-from .cliargs import alias
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad argument is one line on stderr and exit code 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from .cliargs import Parser, add_cache_args, add_model_args, alias
 
 
 def _finite(text: str) -> float:
@@ -63,59 +55,6 @@ def _add_trust_args(p: argparse.ArgumentParser) -> None:
                    help="record every evicted token in the audit, not only counters (needs --audit)")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (embedded default), a Hugging Face id, a folder or a .gguf file")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default cpu)")
-
-
-def _arg_type(parse):
-    """An argparse type from a declared parser: its ValueError becomes argparse's one-line error."""
-    def convert(text: str):
-        try:
-            value = parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        return value
-
-    convert.__name__ = getattr(parse, "__name__", "value")
-    return convert
-
-
-def _plain(text: str) -> str:
-    """A declaration's help without its markdown (the README renders it; a terminal does not)."""
-    text = re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", text)
-    return text.replace("`", "").replace("*", "")
-
-
-def _add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = None, with_budget: bool = True) -> None:
-    """One flag per declared cache setting (:mod:`scissorhands.core.settings`): help, type and default from there.
-
-    A flag that is not given is absent from the namespace, so only what the user typed overrides the preset
-    (or the library defaults).
-    """
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    g = groups["eviction"] = p.add_argument_group("eviction")
-    if with_budget:
-        g.add_argument("--budget", type=_arg_type(parse_count_or_fraction), default=budget_default,
-                       required=budget_default is None, metavar="B",
-                       help="average tokens stored per full-attention layer (a hard peak per layer): a token count "
-                       "(> 1), or a fraction (<= 1) of the prompt plus --max-new-tokens, as in eval's --budgets")
-        g.add_argument("--method", default="scissorhands", help=f"eviction method: {', '.join(METHODS)}")
-    for name, default, decl in declared(CacheSettings):
-        g = groups.get(decl.group) or groups.setdefault(decl.group, p.add_argument_group(decl.group))
-        flag = "--" + name.replace("_", "-")
-        text = f"{_plain(decl.help)} (default {default})"
-        if decl.switch:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
-        else:
-            g.add_argument(flag, type=_arg_type(decl.parse), default=argparse.SUPPRESS, metavar=decl.metavar,
-                           help=text)
-
-
 def cache_settings(args) -> CacheSettings:
     """The preset (or the defaults), then every cache flag that was given."""
     given = {name: getattr(args, name) for name, _, _ in declared(CacheSettings)
@@ -125,15 +64,15 @@ def cache_settings(args) -> CacheSettings:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="scissorhands", description="Budgeted KV-cache eviction (Scissorhands) for transformers",
+    parser = Parser(prog="scissorhands", description="Budgeted KV-cache eviction (Scissorhands) for transformers",
                      allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--version", action="version", version=f"scissorhands {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     gen = sub.add_parser("generate", allow_abbrev=False, help="generate under a KV budget")
-    _add_model_args(gen)
-    _add_cache_args(gen, budget_default=None)
+    add_model_args(gen)
+    add_cache_args(gen, budget_default=None)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt")
@@ -142,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", allow_abbrev=False,
                         help="quality of methods x budgets on real data (exact compressed scoring)")
-    _add_model_args(ev)
-    _add_cache_args(ev, with_budget=False)
+    add_model_args(ev)
+    add_cache_args(ev, with_budget=False)
     ev.add_argument("--methods", default="full,scissorhands,h2o,tova,streaming",
                     help=f"comma list of: {', '.join(METHODS)}")
     ev.add_argument("--budgets", default="0.1,0.2,0.33,0.5",
@@ -166,18 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench_cli import add_parser as add_bench_parser
 
-    add_bench_parser(sub, _add_model_args, _add_cache_args)
+    add_bench_parser(sub)
 
     cal = sub.add_parser("calibrate", allow_abbrev=False,
                          help="measure per-channel key centres for packed K/V (--kv-key-centers)")
-    _add_model_args(cal)
+    add_model_args(cal)
     cal.add_argument("--text", type=Path, required=True, help="calibration text (any prose; not your test data)")
     cal.add_argument("--tokens", type=int, default=2048, help="tokens of the text to run through the model")
     cal.add_argument("--out", type=Path, required=True, help="JSON file to write")
 
     demo = sub.add_parser("demo", allow_abbrev=False, help="generate from the opening of Hamlet on the default model")
-    _add_model_args(demo)
-    _add_cache_args(demo, budget_default=400)
+    add_model_args(demo)
+    add_cache_args(demo, budget_default=400)
     _add_generation_args(demo, max_new_tokens=64, compare_full=True)
     _add_trust_args(demo)
     return parser

@@ -1,7 +1,8 @@
 """``scissorhands analyze``: persistence, power law, calibrated budgets and the bound on one model.
 
-Options are parsed as text and checked in :func:`settings_from_args`, so a bad
-value is a ``ValueError`` whose message starts with the option's name.
+Options are parsed by argparse with typed converters (defaults from
+:class:`.settings.AnalysisSettings`) and checked by the settings, each with one
+line naming the option, before the model is loaded.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cliargs import alias
+from ..cliargs import FLOAT, NAMES, NUMBERS, WHOLE, WHOLES, alias
 from .settings import PARTS, AnalysisSettings
 
 # What ``analyze`` writes into --out (checked before any work starts).
@@ -20,37 +21,42 @@ _OUTPUT_FILES = ("analysis.json", "tables.md", "persistence.png", "powerlaw.png"
 
 
 def add_parser(subparsers):
-    """Add the ``analyze`` subcommand to an argparse subparsers object; returns its parser."""
+    """Add the ``analyze`` subcommand: typed options whose defaults are :class:`.settings.AnalysisSettings`'s."""
+    d = AnalysisSettings
     p = subparsers.add_parser("analyze", allow_abbrev=False,
                               help="persistence of importance, power law, calibrated budgets, deviation vs budget")
+
+    def opt(flag, kind, default, text, **kw):
+        shown = ",".join(f"{v:g}" for v in default) if isinstance(default, tuple) else default
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {shown})", **kw)
+
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (embedded default), a Hugging Face id, a folder or a .gguf file")
     p.add_argument("--text", default=None, help="text file or folder (default: Shakespeare's plays)")
-    p.add_argument("--seq-len", default="256,512,1024",
-                   help="comma list of lengths T for persistence; the largest is used for the maps, "
-                   "power law and bound")
-    p.add_argument("--num-samples", default="8",
-                   help="text samples of --seq-len tokens for persistence and power law (not the history --window)")
+    opt("--seq-len", WHOLES, d.seq_lens, "comma list of lengths T for persistence; the largest is used for the "
+        "maps, power law and bound", dest="seq_len")
+    opt("--num-samples", WHOLE, d.windows, "text samples of --seq-len tokens for persistence and power law (not the "
+        "history --window)")
     alias(p, "--windows", "--num-samples", "num_samples")
-    p.add_argument("--thresholds", default="1,2,5,10", help="form (a) thresholds as multiples of 1/t")
-    p.add_argument("--topk", default="5,10,20,30", help="form (b) top sets, percent of the first half")
-    p.add_argument("--calib-topk", default="10", help="form (b) top-set percent that drives calibration")
-    p.add_argument("--budget", default="0.2",
-                   help="average budget of the calibrated schedule: fraction of --ppl-seq-len (<=1) or tokens")
-    p.add_argument("--weight-floor", default="0.1", help="added to each layer's weight 1 - persistence")
-    p.add_argument("--ratios", default="0.1,0.2,0.3,0.5,0.7,1.0", help="B/T values for the bound analysis")
-    p.add_argument("--bound-samples", default="2", help="text samples for the bound analysis")
+    opt("--thresholds", NUMBERS, d.thresholds, "form (a) thresholds as multiples of 1/t")
+    opt("--topk", NUMBERS, tuple(round(k * 100, 6) for k in d.topk), "form (b) top sets, percent of the first half")
+    opt("--calib-topk", FLOAT, round(d.calib_topk * 100, 6), "form (b) top-set percent that drives calibration")
+    opt("--budget", FLOAT, d.budget, "average budget of the calibrated schedule: fraction of --ppl-seq-len (<=1) "
+        "or tokens")
+    opt("--weight-floor", FLOAT, d.weight_floor, "added to each layer's weight 1 - persistence")
+    opt("--ratios", NUMBERS, d.ratios, "B/T values for the bound analysis")
+    opt("--bound-samples", WHOLE, d.bound_windows, "text samples for the bound analysis")
     alias(p, "--bound-windows", "--bound-samples", "bound_samples")
-    p.add_argument("--ppl-seq-len", default="2048", help="window length for the schedule perplexity comparison")
-    p.add_argument("--ppl-samples", default="16", help="text samples for the schedule perplexity comparison")
+    opt("--ppl-seq-len", WHOLE, d.ppl_seq_len, "window length for the schedule perplexity comparison")
+    opt("--ppl-samples", WHOLE, d.ppl_windows, "text samples for the schedule perplexity comparison")
     alias(p, "--ppl-windows", "--ppl-samples", "ppl_samples")
-    p.add_argument("--compressions", default="3,5", help="compression factors T/budget for the comparison")
-    p.add_argument("--calib-fraction", default="0.5",
-                   help="share of the corpus tokens (from the start) used for calibration; the rest evaluates")
-    p.add_argument("--rank-lo", default="2", help="first rank of the power-law fit (the last is T/2)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    opt("--compressions", NUMBERS, d.compressions, "compression factors T/budget for the comparison")
+    opt("--calib-fraction", FLOAT, d.calib_fraction, "share of the corpus tokens (from the start) used for "
+        "calibration; the rest evaluates")
+    opt("--rank-lo", WHOLE, d.rank_lo, "first rank of the power-law fit (the last is T/2)")
+    p.add_argument("--parts", type=NAMES, default=PARTS, help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--bos", action="store_true", help="start every window with the tokenizer's BOS token")
-    p.add_argument("--seed", default="0", help="seed of the randomly initialised control model")
+    opt("--seed", WHOLE, d.seed, "seed of the randomly initialised control model")
     p.add_argument("--out", default="analysis-out", help="output folder for JSON and PNG files")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--from-json", default=None,
@@ -58,51 +64,26 @@ def add_parser(subparsers):
     return p
 
 
-def _number(text: str, name: str, kind=float):
-    try:
-        value = kind(str(text).strip())
-    except ValueError:
-        raise ValueError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: must be a finite number, got {text!r}")
-    return value
-
-
-def _numbers(text: str, name: str, kind=float) -> tuple:
-    items = [x for x in str(text).split(",") if x.strip()]
-    if not items:
-        raise ValueError(f"{name}: is empty")
-    return tuple(_number(x, name, kind) for x in items)
-
-
 def settings_from_args(args) -> AnalysisSettings:
     """Build validated settings from the parsed options (raises ValueError naming the option)."""
-    topk = tuple(k / 100 for k in _numbers(args.topk, "topk"))
+    topk = tuple(k / 100 for k in args.topk)
     for k in topk:
-        if not 0.0 < k <= 1.0:
+        if not math.isfinite(k) or not 0.0 < k <= 1.0:
             raise ValueError(f"topk: must be in (0, 100] percent, got {k * 100:g}")
-    calib = _number(args.calib_topk, "calib-topk") / 100
+    calib = args.calib_topk / 100
     if not any(abs(calib - k) < 1e-12 for k in topk):
-        raise ValueError(f"calib-topk: must be one of --topk ({args.topk}), got {args.calib_topk}")
+        raise ValueError(f"calib-topk: must be one of --topk ({','.join(f'{k:g}' for k in args.topk)}), got "
+                         f"{args.calib_topk:g}")
     calib = next(k for k in topk if abs(calib - k) < 1e-12)
+    for option in ("thresholds", "ratios", "compressions"):
+        if not all(math.isfinite(v) for v in getattr(args, option)):
+            raise ValueError(f"{option}: must be finite numbers")
     return AnalysisSettings(
-        seq_lens=_numbers(args.seq_len, "seq-len", int),
-        windows=_number(args.num_samples, "num-samples", int),
-        thresholds=_numbers(args.thresholds, "thresholds"),
-        topk=topk,
-        calib_topk=calib,
-        budget=_number(args.budget, "budget"),
-        weight_floor=_number(args.weight_floor, "weight-floor"),
-        ratios=_numbers(args.ratios, "ratios"),
-        bound_windows=_number(args.bound_samples, "bound-samples", int),
-        ppl_seq_len=_number(args.ppl_seq_len, "ppl-seq-len", int),
-        ppl_windows=_number(args.ppl_samples, "ppl-samples", int),
-        compressions=_numbers(args.compressions, "compressions"),
-        calib_fraction=_number(args.calib_fraction, "calib-fraction"),
-        rank_lo=_number(args.rank_lo, "rank-lo", int),
-        seed=_number(args.seed, "seed", int),
-        bos=bool(args.bos),
-        parts=tuple(p.strip() for p in str(args.parts).split(",") if p.strip()),
+        seq_lens=args.seq_len, windows=args.num_samples, thresholds=args.thresholds, topk=topk, calib_topk=calib,
+        budget=args.budget, weight_floor=args.weight_floor, ratios=args.ratios, bound_windows=args.bound_samples,
+        ppl_seq_len=args.ppl_seq_len, ppl_windows=args.ppl_samples, compressions=args.compressions,
+        calib_fraction=args.calib_fraction, rank_lo=args.rank_lo, seed=args.seed, bos=bool(args.bos),
+        parts=args.parts,
     )
 
 
