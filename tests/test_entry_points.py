@@ -95,3 +95,18 @@ def test_the_same_settings_give_the_same_numbers_through_the_python_api_and_the_
         a = model(ids[None], cache=scorer).logits
         b = model(ids[None], cache=direct).logits
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_the_vllm_plugin_resolves_the_same_settings(name):
+    """The plugin's settings object builds, through the same resolver, the config the transformers cache takes
+    with the two settings the plugin fixes (one token a step, the prompt held and evicted once)."""
+    from scissorhands.vllm.settings import parse
+
+    flags = {k: v for k, v in FLAGS.items() if k != "drop"}
+    plugin = parse({"method": name, "budget": BUDGET, **{k: str(v) for k, v in flags.items()}})
+    model = tiny_model("llama")
+    direct = ScissorhandsCache(model, ScissorhandsConfig(budget=BUDGET, drop=1, prefill="prompt-aware", **flags),
+                               get_method(name)())
+    assert plugin.method is get_method(name)
+    assert plugin.config == direct.config
