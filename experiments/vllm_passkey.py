@@ -1,0 +1,110 @@
+"""A passkey in a long prompt, through vLLM's OpenAI server: full cache, the plugin at 5x, and a protected span.
+
+Each prompt is a 5-digit key stated at its start, real text, then the question; the completion must contain
+the key. The key sits near the start, so that ``protect_prefix`` can cover it: the third variant pins the
+prompt's first tokens (where the key is) in every layer and KV head.
+
+    .venv-vllm/bin/python experiments/vllm_passkey.py --model FOLDER --prompts 5 --length 2048 \\
+        --compression 5 --out docs/vllm/passkey.json
+
+Runs in the vLLM environment; starts one server per variant on a free local port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HAMLET = Path(__file__).resolve().parent.parent / "src" / "scissorhands" / "tools" / "data" / "hamlet_act1.txt"
+
+
+def prompts(tokenizer, text: str, n: int, length: int, seed: int) -> list[tuple[str, str, int]]:
+    """(prompt, key, tokens before the end of the key's sentence), ``length`` tokens each."""
+    rng = random.Random(seed)
+    ids = tokenizer(text)["input_ids"]
+    out = []
+    for _ in range(n):
+        key = f"{rng.randrange(10000, 100000)}"
+        head = f"Remember this: the pass key is {key}. The pass key is {key}.\n\n"
+        tail = "\n\nWhat is the pass key? The pass key is"
+        room = length - len(tokenizer(head + tail)["input_ids"])
+        start = rng.randrange(0, max(1, len(ids) - room))
+        filler = tokenizer.decode((ids[start:] + ids)[:room])
+        out.append((head + filler + tail, key, len(tokenizer(head)["input_ids"])))
+    return out
+
+
+def serve(model: str, plugin: dict | None, port: int, log):
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", "8192", "--port", str(port), "--served-model-name", "m",
+            "--no-enable-prefix-caching"]
+    if plugin is not None:
+        args += ["--additional-config", json.dumps({"scissorhands": plugin})]
+    server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return server
+        except OSError:
+            if server.poll() is not None:
+                raise SystemExit("vllm_passkey: error: the server stopped; see its log") from None
+            time.sleep(1)
+    raise SystemExit("vllm_passkey: error: the server did not start in 300 s")
+
+
+def complete(port: int, prompt: str) -> str:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a safetensors model folder")
+    p.add_argument("--prompts", type=int, default=5)
+    p.add_argument("--length", type=int, default=2048, help="tokens per prompt")
+    p.add_argument("--compression", type=float, default=5.0)
+    p.add_argument("--text", default=str(HAMLET))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    cases = prompts(tokenizer, Path(args.text).read_text(), args.prompts, args.length, args.seed)
+    budget = round(args.length / args.compression)
+    prefix = max(n for _, _, n in cases) + 1
+    variants = {"full cache": None, f"scissorhands, budget {budget}": {"budget": budget},
+                f"scissorhands, budget {budget}, first {prefix} tokens protected": {"budget": budget,
+                                                                                    "protect_prefix": prefix}}
+    rows = {}
+    for name, plugin in variants.items():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = serve(args.model, plugin, port, subprocess.DEVNULL)
+        try:
+            answers = [complete(port, prompt) for prompt, _, _ in cases]
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+        hits = [key in answer for (_, key, _), answer in zip(cases, answers)]
+        rows[name] = {"recalled": sum(hits), "of": len(hits), "answers": answers}
+        print(f"{name}: {sum(hits)}/{len(hits)}", flush=True)
+    record = {"config": vars(args) | {"budget": budget, "protect_prefix": prefix}, "variants": rows}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
