@@ -102,7 +102,7 @@ def run_transformers(args, texts) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     settings = parse(plugin_settings(args))
     out = {}
-    for name in ("full", "scissorhands"):
+    for name in ("full", "scissorhands")[1 - args.with_full:]:
         nll = []
         for w in texts:
             cache = DynamicCache(config=model.config) if name == "full" else ScissorhandsCache(
@@ -123,7 +123,11 @@ def compare(a_path: str, b_path: str) -> None:
     a, b = json.loads(Path(a_path).read_text()), json.loads(Path(b_path).read_text())
     lines = ["| engine | full cache NLL (ppl) | scissorhands NLL (ppl) | ΔNLL vs its full cache |", "|---|---|---|---|"]
     for rec in (a, b):
-        full, ours = statistics.mean(rec["nll"]["full"]), statistics.mean(rec["nll"]["scissorhands"])
+        ours = statistics.mean(rec["nll"]["scissorhands"])
+        if "full" not in rec["nll"]:
+            lines.append(f"| {rec['engine']} | (not run) | {ours:.4f} ({math.exp(ours):.2f}) | |")
+            continue
+        full = statistics.mean(rec["nll"]["full"])
         lines.append(f"| {rec['engine']} | {full:.4f} ({math.exp(full):.2f}) | {ours:.4f} ({math.exp(ours):.2f}) | "
                      f"{ours - full:+.4f} |")
     diffs = [x - y for x, y in zip(a["nll"]["scissorhands"], b["nll"]["scissorhands"])]
@@ -143,6 +147,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64, help="the prompt of each window (the rest is forced)")
     p.add_argument("--compression", type=float, default=5.0)
     p.add_argument("--method", default="scissorhands")
+    p.add_argument("--with-full", type=int, choices=(0, 1), default=1,
+                   help="transformers side: also score the full cache (0: the budgeted cache only)")
     p.add_argument("--out")
     p.add_argument("--compare", nargs=2, metavar=("VLLM_JSON", "HF_JSON"))
     args = p.parse_args()
