@@ -13,6 +13,7 @@ the queue, the median and 90th-percentile time to first token, and the KV bytes 
 x block bytes) against the analytic size (what the plugin's layers store). ``--ample`` instead gives both
 variants a KV space that holds every request whole, and reports the decode tokens/s ratio (the per-step
 overhead). Prompts are windows of real text (``--text``, default: the opening of Hamlet, repeated).
+``--plot RECORD.json`` draws a record's bars as ``RECORD.png`` (in any environment with matplotlib).
 """
 
 from __future__ import annotations
@@ -115,9 +116,39 @@ def run_variant(folder: str, requests, plugin: dict | None, kv_blocks: int | Non
     return result
 
 
+def plot(record_path: str) -> Path:
+    """Bars of the two variants side by side (requests at once, tokens/s, KV per decoding request), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    record = json.loads(Path(record_path).read_text())
+    rows = record["variants"]
+    panels = [("max_running", "requests running at once"), ("tokens_per_s", "generated tokens/s"),
+              ("decode_kv_bytes_per_request_measured", "KV per decoding request (MB)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.4))
+    for ax, (key, title) in zip(axes, panels):
+        values = [rows[name][key] / (1e6 if "bytes" in key else 1) for name in ("vllm", "scissorhands")]
+        ax.bar(["vLLM", "+ scissorhands"], values, color=["tab:gray", "tab:blue"])
+        ax.set_title(title, fontsize=10)
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.1f}", (i, v), ha="center", va="bottom", fontsize=9)
+    cfg = record["config"]
+    fig.suptitle(f"{cfg['requests']} requests, prompts {cfg['prompt']}, new {cfg['new']}, budget {cfg['budget']} "
+                 f"({cfg['compression']:g}x)" + ("" if cfg.get("ample") else f", {cfg['kv_blocks']} KV blocks"),
+                 fontsize=10)
+    fig.tight_layout()
+    out = Path(record_path).with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a safetensors model folder")
+    p.add_argument("--plot", metavar="RECORD.json", help="draw an earlier record as a PNG beside it, measure nothing")
+    p.add_argument("--model", help="a safetensors model folder")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt", default="2048,4096", help="prompt tokens: N or LO,HI (uniform)")
     p.add_argument("--new", default="128,256", help="new tokens per request: N or LO,HI")
@@ -130,6 +161,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.plot:
+        print(plot(args.plot))
+        return
+    if not args.model:
+        p.error("--model is needed to measure")
     from transformers import AutoTokenizer
 
     prompt, new = _pair(args.prompt, "prompt"), _pair(args.new, "new")
@@ -152,6 +188,13 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))
+        print(plot(args.out) if _has_matplotlib() else "no matplotlib here: draw it with --plot elsewhere")
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 if __name__ == "__main__":
