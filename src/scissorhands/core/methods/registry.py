@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
+from ..registry import Registry
 from .base import EvictionMethod
 
-METHODS: dict[str, type[EvictionMethod]] = {}
+METHODS: Registry[type[EvictionMethod]] = Registry("register", EvictionMethod)
 
 
 def register(cls: type[EvictionMethod]) -> type[EvictionMethod]:
-    """Class decorator: make ``cls`` available as ``cls.name`` (CLI, evaluation, lm-eval backend)."""
-    if not (isinstance(cls, type) and issubclass(cls, EvictionMethod)):
-        raise TypeError(f"register: {cls!r} is not an EvictionMethod subclass")
-    if not cls.name or cls.name == EvictionMethod.name:
-        raise ValueError(f"register: {cls.__name__} needs a name")
-    if cls.name in METHODS and METHODS[cls.name] is not cls:
-        raise ValueError(f"register: a method named {cls.name!r} is already registered")
-    METHODS[cls.name] = cls
-    return cls
+    """Class decorator: make ``cls`` available as ``cls.name`` (CLI, evaluation, lm-eval backend, vLLM)."""
+    return METHODS.register(cls)
 
 
 def unregister(name: str) -> None:
     """Remove a registered method (for tests and experiments)."""
-    METHODS.pop(name, None)
+    METHODS.unregister(name)
 
 
 def get_method(name: str) -> type[EvictionMethod]:

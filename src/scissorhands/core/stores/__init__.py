@@ -12,28 +12,22 @@ from __future__ import annotations
 
 import torch
 
+from ..registry import Registry
 from .base import DenseKVStore, KVStore, gather_rows
 from .packed import PackedKVStore
 from .residual import ResidualStore
 
-STORES: dict[str, type[KVStore]] = {}
+STORES: Registry[type[KVStore]] = Registry("register_store", KVStore)
 
 
 def register_store(cls: type[KVStore]) -> type[KVStore]:
     """Class decorator: make ``cls`` available as ``kv_store=cls.name``."""
-    if not (isinstance(cls, type) and issubclass(cls, KVStore)):
-        raise TypeError(f"register_store: {cls!r} is not a KVStore subclass")
-    if not cls.name or cls.name == KVStore.name:
-        raise ValueError(f"register_store: {cls.__name__} needs a name")
-    if cls.name in STORES and STORES[cls.name] is not cls:
-        raise ValueError(f"register_store: a store named {cls.name!r} is already registered")
-    STORES[cls.name] = cls
-    return cls
+    return STORES.register(cls)
 
 
 def unregister_store(name: str) -> None:
     """Remove a registered store (for tests and experiments)."""
-    STORES.pop(name, None)
+    STORES.unregister(name)
 
 
 def store_name(settings) -> str:
