@@ -8,6 +8,7 @@ model is loaded.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -15,6 +16,7 @@ from scissorhands.core.methods import get_method
 
 from .bench_config import BenchConfig, parse_size
 from .cliargs import NAMES, NUMBERS, WHOLE, WHOLES, add_cache_args, add_model_args, alias, arg_type
+from .cliargs import option as add_option
 
 _OUTPUT_FILES = ("bench.json", "tables.md", "throughput.png", "memory.png", "max_batch.png")
 
@@ -28,11 +30,7 @@ def add_parser(subparsers):
     add_model_args(p)
     add_cache_args(p, with_budget=False)
     g = p.add_argument_group("bench")
-
-    def opt(flag, kind, default, text, **kw):
-        shown = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default) \
-            if isinstance(default, tuple) else default
-        g.add_argument(flag, type=kind, default=default, help=f"{text} (default {shown})", **kw)
+    opt = functools.partial(add_option, g)
 
     opt("--seq-len", WHOLES, d.contexts, "decode: comma list of context lengths T", dest="seq_len")
     alias(g, "--contexts", "--seq-len", "seq_len")

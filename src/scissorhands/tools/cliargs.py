@@ -95,6 +95,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default cpu)")
 
 
+def option(group, flag: str, kind, default, text: str, **kwargs) -> None:
+    """A typed option whose help ends with its default (a list shown as ``1,8``)."""
+    shown = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default) \
+        if isinstance(default, tuple) else default
+    group.add_argument(flag, type=kind, default=default, help=f"{text} (default {shown})", **kwargs)
+
+
 def whole_list(text: str) -> tuple[int, ...]:
     """A comma list of whole numbers (``"1024,2048"``)."""
     items = [x for x in text.split(",") if x.strip()]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import re
 
-import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
@@ -93,4 +92,4 @@ class ScissorhandsBackend(CPUAttentionBackend):
                                  kv_quant_mode=spec.kv_quant_mode, sliding_window=settings.budget)
 
 
-__all__ = ["ScissorhandsBackend", "ScissorhandsImpl", "torch"]
+__all__ = ["ScissorhandsBackend", "ScissorhandsImpl"]

@@ -196,7 +196,7 @@ class PagedLayer:
         self.store.cache = (keys_t, values, block)
         starts = query_start.tolist()
         lengths = seq_lens.tolist()
-        decode: list[tuple[int, int, int]] = []  # (batch row, pool row, token index)
+        decode: list[tuple[int, int]] = []  # (pool row, token index)
         full: list[tuple[int, int]] = []  # (batch row, pool row): rows at their budget after this step
         for i, rid in enumerate(request_ids):
             a, b, total = starts[i], starts[i + 1], lengths[i]
@@ -207,7 +207,7 @@ class PagedLayer:
                 self._prefill(row, i, query[a:b], key[a:b], value[a:b], block_table, block, output[a:b])
             elif b - a == 1 and rid in self.row_of:
                 row = self.row_of[rid]
-                decode.append((i, row, a))
+                decode.append((row, a))
             else:
                 raise RuntimeError("scissorhands: a prompt came in chunks; the plugin turns chunked prefill off")
             if total >= self.budget:
@@ -250,9 +250,8 @@ class PagedLayer:
     def _decode(self, decode, query, slot_mapping) -> None:
         """Store each decode row's new token and let the state observe its query's attention."""
         rows_n = self.kv.slots.lengths.shape[0]
-        batch = torch.tensor([d[0] for d in decode])
-        rows = torch.tensor([d[1] for d in decode])
-        tokens = torch.tensor([d[2] for d in decode])
+        rows = torch.tensor([d[0] for d in decode])
+        tokens = torch.tensor([d[1] for d in decode])
         valid = torch.zeros(rows_n, 1, dtype=torch.bool)
         valid[rows] = True
         ids = torch.zeros(rows_n, self.kv_heads, 1, 1, dtype=torch.long)
@@ -276,7 +275,6 @@ class PagedLayer:
         for state in self.kv.states:
             if state.wants_attention:
                 state.observe(pooled, attended, steps, valid)
-        del batch
 
     def _prepare_next(self, full, block_table, block: int) -> None:
         """Each full row drops one token; the token in the slot that leaves the window next takes its slot."""

@@ -7,12 +7,14 @@ line naming the option, before the model is loaded.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
 from pathlib import Path
 
 from ..cliargs import FLOAT, NAMES, NUMBERS, WHOLE, WHOLES, alias
+from ..cliargs import option as add_option
 from .settings import PARTS, AnalysisSettings
 
 # What ``analyze`` writes into --out (checked before any work starts).
@@ -25,10 +27,7 @@ def add_parser(subparsers):
     d = AnalysisSettings
     p = subparsers.add_parser("analyze", allow_abbrev=False,
                               help="persistence of importance, power law, calibrated budgets, deviation vs budget")
-
-    def opt(flag, kind, default, text, **kw):
-        shown = ",".join(f"{v:g}" for v in default) if isinstance(default, tuple) else default
-        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {shown})", **kw)
+    opt = functools.partial(add_option, p)
 
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (embedded default), a Hugging Face id, a folder or a .gguf file")
