@@ -219,9 +219,48 @@ def test_bad_protection_is_one_line(spec, message):
 def test_per_sequence_spans_must_match_the_batch():
     model = tiny()
     cache = ScissorhandsCache(model, ScissorhandsConfig(budget=20), protect=[[(0, 2)], [(0, 2)], [(0, 2)]])
-    with pytest.raises(ValueError, match="^protect: 3 per-sequence span lists for a batch of 2 sequences$"):
+    with pytest.raises(ValueError, match=r"^protect: 3 per-sequence span lists for a batch of 2 sequences "
+                                         r"\(a batch must hold each sequence the same number of times\)$"):
         with torch.no_grad():
             model(torch.randint(3, 128, (2, 30)), cache=cache)
+    # A batch holding each sequence k times in place (beams, return sequences) repeats each list k times.
+    spans = Protection.parse([[(0, 1)], [(2, 3)], [(4, 5)]])
+    assert spans.for_batch(6).rows == [[(0, 1)], [(0, 1)], [(2, 3)], [(2, 3)], [(4, 5)], [(4, 5)]]
+    assert spans.for_batch(3) is spans
+
+
+@pytest.mark.parametrize("expand", [{"num_beams": 3}, {"num_return_sequences": 2, "do_sample": True},
+                                    {"num_beams": 2, "num_return_sequences": 2}])
+def test_per_sequence_spans_follow_beams_and_return_sequences(expand):
+    """Per-sequence spans of a batch of 2 follow transformers' expansion of each sequence k times in place:
+    every expanded row keeps its own sequence's spans, and the batch equals each sequence run alone."""
+    model = tiny()
+    torch.manual_seed(5)
+    ids = torch.randint(3, 128, (2, 70))
+    protect = [[(2, 9)], [(30, 41), (50, 52)]]
+    kw = dict(max_new_tokens=12, pad_token_id=0, **expand)
+
+    def run(input_ids, spans, seed=0):
+        cache = ScissorhandsCache(model, ScissorhandsConfig(budget=24), protect=spans)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, **kw)
+        return out, cache
+
+    out, cache = run(ids, protect)
+    rows = cache.budgeted_layers[0].slots.lengths.shape[0]
+    assert rows == 2 * max(expand.get("num_beams", 1), expand.get("num_return_sequences", 1))
+    per = rows // 2
+    for layer in cache.budgeted_layers:
+        assert layer.compressions > 0
+        for row in range(rows):
+            held = layer.stored_positions(row)
+            for lo, hi in protect[row // per]:
+                assert bool(torch.isin(torch.arange(lo, hi), held).all()), (layer.layer_idx, row)
+    if "do_sample" not in expand:  # deterministic: the batch equals each sequence alone
+        for b in range(2):
+            alone, _ = run(ids[b:b + 1], [protect[b]])
+            assert torch.equal(out[b * (out.shape[0] // 2):(b + 1) * (out.shape[0] // 2)], alone)
 
 
 def test_protection_and_audit_follow_reordered_rows():

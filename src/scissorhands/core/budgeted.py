@@ -10,7 +10,8 @@ them with the same index. The attention that feeds it lives in :mod:`.streaming`
 Two extension points let features join an eviction without editing it:
 
 * ``shields``: objects with ``mask(positions) -> bool`` (slots never to
-  drop), ``select_batch(index)`` and ``check_batch(batch)``; attention sinks and
+  drop), ``select_batch(index)`` and ``for_batch(batch)`` (the shield for a
+  batch of that many rows, expanded for beams or refused); attention sinks and
   protected spans are shields (:class:`~scissorhands.core.protect.Protection`);
 * ``listeners``: objects told of every eviction, ``evicted_tokens(layer_idx,
   seen, positions, scores, dropped)``, and of row reordering,
@@ -90,14 +91,14 @@ class BudgetedKV:
         self.shields: list = [] if not sinks else [Protection.prefix(sinks)]
         if protect is not None:
             self.shields.append(protect)
+        self.given_shields = list(self.shields)  # as given; each allocation fits them to its batch
         self.listeners: list = []
         self.reset()
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Empty storage shaped after a first chunk (B, H_kv, T, D)."""
         b, h = key.shape[:2]
-        for shield in self.shields:
-            shield.check_batch(b)
+        self.shields = [shield.for_batch(b) for shield in self.given_shields]
         self.store.allocate(key, value)
         self.slots = SlotTable(b, h, key.device)
         self.compressions = 0

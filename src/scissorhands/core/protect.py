@@ -98,10 +98,23 @@ class Protection:
         """Protected tokens per sequence (overlaps counted once; a span past the end still counts whole)."""
         return [_merged_length(r) for r in self.rows]
 
-    def check_batch(self, batch: int) -> None:
-        """One-line ``ValueError`` if per-sequence spans do not match the batch."""
-        if len(self.rows) not in (1, batch):
-            raise ValueError(f"protect: {len(self.rows)} per-sequence span lists for a batch of {batch} sequences")
+    def for_batch(self, batch: int) -> Protection:
+        """The protection of a batch of ``batch`` rows.
+
+        Shared spans apply to every row. Per-sequence spans apply to a batch of
+        that many sequences, or to one expanded ``k`` times (``num_beams``,
+        ``num_return_sequences``): transformers repeats each sequence ``k``
+        times in place, so row ``i`` gets the spans of sequence ``i // k``.
+        Anything else is a one-line ``ValueError``.
+        """
+        n = len(self.rows)
+        if n in (1, batch):
+            return self
+        if batch % n:
+            raise ValueError(f"protect: {n} per-sequence span lists for a batch of {batch} sequences "
+                             f"(a batch must hold each sequence the same number of times)")
+        k = batch // n
+        return Protection([row for row in self.rows for _ in range(k)])
 
     def mask(self, positions: torch.Tensor) -> torch.Tensor:
         """Which slots hold a protected position: bool, shaped like ``positions`` (B, H_kv, L)."""
