@@ -207,3 +207,49 @@ def test_bench_takes_methods_as_eval_does(tmp_path):
     assert names == ["full", "scissorhands 0.5", "tova 0.5", "full at 32"]
     assert [r["method"] for r in result["decode"][0]["ratios"]] == ["scissorhands", "tova"]
     assert all(v["bytes_match"] for v in result["decode"][0]["variants"])
+
+
+def test_a_folder_holding_an_earlier_run_is_refused_or_replaced_whole(capsys, tmp_path):
+    """A second bench into one folder is refused; with --replace, no file of the earlier run survives."""
+    folder = save_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "out"
+    quick = ["bench", "--model", str(folder), "--seq-len", "64", "--batches", "1", "--budgets", "0.5", "--steps",
+             "2", "--warmup", "1", "--out", str(out)]
+    assert main([*quick, "--parts", "decode,maxbatch", "--memory", "1MiB", "--fit", "cache", "--cap-prompt", "32",
+                 "--cap-new", "4", "--cap-limit", "2"]) == 0
+    assert (out / "max_batch.png").exists()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    code, err = run_in_process(capsys, *quick, "--parts", "decode")
+    assert code == 2 and err.strip().splitlines() == [
+        f"scissorhands: error: out: {str(out)!r} holds an earlier bench run (bench.json); give another folder, or "
+        "--replace to replace that run"], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing touched
+    assert main([*quick, "--parts", "decode", "--replace"]) == 0
+    assert not (out / "max_batch.png").exists()  # no plot of a part this run did not measure
+    assert set(json.loads((out / "bench.json").read_text())["config"]["parts"]) == {"decode"}
+
+
+def test_ctrl_c_keeps_the_points_already_measured(capsys, tmp_path, monkeypatch):
+    import scissorhands.tools.bench as bench
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "out"
+    real, calls = bench.decode_point, []
+
+    def interrupted_second(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bench, "decode_point", interrupted_second)
+    code = main(["bench", "--model", str(folder), "--seq-len", "32,64", "--batches", "1", "--budgets", "0.5",
+                 "--steps", "2", "--warmup", "1", "--parts", "decode", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.rstrip().endswith("scissorhands: interrupted"), err
+    result = json.loads((out / "bench.json").read_text())
+    assert result["interrupted"] is True
+    assert [p["context"] for p in result["decode"]] == [32]
+    assert (out / "tables.md").read_text().count("| 32 |") >= 1

@@ -102,6 +102,14 @@ def make_inputs(folder: Path) -> None:
                                                          "layers": "not a table"}))
     (folder / "big.json").write_text("Now is the winter of our discontent. " * 40)
     (folder / "sched.json").write_text(json.dumps({"budgets": [20, 20]}))
+    (folder / "evalout").mkdir()
+    (folder / "evalout" / "summary.md").write_text("Now is the winter of our discontent. " * 40)
+    (folder / "aout2").mkdir()
+    (folder / "aout2" / "tables.md").write_text("Now is the winter of our discontent. " * 40)
+    (folder / "benchdone").mkdir()
+    (folder / "benchdone" / "bench.json").write_text('{"config": {}}')
+    (folder / "benchsched").mkdir()
+    (folder / "benchsched" / "bench.json").write_text(json.dumps({"budgets": [20, 20]}))
 
 
 def snapshot(*folders: Path) -> dict:
@@ -121,6 +129,7 @@ D = ["demo", "--model", "{tiny}"]
 E = ["eval", "--model", "{tiny}", "--out", "out", "--text", "prompt.txt"]
 A = ["analyze", "--model", "{tiny}", "--out", "aout", "--text", "prompt.txt"]
 P = ["--prompt", "hi"]
+B = ["bench", "--model", "{tiny}", "--out", "bout"]
 
 CASES = [
     # generate: cache settings
@@ -262,6 +271,13 @@ CASES = [
     ("analyze-out-under-file", [*A[:4], "afile/sub", *A[5:]], "out"),
     ("analyze-from-json-random-bytes", [*A, "--from-json", "random.json"], "from-json"),
     ("analyze-from-json-missing", [*A, "--from-json", "missing.json"], "from-json"),
+    ("eval-out-over-text", [*E[:4], "evalout", "--text", "evalout/summary.md"], "out"),
+    ("analyze-out-over-text", [*A[:4], "aout2", "--text", "aout2/tables.md"], "out"),
+    ("bench-out-holds-an-earlier-run", [*B, "--out", "benchdone"], "out"),
+    ("bench-out-over-schedule", [*B, "--out", "benchsched", "--schedule", "benchsched/bench.json"], "out"),
+    ("bench-cap-prompt-past-positions", [*B, "--memory", "1GiB", "--cap-prompt", "9000", "--parts", "maxbatch"],
+     "cap-prompt"),
+    ("bench-seq-len-past-positions", [*B, "--seq-len", "5000", "--parts", "decode"], "seq-len"),
 ]
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import scissorhands
@@ -543,3 +545,72 @@ def test_results_are_keyed_by_file_contents_not_paths(tmp_path):
     assert key(text, sched) == first
     text.write_text("other text " * 50)
     assert key(text, sched) != first
+
+
+NAMES = ["a.json", "b.txt", "sub/a.json", "sub/../a.json", "./b.txt", "c.png"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(outputs=st.lists(st.sampled_from(NAMES), min_size=1, max_size=3),
+       inputs=st.lists(st.sampled_from(NAMES + [None]), min_size=1, max_size=3))
+def test_outputs_colliding_with_inputs_or_each_other_are_refused(tmp_path, outputs, inputs):
+    """Random output and input paths (some spelt differently for one file): refused exactly when two name
+    one file, with the option of the output and of the input or other output it meets."""
+    from scissorhands.tools.paths import check_apart
+
+    root = tmp_path / "case"
+    (root / "sub").mkdir(parents=True, exist_ok=True)
+    for name in NAMES:
+        (root / name).write_text("x")  # inputs exist; an output may or may not
+    ins = {f"in{i}": None if n is None else root / n for i, n in enumerate(inputs)}
+    outs = {f"out{i}": [root / n] for i, n in enumerate(outputs)}
+    canon = [os.path.normpath(n) for n in outputs]
+    hits_input = any(n is not None and os.path.normpath(n) in canon for n in inputs)
+    hits_output = len(set(canon)) < len(canon)
+    if hits_input or hits_output:
+        with pytest.raises(ValueError, match=r"^out\d: '.*' (would overwrite the --in\d file|is also written by "
+                                             r"--out\d)"):
+            check_apart(outs, ins)
+    else:
+        check_apart(outs, ins)
+
+
+def test_a_folder_in_use_by_another_run_is_refused(tmp_path, text_file):
+    """Two evals into one --out at once would both compute and append every row: the second is refused."""
+    from scissorhands.tools.paths import exclusive
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with exclusive(out, "out"):
+        with pytest.raises(ValueError, match=r"^out: '.*' is in use by another run at this moment"):
+            grid(out, text_file)
+    assert not (out / RESULTS_FILE).exists()
+    first = grid(out, text_file)  # free again: runs, then a rerun reuses every row and appends none
+    lines = (out / RESULTS_FILE).read_text().splitlines()
+    again = grid(out, text_file)
+    assert [(r["key_id"], r["value"]) for r in again] == [(r["key_id"], r["value"]) for r in first]
+    assert (out / RESULTS_FILE).read_text().splitlines() == lines
+
+
+def test_a_method_without_a_recent_window_gets_advice_that_can_help(tmp_path, capsys, caplog):
+    """tova fixes recent=0 (warned, naming both values); the residual error then says what can help."""
+    folder = save_tiny_model(tmp_path / "tiny")
+    with caplog.at_level(logging.WARNING):
+        code = scissorhands.tools.cli.main(["generate", "--model", str(folder), "--method", "tova", "--recent", "8",
+                                            "--kv-bits", "4", "--kv-residual", "4", "--budget", "32", "--prompt",
+                                            "hi", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "method 'tova' fixes recent=0; the given recent=8 is not used" in caplog.text
+    assert "kv_residual:" in err and "recent is 0" in err and "set kv_residual to 0" in err
+    assert "raise recent" not in err
+
+
+def test_an_explicit_schedule_is_what_the_banner_prints(tmp_path, capsys):
+    folder = save_tiny_model(tmp_path / "tiny")
+    layers = AutoModelForCausalLM.from_pretrained(folder).config.num_hidden_layers
+    sched = ",".join(["20"] * layers)
+    code, _, err = run_cli(capsys, "generate", "--model", str(folder), "--budget", "50", "--schedule", sched,
+                           "--prompt", "hello there, friend of mine", "--max-new-tokens", "3")
+    assert code == 0, err
+    assert f"budget {sched} per layer (an explicit --schedule; --budget 50 is not used)" in err

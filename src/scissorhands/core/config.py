@@ -232,9 +232,12 @@ class CacheSettings:
         residual = self.residual_for(layer_budget, evicts)
         recent = self.recent_for(layer_budget)
         if evicts and residual > recent:
+            advice = ("raise recent, lower kv_residual, or set it to 0" if self.recent else
+                      "recent is 0, so no token is safe from eviction: set kv_residual to 0, or use a method "
+                      "that keeps a recent window")
             raise ValueError(f"kv_residual: must be <= the recent window of every layer, so that no eviction "
                              f"touches it; a layer of budget {layer_budget} keeps {recent} recent tokens, got "
-                             f"kv_residual={self.kv_residual} (raise recent, lower kv_residual, or set it to 0)")
+                             f"kv_residual={self.kv_residual} ({advice})")
         return residual
 
     def with_budget(self, budget: int) -> ScissorhandsConfig:

@@ -456,8 +456,13 @@ def machine() -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version()}
 
 
-def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
-    """Run the parts ``cfg.parts`` asks for; a JSON-ready dict with the config and the machine beside the results."""
+def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] | None = None,
+              result: dict | None = None) -> dict:
+    """Run the parts ``cfg.parts`` asks for; a JSON-ready dict with the config and the machine beside the results.
+
+    ``result``, if given, is filled in place as each point finishes, so a caller
+    that is interrupted still holds what was measured.
+    """
     say = progress or (lambda _msg: None)
     facts = model_facts(model)
     limit = facts.max_positions
@@ -469,8 +474,9 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] | None = 
         longest, option = max(lengths)
         if longest > limit:
             raise ValueError(f"{option}: {longest} tokens exceed the model's {limit} positions")
-    result: dict = {"config": cfg.record(), "machine": machine(), "model": facts.model_type,
-                    "dtype": str(next(model.parameters()).dtype), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    result = {} if result is None else result
+    result.update({"config": cfg.record(), "machine": machine(), "model": facts.model_type,
+                   "dtype": str(next(model.parameters()).dtype), "time": time.strftime("%Y-%m-%d %H:%M:%S")})
     if "decode" in cfg.parts:
         result["decode"] = []
         for context in cfg.contexts:
@@ -543,7 +549,10 @@ def tables(result: dict) -> str:
                      f"RSS growth after fill {s.get('rss_growth_after_fill', float('nan')):+.2%}; "
                      f"tokens/s last/first {s.get('speed_window_tokens', 0)} tokens "
                      f"{s.get('speed_last_over_first', float('nan')):.3f}")
-    lines.append(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB")
+    if "peak_rss_bytes" in result:
+        lines.append(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB")
+    if result.get("interrupted"):
+        lines.append("interrupted: only the points above were measured")
     return "\n".join(lines)
 
 

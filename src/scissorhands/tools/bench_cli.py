@@ -61,6 +61,8 @@ def add_parser(subparsers):
     opt("--threads", WHOLE, 0, "torch threads (0: leave as is)")
     opt("--seed", WHOLE, d.seed, "seed of the random prompts")
     g.add_argument("--out", default="bench-out", help="output folder: bench.json, tables.md and PNG plots")
+    g.add_argument("--replace", action="store_true",
+                   help="--out may hold an earlier bench run: remove its files first (refused otherwise)")
     return p
 
 
@@ -88,25 +90,58 @@ def config_from_args(args, settings):
 
 
 def run(args, settings, check_model_args) -> int:
-    """Run ``scissorhands bench``: check everything, load the model, measure, write JSON, tables and plots."""
+    """Run ``scissorhands bench``: check everything, load the model, measure, write JSON, tables and plots.
+
+    The output folder may not hold an earlier run's ``bench.json`` unless
+    ``--replace`` is given, which removes every file an earlier run wrote
+    (so no plot of a part this run skips is left beside its results). On
+    Ctrl-C, the parts and points finished so far are written, marked
+    ``"interrupted": true``, before the interrupt goes on.
+    """
     import torch
 
     from .bench import plot, run_bench, tables
     from .models import load_model, resolve_dtype
-    from .paths import check_output_folder
+    from .paths import check_apart, check_output_folder
 
     cfg, threads = config_from_args(args, settings)
     check_model_args(args)
     out = check_output_folder(args.out, "out", _OUTPUT_FILES)
+    check_apart({"out": [out / f for f in _OUTPUT_FILES]},
+                {"schedule": settings.schedule if isinstance(settings.schedule, str) else None,
+                 "kv-key-centers": settings.kv_key_centers})
+    if (out / "bench.json").exists() and not args.replace:
+        raise ValueError(f"out: {str(out)!r} holds an earlier bench run (bench.json); give another folder, or "
+                         "--replace to replace that run")
     if threads:
         torch.set_num_threads(threads)
     model, _ = load_model(args.model, dtype=resolve_dtype(args.dtype), device=args.device)
-    result = run_bench(model, cfg, progress=lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
+    result: dict = {}
+    try:
+        run_bench(model, cfg, progress=lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True),
+                  result=result)
+    except KeyboardInterrupt:
+        if any(result.get(part) for part in ("decode", "prefill", "maxbatch", "soak")):
+            result["interrupted"] = True
+            result["model_name"] = args.model
+            _write(result, out, tables, plot, args.replace)
+            print(f"bench: interrupted; the measurements finished so far are in {out / 'bench.json'}",
+                  file=sys.stderr, flush=True)
+        raise
     result["model_name"] = args.model
+    print(_write(result, out, tables, plot, args.replace))
+    return 0
+
+
+def _write(result: dict, out, tables, plot, replace: bool) -> str:
+    """Write bench.json, tables.md and the plots (removing an earlier run's files first with ``replace``)."""
     out.mkdir(parents=True, exist_ok=True)
+    if replace:
+        for name in _OUTPUT_FILES:
+            if (out / name).is_file():
+                (out / name).unlink()
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     text = tables(result)
     (out / "tables.md").write_text(text + "\n")
     plot(result, out)
-    print(text)
-    return 0
+    return text

@@ -17,6 +17,7 @@ from scissorhands.core.methods import METHODS, get_method
 from scissorhands.core.settings import declared
 
 from .cliargs import Parser, add_cache_args, add_model_args, alias
+from .paths import check_apart
 
 
 def _finite(text: str) -> float:
@@ -167,16 +168,17 @@ def _check_trust_args(args) -> None:
         for out in outputs:
             if not os.access(out if out.exists() else parent, os.W_OK):
                 raise ValueError(f"audit: cannot write {str(out)!r}")
-        inputs = {"prompt-file": getattr(args, "prompt_file", None), "kv-key-centers": getattr(args, "kv_key_centers",
-                  None), "schedule": getattr(args, "schedule", None)}
-        for option, given in inputs.items():
-            if isinstance(given, (str, Path)) and any(_same_file(given, out) for out in outputs):
-                raise ValueError(f"audit: {str(args.audit)!r} would overwrite the --{option} file {str(given)!r}")
+        check_apart({"audit": list(outputs)}, _input_files(args))
 
 
-def _same_file(a, b) -> bool:
-    """Whether two paths name one file (existing or not)."""
-    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+def _input_files(args) -> dict:
+    """The files a command reads, by option (``check_apart`` skips values that are not files)."""
+    names = ("prompt_file", "kv_key_centers", "schedule", "text", "data", "from_json")
+    found = {n.replace("_", "-"): getattr(args, n, None) for n in names}
+    tasks = getattr(args, "tasks", None)
+    for i, t in enumerate(tasks.split(",") if isinstance(tasks, str) else []):
+        found["tasks" if i == 0 else f"tasks ({t.strip()})"] = t.strip()
+    return found
 
 
 def _chat(args, tokenizer, prompt: str) -> tuple[str, int | None]:
@@ -366,6 +368,9 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
         config = generate_config(args, len(tokenizer(prompt)["input_ids"]) + args.max_new_tokens)
         assert config is not None
         label_budget = f"{args.budget:g} ({config.budget} tokens)"
+    if isinstance(config.schedule, tuple):  # an explicit list fixes every layer's budget
+        label_budget = (f"{','.join(str(b) for b in config.schedule)} per layer (an explicit --schedule; --budget "
+                        f"{args.budget:g} is not used)")
     spans, watched = _protection(args, model, tokenizer, prompt, n_system, config)
     audit = None
     if args.audit is not None:
@@ -462,7 +467,9 @@ def _run_eval(args) -> int:
         check = getattr(task, "check", None)
         if check is not None:
             check()
-    out = check_output_folder(args.out, "out", (RESULTS_FILE, "summary.md", *(f"{t.name}.png" for t in tasks)))
+    files = (RESULTS_FILE, "summary.md", *(f"{t.name}.png" for t in tasks))
+    out = check_output_folder(args.out, "out", files)
+    check_apart({"out": [out / f for f in files]}, _input_files(args))
     check_results_file(out / RESULTS_FILE)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     results = run_grid(model, tokenizer, model_name=args.model, tasks=tasks, methods=methods, budgets=budgets,
@@ -553,8 +560,7 @@ def _run_calibrate(args) -> int:
     text = "\n\n".join(t for _, t in load_texts(str(args.text), "text"))
     if args.out.suffix != ".json":
         raise ValueError(f"out: must be a .json file, got {str(args.out)!r}")
-    if _same_file(args.out, args.text):
-        raise ValueError(f"out: {str(args.out)!r} would overwrite the --text file")
+    check_apart({"out": [args.out]}, {"text": args.text})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(args.out if args.out.exists() else args.out.parent, os.W_OK) or args.out.is_dir():
         raise ValueError(f"out: cannot write {str(args.out)!r}")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -64,3 +66,63 @@ def check_output_folder(path: str | Path, name: str, files: tuple[str, ...] = ()
         except OSError as e:
             raise ValueError(f"{name}: cannot write {str(q)!r} ({e.strerror or e})") from None
     return p
+
+
+def same_path(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file, existing or not (``~`` expanded, links and ``..`` resolved)."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return os.path.samefile(pa, pb)  # also hard links and case-insensitive names
+    return pa.resolve() == pb.resolve()
+
+
+def check_apart(outputs: dict[str, list[str | Path]], inputs: dict[str, object]) -> None:
+    """Refuse, before any work, an output that would overwrite an input or another output of the same run.
+
+    Parameters
+    ----------
+    outputs : dict
+        Option name (as the user typed it, without ``--``) to the paths written under it.
+    inputs : dict
+        Option name to the value given; values that are not paths (``None``, a
+        task name, a list of budgets) are skipped, so callers may pass options
+        as they are.
+
+    Raises
+    ------
+    ValueError
+        ``"<output option>: '<path>' would overwrite the --<input option> file '<path>'"``, or
+        ``"... is also written by --<other option>"``.
+    """
+    files = [(name, p) for name, paths in outputs.items() for p in paths]
+    for name, out in files:
+        for option, given in inputs.items():
+            if isinstance(given, (str, Path)) and str(given) and Path(given).expanduser().is_file() \
+                    and same_path(given, out):
+                raise ValueError(f"{name}: {str(out)!r} would overwrite the --{option} file {str(given)!r}")
+    for i, (name, out) in enumerate(files):
+        for other, out2 in files[i + 1:]:
+            if same_path(out, out2):
+                raise ValueError(f"{name}: {str(out)!r} is also written by --{other}")
+
+
+@contextlib.contextmanager
+def exclusive(folder: Path, name: str) -> Iterator[None]:
+    """Hold ``folder`` for one run: a second run into it at the same time is refused, not interleaved.
+
+    Two runs appending to one results file would each compute and write every
+    row. The hold is an advisory ``flock`` on ``folder/.scissorhands.lock``,
+    released when the run ends or its process dies; the empty file stays.
+    """
+    import fcntl
+
+    fd = os.open(folder / ".scissorhands.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{name}: {str(folder)!r} is in use by another run at this moment; wait for it to "
+                             "finish, or give another folder") from None
+        yield
+    finally:
+        os.close(fd)

@@ -89,7 +89,7 @@ def settings_from_args(args) -> AnalysisSettings:
 def run(args) -> int:
     """Run ``scissorhands analyze``; writes ``analysis.json``, the calibrated schedule and plots to ``--out``."""
     from ..models import load_model
-    from ..paths import check_output_folder
+    from ..paths import check_apart, check_output_folder
     from ..text import load_texts
     from .pipeline import analyze
     from .report import save_json
@@ -97,6 +97,8 @@ def run(args) -> int:
     if args.from_json is not None:
         result = _read_result(Path(args.from_json))
         out = check_output_folder(args.out, "out", _OUTPUT_FILES)
+        redrawn = [f for f in _OUTPUT_FILES if f != "analysis.json"]  # a redraw reads analysis.json, never writes it
+        check_apart({"out": [out / f for f in redrawn]}, {"from-json": args.from_json})
         return _redraw(result, out)
     settings = settings_from_args(args)  # check every option before the slow model load
     if args.text is not None and args.text != "shakespeare" and not Path(args.text).expanduser().exists():
@@ -105,6 +107,7 @@ def run(args) -> int:
     if not str(args.model).strip():
         raise ValueError("model: is empty")
     out = check_output_folder(args.out, "out", _OUTPUT_FILES)
+    check_apart({"out": [out / f for f in _OUTPUT_FILES]}, {"text": args.text})
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
     _check_lengths(model, settings)

@@ -21,6 +21,7 @@ from scissorhands.core.stores.packed import packed_bytes_per_token_head
 from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup
 
+from ..paths import exclusive
 from ..stats import paired_difference
 from .base import Task
 
@@ -308,46 +309,47 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                 _check_distinct_budgets(task, items, method, budgets, base)
         all_items.append(items)
     out_dir.mkdir(parents=True, exist_ok=True)
-    existing = _open_for_append(path, "out")
-    done = {r["key_id"]: r for r in existing if "key_id" in r} if resume else {}
-    results = []
-    for task, items in zip(tasks, all_items):
-        task_id = task_identity(task)
-        for method in methods:
-            protected = base.protected  # the floor of resolve_budget, as the recorded results always used
-            for spec in ([None] if method.is_full else budgets):
-                key = run_key(model_id, task_id, method, spec, base, limit, seed)
-                kid = key_id(key)
-                if kid in done:
-                    results.append(done[kid])
-                    continue
-                start = time.perf_counter()
-                scores, budgets_used = [], []
-                desc = f"{task.name} {method.name} {'full' if spec is None else spec}"
-                for item in tqdm(items, desc=desc, leave=False):
-                    budget = None if spec is None else resolve_budget(spec, item.length, protected)
-                    budgets_used.append(item.length if budget is None else min(budget, item.length))
-                    scores.append(task.score(model, item, ScoreSetup(method, budget, base, seed)))
-                metrics = task.aggregate(scores)
-                mean_len = sum(i.length for i in items) / len(items)
-                mean_budget = sum(budgets_used) / len(budgets_used)
-                rec = {
-                    "task": task.name, "method": method.name, "budget": _jsonable(spec), "model": model_name,
-                    "metric": task.main_metric, "value": metrics[task.main_metric], "metrics": metrics,
-                    "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
-                    "kv_bytes": mean_budget * kv_bytes_per_token(model, method.resolve(base))
-                    + kv_residual_bytes(model, method.resolve(base), mean_budget, evicts=not method.is_full),
-                    "full_kv_bytes": mean_len * per_token,
-                    "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
-                    "config": _jsonable(method.resolve(base).as_dict()),
-                    "key_id": kid, "key": key,
-                    "item_scores": scores,
-                }
-                with path.open("a") as f:
-                    f.write(json.dumps(_jsonable(rec)) + "\n")
-                logger.info("%s: %s=%.4f (%.1f s)", desc, task.main_metric, rec["value"], rec["wall_s"])
-                results.append(rec)
-    return results
+    with exclusive(out_dir, "out"):  # two runs into one folder at once would both write every row
+        existing = _open_for_append(path, "out")
+        done = {r["key_id"]: r for r in existing if "key_id" in r} if resume else {}
+        results = []
+        for task, items in zip(tasks, all_items):
+            task_id = task_identity(task)
+            for method in methods:
+                protected = base.protected  # the floor of resolve_budget, as the recorded results always used
+                for spec in ([None] if method.is_full else budgets):
+                    key = run_key(model_id, task_id, method, spec, base, limit, seed)
+                    kid = key_id(key)
+                    if kid in done:
+                        results.append(done[kid])
+                        continue
+                    start = time.perf_counter()
+                    scores, budgets_used = [], []
+                    desc = f"{task.name} {method.name} {'full' if spec is None else spec}"
+                    for item in tqdm(items, desc=desc, leave=False):
+                        budget = None if spec is None else resolve_budget(spec, item.length, protected)
+                        budgets_used.append(item.length if budget is None else min(budget, item.length))
+                        scores.append(task.score(model, item, ScoreSetup(method, budget, base, seed)))
+                    metrics = task.aggregate(scores)
+                    mean_len = sum(i.length for i in items) / len(items)
+                    mean_budget = sum(budgets_used) / len(budgets_used)
+                    rec = {
+                        "task": task.name, "method": method.name, "budget": _jsonable(spec), "model": model_name,
+                        "metric": task.main_metric, "value": metrics[task.main_metric], "metrics": metrics,
+                        "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
+                        "kv_bytes": mean_budget * kv_bytes_per_token(model, method.resolve(base))
+                        + kv_residual_bytes(model, method.resolve(base), mean_budget, evicts=not method.is_full),
+                        "full_kv_bytes": mean_len * per_token,
+                        "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
+                        "config": _jsonable(method.resolve(base).as_dict()),
+                        "key_id": kid, "key": key,
+                        "item_scores": scores,
+                    }
+                    with path.open("a") as f:
+                        f.write(json.dumps(_jsonable(rec)) + "\n")
+                    logger.info("%s: %s=%.4f (%.1f s)", desc, task.main_metric, rec["value"], rec["wall_s"])
+                    results.append(rec)
+        return results
 
 
 def _fmt(rec: dict) -> str:
