@@ -196,7 +196,7 @@ def _writes_are_refused(folder: Path) -> bool:
     return False
 
 
-@pytest.mark.parametrize("command", ["eval", "analyze"])
+@pytest.mark.parametrize("command", ["eval", "analyze", "generate --audit"])
 def test_read_only_output_folder(tmp_path, capsys, monkeypatch, command, text_file):
     """A read-only --out fails before the model loads, naming ``out`` and the folder.
 
@@ -216,12 +216,18 @@ def test_read_only_output_folder(tmp_path, capsys, monkeypatch, command, text_fi
             monkeypatch.setattr(tempfile, "mkstemp", refuse)
         loads = []
         monkeypatch.setattr(models_module, "load_model", lambda *a, **k: loads.append(a))
-        extra = ["--text", str(text_file)]
-        code, _, err = cli(capsys, command, "--model", "x", "--out", str(folder / "sub"), *extra)
+        if command == "generate --audit":
+            option = "audit"
+            code, _, err = cli(capsys, "generate", "--model", "x", "--budget", "40", "--prompt", "hi", "--audit",
+                               str(folder / "audit.json"))
+        else:
+            option = "out"
+            code, _, err = cli(capsys, command, "--model", "x", "--out", str(folder / "sub"), "--text",
+                               str(text_file))
     finally:
         folder.chmod(0o755)
     line = one_line(err)
-    assert code == 2 and line.startswith("scissorhands: error: out: cannot write in") and str(folder) in line
+    assert code == 2 and line.startswith(f"scissorhands: error: {option}: cannot write in") and str(folder) in line
     assert loads == [] and list(folder.iterdir()) == []
 
 

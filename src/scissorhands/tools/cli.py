@@ -165,9 +165,10 @@ def _check_trust_args(args) -> None:
             raise ValueError(f"audit: {str(args.audit)!r} is where the JSON goes, and its heat map is written beside "
                              "it as .png; give a .json name")
         outputs = (args.audit, args.audit.with_suffix(".png"))
-        for out in outputs:
-            if not os.access(out if out.exists() else parent, os.W_OK):
-                raise ValueError(f"audit: cannot write {str(out)!r}")
+        from .paths import check_output_folder
+
+        # Probed with a real file, as for --out: permission bits do not tell on a read-only mount or for root.
+        check_output_folder(parent, "audit", tuple(o.name for o in outputs))
         check_apart({"audit": list(outputs)}, _input_files(args))
 
 
