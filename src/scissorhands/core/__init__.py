@@ -8,15 +8,44 @@ with those blocked), so that any engine's adapter can drive it: the
 transformers adapter is :mod:`scissorhands.hf`.
 """
 
-from .audit import EvictionAudit
-from .budget import resolve_budget
-from .budgeted import BudgetedKV
-from .config import DEFAULTS, CacheSettings, ScissorhandsConfig
-from .facts import ModelFacts
-from .methods import METHODS, EvictionMethod, LayerView, get_method, register
-from .protect import Protection
-from .schedule import layer_budgets
-from .state import TokenState
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .audit import EvictionAudit
+    from .budget import resolve_budget
+    from .budgeted import BudgetedKV
+    from .config import DEFAULTS, CacheSettings, ScissorhandsConfig
+    from .facts import ModelFacts
+    from .methods import METHODS, EvictionMethod, LayerView, get_method, register
+    from .protect import Protection
+    from .schedule import layer_budgets
+    from .state import TokenState
+
+# Each public name and the module that defines it, imported on first use (PEP 562), so that
+# importing the package (or a light module in it, such as the settings) does not import torch.
+_WHERE = {name: module for module, names in {
+    ".audit": ("EvictionAudit",),
+    ".budget": ("resolve_budget",),
+    ".budgeted": ("BudgetedKV",),
+    ".config": ("DEFAULTS", "CacheSettings", "ScissorhandsConfig",),
+    ".facts": ("ModelFacts",),
+    ".methods": ("METHODS", "EvictionMethod", "LayerView", "get_method", "register",),
+    ".protect": ("Protection",),
+    ".schedule": ("layer_budgets",),
+    ".state": ("TokenState",),
+}.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULTS",

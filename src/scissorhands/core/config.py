@@ -66,9 +66,11 @@ def _odd(name, value):
 
 
 def _store_name(name, value):
-    from .stores import STORES  # the registry fills as stores register; read it when checking
+    if value is None:
+        return value
+    from .stores import STORES  # the registry fills as stores register; read it when checking (imports torch)
 
-    if value is not None and (not isinstance(value, str) or value not in STORES):
+    if not isinstance(value, str) or value not in STORES:
         raise ValueError(f"{name}: must be a registered store ({', '.join(STORES)}) or None, got {value!r}")
     return value
 

@@ -12,8 +12,6 @@ import functools
 import json
 import sys
 
-from scissorhands.core.methods import get_method
-
 from .bench_config import BenchConfig, parse_size
 from .cliargs import NAMES, NUMBERS, WHOLE, WHOLES, add_cache_args, add_model_args, alias, arg_type
 from .cliargs import option as add_option
@@ -77,6 +75,8 @@ def config_from_args(args, settings):
         raise ValueError(f"threads: must be >= 0, got {args.threads}")
     if len(set(args.methods)) != len(args.methods):
         raise ValueError(f"methods: a method is listed twice in {','.join(args.methods)}")
+    from scissorhands.core.methods import get_method
+
     for name in args.methods:
         get_method(name)  # one line naming methods for an unknown one
     return BenchConfig(

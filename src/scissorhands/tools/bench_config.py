@@ -10,7 +10,6 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from scissorhands.core.config import CacheSettings
-from scissorhands.core.methods import get_method
 
 PARTS = ("decode", "prefill", "maxbatch", "soak")
 FIT_MODES = ("rss", "cache")
@@ -78,6 +77,8 @@ class BenchConfig:
     def __post_init__(self):
         if not self.methods:
             raise ValueError("methods: is empty")
+        from scissorhands.core.methods import get_method  # imports torch; not at module level (--help)
+
         for name in self.methods:
             if get_method(name).is_full:
                 raise ValueError("methods: 'full' is always measured (the full cache and the reference point); "

@@ -13,7 +13,7 @@ from pathlib import Path
 from scissorhands import __version__
 from scissorhands.core.budget import check_budget_spec, resolve_budget
 from scissorhands.core.config import CacheSettings, ScissorhandsConfig
-from scissorhands.core.methods import METHODS, get_method
+from scissorhands.core.names import method_names
 from scissorhands.core.settings import declared
 
 from .cliargs import Parser, add_cache_args, add_model_args, alias
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(ev)
     add_cache_args(ev, with_budget=False)
     ev.add_argument("--methods", default="full,scissorhands,h2o,tova,streaming",
-                    help=f"comma list of: {', '.join(METHODS)}")
+                    help=f"comma list of: {method_names()}")
     ev.add_argument("--budgets", default="0.1,0.2,0.33,0.5",
                     help="comma list: fractions (<= 1) of each sequence's length, or token counts (> 1)")
     ev.add_argument("--tasks", default="ppl", help="comma list: ppl, agreement, lambada, hellaswag, piqa, "
@@ -327,6 +327,8 @@ def memory_line(mem: dict) -> str:
 
 def _method(args):
     try:
+        from scissorhands.core.methods import get_method
+
         return get_method(args.method)  # validate before the slow model load
     except ValueError as e:  # the registry names its 'methods'; this command's option is --method
         raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
@@ -446,6 +448,8 @@ def _run_eval(args) -> int:
 
     base = cache_settings(args)
     _check_schedule_file(base)
+    from scissorhands.core.methods import get_method
+
     methods = [get_method(m) for m in _names(args.methods, "methods")]
     budgets = _eval_budgets(args, base, methods)
     if isinstance(base.schedule, tuple) and len(budgets) > 1:

@@ -13,7 +13,7 @@ import re
 import sys
 
 from scissorhands.core.config import CacheSettings
-from scissorhands.core.methods import METHODS
+from scissorhands.core.names import method_names
 from scissorhands.core.settings import declared, parse_count_or_fraction, parse_float, parse_int
 
 
@@ -76,7 +76,7 @@ def add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = None
                        required=budget_default is None, metavar="B",
                        help="average tokens stored per full-attention layer (a hard peak per layer): a token count "
                        "(> 1), or a fraction (<= 1) of the prompt plus --max-new-tokens, as in eval's --budgets")
-        g.add_argument("--method", default="scissorhands", help=f"eviction method: {', '.join(METHODS)}")
+        g.add_argument("--method", default="scissorhands", help=f"eviction method: {method_names()}")
     for name, default, decl in declared(CacheSettings):
         g = groups.get(decl.group) or groups.setdefault(decl.group, p.add_argument_group(decl.group))
         flag = "--" + name.replace("_", "-")

@@ -1,0 +1,19 @@
+"""Names of the built-in methods, without importing them (they import torch).
+
+The command line's ``--help`` lists these, and must answer before torch is
+imported. A test keeps this tuple equal to the built-in entries of
+:data:`scissorhands.core.methods.METHODS`, in registry order.
+"""
+
+BUILTIN_METHODS = ("full", "scissorhands", "scissorhands-count", "h2o", "local", "random", "streaming", "tova")
+
+
+def method_names() -> str:
+    """The methods for help texts: the built-in ones, and any registered since (if the registry is loaded)."""
+    import sys
+
+    registry = sys.modules.get("scissorhands.core.methods.registry")
+    names = list(BUILTIN_METHODS)
+    if registry is not None:
+        names += [n for n in registry.METHODS if n not in names]
+    return ", ".join(names)
