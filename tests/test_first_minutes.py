@@ -47,3 +47,40 @@ def test_the_help_lists_every_builtin_method_in_registry_order():
     from scissorhands.core.methods import METHODS
 
     assert BUILTIN_METHODS == tuple(n for n in METHODS if METHODS[n].__module__.startswith("scissorhands."))
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.0, 2.5])
+def test_ctrl_c_in_the_first_seconds_is_one_line(tmp_path, delay):
+    """Ctrl-C while Python starts, torch imports or the model loads: one line (or nothing, if it lands before
+    Python's handler exists), never a traceback."""
+    import signal
+    import time
+
+    from conftest import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    proc = subprocess.Popen([sys.executable, "-m", "scissorhands.tools.cli", "generate", "--model", str(folder),
+                             "--budget", "40", "--prompt", "hello", "--max-new-tokens", "500"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert "Traceback" not in err, err
+    if proc.returncode != 0:  # it may have finished before the signal on a fast machine
+        assert proc.returncode in (130, -signal.SIGINT), err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert lines[-1:] in ([], ["scissorhands: interrupted"]), err
+
+
+def test_the_interrupt_line_starts_on_its_own_line_after_a_progress_bar(capsys, monkeypatch):
+    from tqdm.auto import tqdm
+
+    from scissorhands.tools import cli
+
+    bar = tqdm(total=10, desc="working", file=sys.stderr)
+    bar.update(3)
+    code = cli.say("interrupted", 130)
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.endswith("\nscissorhands: interrupted\n")
+    assert "working" in err.split("\nscissorhands: interrupted")[0]

