@@ -84,3 +84,64 @@ def test_the_interrupt_line_starts_on_its_own_line_after_a_progress_bar(capsys, 
     assert code == 130
     assert err.endswith("\nscissorhands: interrupted\n")
     assert "working" in err.split("\nscissorhands: interrupted")[0]
+
+
+def _tiny_generation():
+    import torch
+
+    from conftest import byte_tokenizer_fast, tiny_model
+
+    torch.manual_seed(0)
+    return tiny_model("llama"), byte_tokenizer_fast()
+
+
+def test_answer_cost_is_zero_when_nothing_is_evicted_and_equals_token_by_token_decoding():
+    import torch
+    from transformers import DynamicCache
+
+    from scissorhands import ScissorhandsCache, ScissorhandsConfig
+    from scissorhands.tools.generation import answer_cost
+
+    model, tok = _tiny_generation()
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    answer = torch.randint(3, 100, (12,))
+    same = answer_cost(model, tok, prompt, answer, ScissorhandsConfig(budget=1000))
+    assert abs(same.delta_nll) < 1e-6 and same.tokens == 12  # budget >= length: the full cache's numbers
+    cfg = ScissorhandsConfig(budget=24, recent=4, drop=4)
+    cost = answer_cost(model, tok, prompt, answer, cfg)
+    # The naive reference: feed the prompt, then the answer one token at a time, under each cache.
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    lps = []
+    with torch.no_grad():
+        for cache in (ScissorhandsCache(model, cfg), DynamicCache(config=model.config)):
+            logits = [model(ids, cache=cache).logits[:, -1]]
+            for t in answer[:-1]:
+                logits.append(model(t.view(1, 1), cache=cache).logits[:, -1])
+            lp = torch.log_softmax(torch.cat(logits).float(), -1).gather(-1, answer[:, None])[:, 0]
+            lps.append(lp)
+    assert cost.delta_nll == pytest.approx(float((lps[1] - lps[0]).mean()), abs=1e-5)
+    assert cost.delta_nll != 0.0  # the budget evicted: the cost is measured, not assumed
+    assert cost.tokens == 12 and 0.0 <= cost.agreement <= 1.0
+
+
+def test_compare_full_prints_both_texts_and_the_measured_cost(tmp_path, capsys):
+    from conftest import run_cli, save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    code, out, err = run_cli(capsys, "generate", "--model", str(folder), "--budget", "24", "--recent", "4",
+                             "--prompt", "All work and no play makes Jack a dull boy. " * 3, "--max-new-tokens", "8",
+                             "--compare-full")
+    assert code == 0, err
+    assert out.startswith("--- scissorhands, budget 24 ---\n")
+    assert "\n--- full cache ---\n" in out
+    assert "tokens: " in out and "at most 24 stored per layer and KV head" in out
+    assert "KV bytes: " in out and "cost: " in out and "nats/token" in out and "agrees on" in out
+
+
+def test_the_demo_prompt_is_the_excerpt_and_the_question():
+    from scissorhands.tools.generation import DEMO_QUESTION, demo_chat, demo_prompt
+
+    _, tok = _tiny_generation()
+    text = demo_chat(tok)  # no chat template: plain text
+    assert text.rstrip().endswith(DEMO_QUESTION)
+    assert demo_prompt().startswith(text.split("\n\n" + DEMO_QUESTION)[0])

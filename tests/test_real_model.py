@@ -76,3 +76,20 @@ def test_prefill_equals_token_by_token_on_real_model(smollm):
     torch.testing.assert_close(logits_step.log_softmax(-1), logits_one, rtol=0, atol=1e-4)
     for a, b in zip(one.budgeted_layers, step.budgeted_layers):
         assert torch.equal(a.stored_positions(0), b.stored_positions(0))
+
+
+def test_the_readme_python_snippet_evicts_and_prints_what_it_says(capsys):
+    """The README's first Python block, run as written: the printed lines equal the comments beside them
+    (tokens seen, the peak held at the budget, the packed reduction), so the snippet shows eviction."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"## Use it from Python\n\n```python\n(.*?)```", readme, re.S).group(1)
+    promised = [line.split("# ", 1)[1].split(":")[0].strip() for line in block.splitlines()
+                if line.startswith("print(") and "# " in line]
+    exec(compile(block, "README.md", "exec"), {})
+    printed = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert printed == promised
+    seen, stored = re.match(r"(\d+) tokens seen, (\d+) stored", printed[0]).groups()
+    assert int(stored) == 400 < int(seen)

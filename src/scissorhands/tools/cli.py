@@ -115,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--tokens", type=int, default=2048, help="tokens of the text to run through the model")
     cal.add_argument("--out", type=Path, required=True, help="JSON file to write")
 
-    demo = sub.add_parser("demo", allow_abbrev=False, help="generate from the opening of Hamlet on the default model")
+    demo = sub.add_parser("demo", allow_abbrev=False, help="ask the default model about the opening of Hamlet "
+                          "(~1,000 tokens) at a budget of 200, beside the full cache, with the measured cost")
     add_model_args(demo)
-    add_cache_args(demo, budget_default=400)
+    add_cache_args(demo, budget_default=200)
     _add_generation_args(demo, max_new_tokens=64, compare_full=True)
     _add_trust_args(demo)
     return parser
@@ -358,7 +359,7 @@ def generate_config(args, length: int | None = None) -> ScissorhandsConfig | Non
     return method.configure(settings, spec)
 
 
-def _run_generate(args, prompt: str, label_budget: str) -> int:
+def _run_generate(args, prompt, label_budget: str) -> int:
     method = _method(args)
     config = generate_config(args)
     _check_schedule_file(config if config is not None else cache_settings(args))
@@ -369,6 +370,8 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
     from .models import load_model
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    if callable(prompt):  # the demo's prompt needs the tokenizer (its chat template)
+        prompt = prompt(tokenizer)
     prompt, n_system = _chat(args, tokenizer, prompt)
     if config is None:  # a fractional budget: of this prompt and the new tokens
         config = generate_config(args, len(tokenizer(prompt)["input_ids"]) + args.max_new_tokens)
@@ -389,21 +392,55 @@ def _run_generate(args, prompt: str, label_budget: str) -> int:
     result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True,
                       method=method(seed=args.seed), prompt_name=prompt_name, protect=spans or None, audit=audit,
                       **sampling)
-    print(f"prompt: {result.prompt_tokens[0]} tokens; budget {'none' if method.is_full else label_budget}",
-          file=sys.stderr)
+    budget_text = "none" if method.is_full else label_budget
+    print(f"prompt: {result.prompt_tokens[0]} tokens; budget {budget_text}", file=sys.stderr)
+    if args.compare_full:
+        print(f"--- {method.name}, budget {budget_text} ---")
     print(result.texts[0])
     _report(method.name, result)
     if audit is not None:
         _write_audit(args, audit, result.cache, watched)
     if args.compare_full:
+        from .generation import answer_cost
+
         full = generate(model, tokenizer, prompt, None, args.max_new_tokens, progress=True, **sampling)
+        print(f"\n--- full cache ---\n{full.texts[0]}\n")
         _report("full cache", full)
         a, b = result.new_tokens[0], full.new_tokens[0]
         n = min(len(a), len(b))
         diverge = next((i for i in range(n) if a[i] != b[i]), n)
         print(f"[compare] identical to the full cache for the first {diverge} of {n} new tokens; decode "
               f"speed ratio {result.decode_tokens_per_second / full.decode_tokens_per_second:.2f}x", file=sys.stderr)
+        cost = answer_cost(model, tokenizer, prompt, full.new_tokens[0], config, method(seed=args.seed),
+                           protect=spans or None)
+        for line in compare_lines(result.memory, cost):
+            print(line)
     return 0
+
+
+def compare_lines(mem: dict | None, cost) -> list[str]:
+    """The few lines ``--compare-full`` ends with: tokens stored against seen, KV bytes, and the measured cost."""
+    lines = []
+    if mem is not None:
+        layers = [m for m in mem["layers"] if "budget" in m]
+        seen = max((m.get("seen", 0) for m in layers), default=0)
+        peak = mem["peak_stored"]
+        held, full = mem.get("model_kv_bytes", mem["budgeted_kv_bytes"]), mem.get("model_full_kv_bytes",
+                                                                                   mem["full_kv_bytes"])
+        fewer = f" ({seen / peak:.1f}x fewer)" if peak and seen > peak else " (nothing evicted)"
+        lines.append(f"tokens: {seen:,} seen; at most {peak:,} stored per layer and KV head{fewer}")
+        lines.append(f"KV bytes: {_mib(held)} held against {_mib(full)} for the full cache, all "
+                     f"{len(mem['layers'])} layers ({full / held:.1f}x less; importance state "
+                     f"{_mib(mem['importance_bytes'])} more)")
+        if len(layers) < len(mem["layers"]):
+            lines.append(f"          the {len(layers)} budgeted layers alone: {_mib(mem['budgeted_kv_bytes'])} "
+                         f"against {_mib(mem['full_kv_bytes'])}")
+    ci = f" (+-{cost.ci95:.3f})" if math.isfinite(cost.ci95) else ""
+    lines.append(f"cost: {cost.delta_nll:+.3f} nats/token{ci} on the full cache's {cost.tokens}-token answer "
+                 f"(perplexity x{math.exp(cost.delta_nll):.2f}); the budgeted cache's top choice agrees on "
+                 f"{cost.agreement:.0%} of its tokens")
+    lines.append(f"      {cost.reading()}")
+    return lines
 
 
 def _floats(text: str, name: str) -> list[float]:
@@ -543,9 +580,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "calibrate":
             return _run_calibrate(args)
         if args.command == "demo":
-            from .generation import demo_prompt
+            from .generation import demo_chat
 
-            return _run_generate(args, demo_prompt(), str(args.budget))
+            return _run_generate(args, demo_chat, str(args.budget))
     except ValueError as e:  # includes ModelLoadError; messages start with the parameter's name
         return say(f"error: {first_line(e)}", 2)
     except OSError as e:  # a file or folder that could not be read or written

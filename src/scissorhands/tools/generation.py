@@ -15,10 +15,85 @@ from scissorhands.core.methods import EvictionMethod
 from scissorhands.hf.cache import ScissorhandsCache
 from scissorhands.hf.modelinfo import model_facts
 
+from .stats import mean_ci
+
 
 def demo_prompt() -> str:
     """About 2,000 SmolLM2 tokens of real text: the opening of Hamlet (public domain)."""
     return resources.files("scissorhands.tools").joinpath("data/hamlet_act1.txt").read_text()
+
+
+#: The demo's question about its excerpt, and the excerpt's length in the model's tokens.
+DEMO_QUESTION = "Who are the characters in this scene, and what happens?"
+DEMO_EXCERPT_TOKENS = 1000
+
+
+def demo_chat(tokenizer) -> str:
+    """The demo's prompt: the first ~1,000 tokens of Hamlet (cut at a line end) and a question about them.
+
+    Rendered with the model's chat template when it has one (the instruct
+    model then answers about the text instead of continuing it), else as
+    plain text ending in the question.
+    """
+    text = demo_prompt()
+    ids = tokenizer(text)["input_ids"]
+    excerpt = tokenizer.decode(ids[:DEMO_EXCERPT_TOKENS])
+    excerpt = excerpt[: excerpt.rfind("\n")].rstrip() if "\n" in excerpt else excerpt
+    user = f"{excerpt}\n\n{DEMO_QUESTION}"
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                             add_generation_prompt=True)
+    return user + "\n"
+
+
+@dataclass
+class AnswerCost:
+    """How much a budgeted cache loses on a reference answer (the full cache's), teacher-forced.
+
+    ``delta_nll`` is the mean over the answer's tokens of the budgeted cache's
+    negative log-likelihood minus the full cache's, with its 95% half-width
+    (tokens of one answer are not independent, so read it as a guide);
+    ``agreement`` is the share of the answer's tokens that are also the
+    budgeted cache's top choice at that position.
+    """
+
+    delta_nll: float
+    ci95: float
+    agreement: float
+    tokens: int
+
+    def reading(self) -> str:
+        """One line in words."""
+        if self.delta_nll < 0.02:
+            return "the budgeted cache finds the full cache's answer as likely as the full cache does"
+        if self.delta_nll < 0.1:
+            return "a small cost: the budgeted cache finds the full cache's answer slightly less likely"
+        return ("a clear cost at this budget: the budgeted cache finds the full cache's answer markedly less "
+                "likely (raise --budget, or try --prefill prompt-aware)")
+
+
+@torch.no_grad()
+def answer_cost(model, tokenizer, prompt: str, answer: torch.Tensor, config: ScissorhandsConfig,
+                method: EvictionMethod | None = None, protect=None) -> AnswerCost:
+    """The budgeted cache's cost on ``answer`` (token ids, (N,)) after ``prompt``, against the full cache.
+
+    Both caches see the prompt as one chunk and the answer as a second, as in
+    generation (the answer chunk is scored exactly as if decoded token by
+    token with these tokens), so the budgeted side evicts what generation
+    would have evicted.
+    """
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
+    answer = answer.reshape(1, -1).to(model.device)
+    sides = []
+    for cache in (ScissorhandsCache(model, config, method, protect=protect), DynamicCache(config=model.config)):
+        first = model(ids, cache=cache, logits_to_keep=1).logits[:, -1:]
+        rest = model(answer[:, :-1], cache=cache).logits if answer.shape[1] > 1 else first[:, :0]
+        logits = torch.cat([first, rest], dim=1).float()  # (1, N, V): predicts each answer token
+        sides.append((torch.log_softmax(logits, -1).gather(-1, answer[..., None])[0, :, 0], logits.argmax(-1)[0]))
+    (lp_b, top_b), (lp_f, _) = sides
+    delta, ci = mean_ci((lp_f - lp_b).tolist())
+    return AnswerCost(delta_nll=delta, ci95=ci, agreement=float((top_b == answer[0]).float().mean()),
+                      tokens=int(answer.shape[1]))
 
 
 def check_positions(model, prompt_tokens: int, max_new_tokens: int, prompt_name: str = "prompt") -> None:
