@@ -145,3 +145,38 @@ def test_the_demo_prompt_is_the_excerpt_and_the_question():
     text = demo_chat(tok)  # no chat template: plain text
     assert text.rstrip().endswith(DEMO_QUESTION)
     assert demo_prompt().startswith(text.split("\n\n" + DEMO_QUESTION)[0])
+
+
+def test_the_lm_eval_docs_table_is_the_backend_and_the_declarations():
+    from scissorhands.tools.lm_eval_help import model_args_table
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lm_eval.md").read_text()
+    start = text.index("<!-- model-args -->\n") + len("<!-- model-args -->\n")
+    assert text[start:text.index("<!-- /model-args -->")].strip() == model_args_table(), (
+        "docs/lm_eval.md's table is out of date; regenerate it from scissorhands.tools.lm_eval_help")
+    import inspect
+
+    from scissorhands.tools.lm_eval_backend import ScissorhandsLM
+
+    own = [p for p in inspect.signature(ScissorhandsLM.__init__).parameters
+           if p not in ("self", "tokenizer", "max_batch_size", "settings")]
+    assert all(f"| `{name}` |" in text for name in own)  # every argument the backend takes is documented
+
+
+def test_the_lm_eval_command_runs_offline_on_a_shipped_task_and_its_help_names_our_arguments(tmp_path):
+    """The README's lm-eval command, offline, from a folder that is not the repository, on a tiny model."""
+    from conftest import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    env = dict(_env(), HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"))
+    base = [sys.executable, "-m", "scissorhands.tools.lm_eval_backend"]
+    proc = subprocess.run([*base, "--model", "scissorhands", "--model_args", f"model={folder},budget=0.3",
+                           "--tasks", "scissorhands_tiny_mc", "--limit", "2"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "scissorhands_tiny_mc" in proc.stdout and "acc" in proc.stdout
+    helped = subprocess.run([*base, "--help"], capture_output=True, text=True, env=env, timeout=300)
+    assert helped.returncode == 0, helped.stderr[-2000:]
+    assert helped.stdout.startswith("scissorhands model type for lm-eval")
+    for name in ("budget", "method", "recent", "kv_bits", "prefill"):
+        assert f"\n  {name} " in helped.stdout

@@ -1,7 +1,7 @@
 """The lm-evaluation-harness backend: lm-eval's requests, scored through the compressed cache.
 
 A tiny random Llama with the real SmolLM2 tokenizer keeps this quick; the
-task is the local one in tests/data/lm_eval_task (JSONL, read offline).
+task is the one shipped in scissorhands/tools/data/lm_eval (JSONL, read offline).
 """
 
 import math
@@ -20,12 +20,12 @@ from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from scissorhands.tools.lm_eval_backend import ScissorhandsLM
+from scissorhands.tools.lm_eval_help import shipped_tasks_folder
 from scissorhands.tools.models import load_model
 
 pytestmark = pytest.mark.slow  # the tokenizer comes from the embedded default model
 
 REPO = Path(__file__).resolve().parents[1]
-TASK_DIR = REPO / "tests" / "data" / "lm_eval_task"
 TEXT = ("Scissorhands keeps the pivotal tokens of the key-value cache and drops the rest, so that memory "
         "stays bounded while the quality of the model holds up on long inputs.")
 
@@ -68,7 +68,7 @@ def tiny(tokenizer):
 
 @pytest.fixture(scope="module")
 def task_manager():
-    return TaskManager(include_path=str(TASK_DIR), include_defaults=False)
+    return TaskManager(include_path=str(shipped_tasks_folder()), include_defaults=False)
 
 
 def evaluate(lm, task_manager, tasks):

@@ -41,7 +41,10 @@ From Python::
 From the shell (lm-eval's own command line, with this model type registered)::
 
     python -m scissorhands.tools.lm_eval_backend --model scissorhands \\
-        --model_args method=h2o,budget=0.25 --tasks hellaswag
+        --model_args method=h2o,budget=0.25 --tasks scissorhands_tiny_mc
+
+(the ``scissorhands_tiny_*`` tasks ship with the package and run offline; see
+:mod:`.lm_eval_help`; ``--help`` lists the model arguments first).
 """
 
 from __future__ import annotations
@@ -464,9 +467,14 @@ def main(argv: list[str] | None = None) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     from .cli import first_line, say
+    from .lm_eval_help import help_text, shipped_tasks_folder
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(help_text())
+    elif "--include_path" not in args and not any(a.startswith("--include_path=") for a in args):
+        args += ["--include_path", str(shipped_tasks_folder())]  # the shipped offline tasks, by name
+    sys.argv = [sys.argv[0], *args]
     try:
         cli_evaluate()
     except ValueError as e:  # a bad model argument: one line naming it, as the scissorhands command line does
