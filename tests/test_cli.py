@@ -20,7 +20,7 @@ def run_cli(*args, timeout=300):
     (["--budget", "5", "--recent", "10", "--prompt", "hi"], "budget"),
     (["--budget", "50", "--recent", "-1", "--prompt", "hi"], "recent"),
     (["--budget", "50", "--window", "0", "--prompt", "hi"], "window"),
-    (["--budget", "50", "--window-buckets", "-2", "--prompt", "hi"], "window_buckets"),
+    (["--budget", "50", "--window-buckets", "-2", "--prompt", "hi"], "window-buckets"),
     (["--budget", "50", "--drop", "50", "--prompt", "hi"], "drop"),
     (["--budget", "50", "--drop", "1.5", "--prompt", "hi"], "drop"),
     (["--budget", "50", "--importance", "max", "--prompt", "hi"], "importance"),

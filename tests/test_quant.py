@@ -397,10 +397,10 @@ def test_batched_generation_equals_each_sequence_alone_quantised():
 _cli = run_cli
 
 
-@pytest.mark.parametrize("flag,value,param", [("--kv-bits", "3", "kv_bits"), ("--kv-group-size", "6", "kv_group_size"),
-                                              ("--kv-key-bits", "8", "kv_key_bits"),
-                                              ("--kv-residual", "-1", "kv_residual"),
-                                              ("--kv-residual", "4", "kv_residual")])
+@pytest.mark.parametrize("flag,value,param", [("--kv-bits", "3", "kv-bits"), ("--kv-group-size", "6", "kv-group-size"),
+                                              ("--kv-key-bits", "8", "kv-key-bits"),
+                                              ("--kv-residual", "-1", "kv-residual"),
+                                              ("--kv-residual", "4", "kv-residual")])
 def test_cli_rejects_bad_kv_flags_in_one_line(capsys, flag, value, param):
     code, _, err = _cli(capsys, "generate", "--budget", "50", flag, value, "--prompt", "hi")
     assert code == 2 and err.strip().count("\n") == 0 and param in err
@@ -545,7 +545,7 @@ def test_cli_calibrate_then_generate_with_centres(capsys, tmp_path):
         assert code == 2 and err.strip().count("\n") == 0 and param in err
     code, _, err = _cli(capsys, "generate", "--model", tiny, "--budget", "32", "--kv-key-centers", str(out),
                         "--prompt", "hi")
-    assert code == 2 and "kv_key_centers" in err
+    assert code == 2 and "kv-key-centers" in err
 
 
 # -- the full-precision residual of the newest tokens ---------------------------------------------
@@ -836,7 +836,7 @@ def test_eval_refuses_a_residual_that_does_not_fit_before_any_cell(capsys, tmp_p
     code, _, err = _cli(capsys, "eval", "--model", tiny, "--methods", "full,scissorhands", "--budgets", "0.5",
                         "--tasks", "ppl", "--text", str(data), "--seq-len", "64", "--num-samples", "2",
                         "--recent", "0.1", "--kv-bits", "4", "--kv-residual", "8", "--out", str(tmp_path / "out"))
-    assert code == 2 and err.strip().count("\n") == 0 and "kv_residual" in err
+    assert code == 2 and err.strip().count("\n") == 0 and "kv-residual" in err
     assert not (tmp_path / "out" / "results.jsonl").exists()
 
 

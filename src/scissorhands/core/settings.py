@@ -159,7 +159,7 @@ def integer(low: int, *, allow_none: bool = False, choices: tuple[int, ...] | No
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{name}: must be an integer{' or None' if allow_none else ''}, got {value!r}")
         if choices is not None and value not in choices:
-            raise ValueError(f"{name}: must be one of {choices}{' or None' if allow_none else ''}, got {value!r}")
+            raise ValueError(f"{name}: must be one of {_listed(choices, allow_none)}, got {value!r}")
         if value < low:
             raise ValueError(f"{name}: must be >= {low}, got {value}")
         return int(value)
@@ -197,12 +197,18 @@ def real(low: float, high: float) -> Check:
     return check
 
 
+def _listed(choices: tuple, allow_none: bool) -> str:
+    """``2, 4, 8, 16 or None`` / ``'mean', 'sum' or 'count'``: the choices as a reader writes them."""
+    words = [repr(c) if isinstance(c, str) else str(c) for c in choices] + (["None"] if allow_none else [])
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
 def one_of(choices: tuple, allow_none: bool = False) -> Check:
     def check(name, value):
         if value is None and allow_none:
             return None
         if not isinstance(value, str) or value not in choices:
-            raise ValueError(f"{name}: must be one of {choices}{' or None' if allow_none else ''}, got {value!r}")
+            raise ValueError(f"{name}: must be one of {_listed(choices, allow_none)}, got {value!r}")
         return value
 
     return check

@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--text", default=None, help="text file or folder for ppl/agreement (default: Shakespeare)")
     alias(ev, "--data", "--text", "text")
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--out", type=Path, default=Path("eval-out"))
+    ev.add_argument("--out", type=Path, default=None,
+                    help="folder for results.jsonl, summary.md and the plots (default: ./eval-out, said when used)")
     ev.add_argument("--no-resume", action="store_true", help="recompute results already in OUT/results.jsonl")
 
     from .analysis.cli import add_parser as add_analyze_parser
@@ -512,6 +513,10 @@ def _run_eval(args) -> int:
         check = getattr(task, "check", None)
         if check is not None:
             check()
+    if args.out is None:
+        args.out = Path("eval-out")
+        print(f"eval: results go to {args.out}{os.sep} (the default; choose another folder with --out)",
+              file=sys.stderr)
     files = (RESULTS_FILE, "summary.md", *(f"{t.name}.png" for t in tasks))
     out = check_output_folder(args.out, "out", files)
     check_apart({"out": [out / f for f in files]}, _input_files(args))
@@ -584,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return _run_generate(args, demo_chat, str(args.budget))
     except ValueError as e:  # includes ModelLoadError; messages start with the parameter's name
-        return say(f"error: {first_line(e)}", 2)
+        return say(f"error: {in_flag_words(first_line(e))}", 2)
     except OSError as e:  # a file or folder that could not be read or written
         return say(f"error: {_os_error_message(args, e)}", 2)
     except KeyboardInterrupt:
@@ -606,9 +611,11 @@ def _run_calibrate(args) -> int:
     if args.out.suffix != ".json":
         raise ValueError(f"out: must be a .json file, got {str(args.out)!r}")
     check_apart({"out": [args.out]}, {"text": args.text})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(args.out if args.out.exists() else args.out.parent, os.W_OK) or args.out.is_dir():
-        raise ValueError(f"out: cannot write {str(args.out)!r}")
+    if args.out.is_dir():
+        raise ValueError(f"out: {str(args.out)!r} is a folder; give a .json file name")
+    from .paths import check_output_folder
+
+    check_output_folder(args.out.parent, "out", (args.out.name,))  # probed with a real file, nothing created
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     from scissorhands.hf.modelinfo import model_facts
 
@@ -617,10 +624,29 @@ def _run_calibrate(args) -> int:
         raise ValueError(f"tokens: {args.tokens} exceeds the model's {limit} positions; give --tokens {limit} or "
                          "fewer")
     record = measure_key_centers(model, tokenizer, text, args.tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     save_key_centers(record, args.out)
     print(f"key centres of {len(record['layers'])} layers from {record['tokens']} tokens: {args.out}",
           file=sys.stderr)
     return 0
+
+
+def in_flag_words(message: str) -> str:
+    """A library message in the command line's words: a setting's name as its flag (``kv_bits: ...`` ->
+    ``kv-bits: ...``, ``kv_bits=None`` -> ``--kv-bits none``), and ``None`` as the ``none`` the flags take."""
+    import re
+
+    fields = {n for n, _, _ in declared(CacheSettings)}
+    name, sep, rest = message.partition(": ")
+    if not (sep and name in fields):
+        return message
+    rest = rest.replace(" or None,", " or none,").replace("None =", "none =")
+    for field in sorted((f for f in fields if "_" in f), key=len, reverse=True):
+        flag = "--" + field.replace("_", "-")
+        rest = re.sub(rf"\b{field}=None\b", f"{flag} none", rest)
+        rest = re.sub(rf"\b{field}=", f"{flag} ", rest)
+        rest = re.sub(rf"(?<![-\w]){field}\b", flag, rest)
+    return f"{name.replace('_', '-')}: {rest}"
 
 
 def first_line(exc: BaseException) -> str:

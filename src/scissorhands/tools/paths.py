@@ -53,7 +53,7 @@ def check_output_folder(path: str | Path, name: str, files: tuple[str, ...] = ()
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ValueError(f"{name}: cannot write in {str(probe_dir)!r} ({e.strerror or e})") from None
+        raise ValueError(f"{name}: cannot write in {str(probe_dir)!r} ({_why_not_writable(probe_dir, e)})") from None
     for f in files:
         q = p / f
         if not q.exists() and not q.is_symlink():
@@ -66,6 +66,23 @@ def check_output_folder(path: str | Path, name: str, files: tuple[str, ...] = ()
         except OSError as e:
             raise ValueError(f"{name}: cannot write {str(q)!r} ({e.strerror or e})") from None
     return p
+
+
+def _why_not_writable(folder: Path, error: OSError) -> str:
+    """A reason a user can act on; the system's own words for a folder that exists can mislead
+    ("No such file or directory" for a file created in /proc)."""
+    import errno
+
+    if error.errno == errno.EROFS:
+        return "the filesystem is mounted read-only"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied: the folder is not writable for this user, or is immutable"
+    if error.errno in (errno.ENOENT, errno.EINVAL, errno.EOPNOTSUPP) and folder.is_dir():
+        return ("this folder is on a filesystem that does not hold ordinary files (such as /proc or /sys); "
+                "give a folder on a disk")
+    if error.errno == errno.ENOSPC:
+        return "no space left on the device"
+    return error.strerror or str(error)
 
 
 def same_path(a: str | Path, b: str | Path) -> bool:
