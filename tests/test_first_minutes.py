@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -180,3 +181,91 @@ def test_the_lm_eval_command_runs_offline_on_a_shipped_task_and_its_help_names_o
     assert helped.stdout.startswith("scissorhands model type for lm-eval")
     for name in ("budget", "method", "recent", "kv_bits", "prefill"):
         assert f"\n  {name} " in helped.stdout
+
+
+def _captured_figures(monkeypatch):
+    """Figures a plotting function closes, kept for inspection."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    real = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig) or real(fig))
+    return figures
+
+
+def _rows():
+    """Result rows as the eval grid writes them: ppl (per-window NLL) and a multiple-choice task."""
+    def row(task, method, budget, values, compression):
+        if task == "ppl":
+            scores = [{"nll": v} for v in values]
+            mean = sum(values) / len(values)
+            metrics = {"nll": mean, "ppl": math.exp(mean), "ppl_ci95": [math.exp(mean - 0.1), math.exp(mean + 0.1)]}
+            value, metric = metrics["ppl"], "ppl"
+        else:
+            scores = [{"correct": bool(v), "correct_norm": bool(v)} for v in values]
+            acc = sum(values) / len(values)
+            metrics = {"acc": acc, "acc_stderr": 0.1, "acc_norm": acc, "acc_norm_stderr": 0.1}
+            value, metric = acc, "acc"
+        return {"task": task, "method": method, "budget": budget, "model": "m", "metric": metric, "value": value,
+                "metrics": metrics, "compression": compression, "item_scores": scores}
+
+    return [row("ppl", "full", None, [3.0, 3.2, 2.9, 3.1], 1.0),
+            row("ppl", "scissorhands", 0.2, [3.05, 3.3, 2.95, 3.1], 5.0),
+            row("piqa", "full", None, [1, 1, 0, 1], 1.0), row("piqa", "scissorhands", 0.2, [1, 0, 0, 1], 5.0)]
+
+
+def test_summary_leads_with_the_paired_differences_to_the_full_cache():
+    from scissorhands.tools.eval.runner import summary_markdown
+
+    text = summary_markdown(_rows())
+    assert text.startswith("## Against the full cache")
+    head, rest = text.split("## Every result")
+    row = next(line for line in head.splitlines() if line.startswith("| scissorhands | 0.2 |"))
+    assert "+0.0500 ±" in row  # ΔNLL: mean of 0.05, 0.1, 0.05, 0.0
+    assert "-25.0 ±" in row and "pts" in row  # Δacc: one of four items lost
+    assert "| method | budget | ppl | piqa |" in rest
+
+
+def test_eval_plots_carry_their_intervals(tmp_path, monkeypatch):
+    from scissorhands.tools.eval.runner import plot_results
+
+    figures = _captured_figures(monkeypatch)
+    plot_results(_rows(), tmp_path)
+    ppl = figures[0].axes[0]
+    assert ppl.containers and any(len(c.lines) > 1 and c.lines[2] for c in ppl.containers)  # error bars drawn
+    assert any(p.get_alpha() for p in ppl.patches)  # the full cache's 95% band
+
+
+def test_bench_throughput_plot_has_the_full_cache_at_the_budget(tmp_path, monkeypatch):
+    from conftest import tiny_model
+    from scissorhands import CacheSettings
+    from scissorhands.tools.bench import BenchConfig, plot, run_bench
+
+    cfg = BenchConfig(contexts=(32, 64), batches=(1,), budgets=(0.5,), steps=2, warmup=1, parts=("decode",),
+                      settings=CacheSettings(recent=4))
+    result = run_bench(tiny_model("llama"), cfg)
+    figures = _captured_figures(monkeypatch)
+    assert plot(result, tmp_path) == ["throughput.png"]
+    labels = figures[0].axes[0].get_legend_handles_labels()[1]
+    assert "full cache at the budget of scissorhands 0.5, batch 1" in labels
+
+
+def test_the_audit_map_labels_the_prompt_and_the_generated_tokens(tmp_path, monkeypatch):
+    import torch
+
+    from scissorhands import ScissorhandsCache, ScissorhandsConfig
+    from scissorhands.tools.plots import plot_held_map
+
+    model, _ = _tiny_generation()
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=24, recent=4))
+    with torch.no_grad():
+        model.generate(torch.randint(3, 100, (1, 40)), cache=cache, max_new_tokens=10, do_sample=False,
+                       pad_token_id=0)
+    figures = _captured_figures(monkeypatch)
+    plot_held_map(cache, tmp_path / "map.png", spans={"prompt": (0, 40), "protected": (0, 4)})
+    texts = [t.get_text() for t in figures[0].axes[0].texts]
+    # 10 new tokens, of which the cache has seen 9 (the last one is never fed back)
+    assert "prompt [0, 40)" in texts and "generated [40, 49)" in texts and "protected [0, 4)" in texts

@@ -570,10 +570,18 @@ def plot(result: dict, out_dir) -> list[str]:
         for batch in sorted({p["batch"] for p in result["decode"]}):
             points = [p for p in result["decode"] if p["batch"] == batch]
             names = [v["name"] for v in points[0]["variants"] if "reference_for" not in v]
+            drawn: set = set()  # one reference line per budget, however many methods share it
             for name in names:
                 xs = [p["context"] for p in points]
                 ys = [next(v["tokens_per_s"] for v in p["variants"] if v["name"] == name) for p in points]
-                ax.plot(xs, ys, marker="o", label=f"{name}, batch {batch}")
+                line, = ax.plot(xs, ys, marker="o", label=f"{name}, batch {batch}")
+                fraction = next((v.get("fraction") for v in points[0]["variants"] if v["name"] == name), None)
+                refs = [(p["context"], v["tokens_per_s"]) for p in points for v in p["variants"]
+                        if fraction is not None and v.get("reference_for") == fraction]
+                if refs and fraction not in drawn:  # the reference point: the full cache at context = budget
+                    drawn.add(fraction)
+                    ax.plot([x for x, _ in refs], [y for _, y in refs], marker="s", ls=":", color=line.get_color(),
+                            alpha=0.7, label=f"full cache at the budget of {name}, batch {batch}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("decode tokens/s")

@@ -481,8 +481,8 @@ def _eval_budgets(args, base: CacheSettings, methods) -> list[float | int]:
 
 
 def _run_eval(args) -> int:
-    from .eval import make_task, plot_results, run_grid, summary_table
-    from .eval.runner import RESULTS_FILE, check_results_file, paired_vs_full
+    from .eval import make_task, plot_results, run_grid
+    from .eval.runner import RESULTS_FILE, check_results_file, summary_markdown
     from .models import load_model
     from .paths import check_output_folder
     from .text import load_texts
@@ -524,14 +524,9 @@ def _run_eval(args) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     results = run_grid(model, tokenizer, model_name=args.model, tasks=tasks, methods=methods, budgets=budgets,
                        base=base, out_dir=out, limit=args.limit, seed=args.seed, resume=not args.no_resume)
-    table = summary_table(results)
-    print(table)
-    (out / "summary.md").write_text(table + "\n")
-    paired = paired_vs_full(results)
-    if paired:
-        print("\nppl: mean NLL difference to the full cache, paired over windows (95% CI)")
-        for p in paired:
-            print(f"  {p['method']:<20} budget {p['budget']}: {p['delta_nll']:+.4f} ±{p['delta_nll_ci95']:.4f}")
+    summary = summary_markdown(results)
+    print(summary)
+    (out / "summary.md").write_text(summary + "\n")
     for path in plot_results(results, out):
         print(f"plot: {path}", file=sys.stderr)
     print(f"results: {out / RESULTS_FILE}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import numbers
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup
 
 from ..paths import exclusive
-from ..stats import paired_difference
+from ..stats import Z95, paired_difference
 from .base import Task
 
 logger = logging.getLogger(__name__)
@@ -380,23 +381,76 @@ def summary_table(results: list[dict]) -> str:
 
 
 def paired_vs_full(results: list[dict], task: str = "ppl") -> list[dict]:
-    """Per-window mean NLL difference to the full cache, with a 95% interval (paired over windows)."""
+    """Each evicting row's difference to the full cache, paired over the same items, with a 95% interval.
+
+    For ``ppl`` the mean NLL per window (``delta_nll``); for tasks whose items
+    are right or wrong (multiple choice, LAMBADA, passkey) the accuracy
+    (``delta_acc``, in points of a share, e.g. -0.05 = five points lower).
+    """
     full = next((r for r in results if r["task"] == task and r["method"] == "full"), None)
     if full is None:
         return []
-    base = [s["nll"] for s in full["item_scores"]]
+    key = "nll" if task == "ppl" else "correct"
+    if not full["item_scores"] or key not in full["item_scores"][0]:
+        return []
+    base = [float(s[key]) for s in full["item_scores"]]
     out = []
     for r in results:
-        if r["task"] != task or r["method"] == "full":
+        if r["task"] != task or r["method"] == "full" or len(r["item_scores"]) != len(base):
             continue
-        mean, half = paired_difference([s["nll"] for s in r["item_scores"]], base)
-        out.append({"method": r["method"], "budget": r["budget"], "compression": r["compression"],
-                    "delta_nll": mean, "delta_nll_ci95": half})
+        mean, half = paired_difference([float(s[key]) for s in r["item_scores"]], base)
+        name = "delta_nll" if task == "ppl" else "delta_acc"
+        out.append({"task": task, "method": r["method"], "budget": r["budget"], "compression": r["compression"],
+                    name: mean, f"{name}_ci95": half})
     return out
 
 
+def summary_markdown(results: list[dict]) -> str:
+    """summary.md: first the paired differences to the full cache (the numbers that matter), then every result."""
+    lines = []
+    tasks = list(dict.fromkeys(r["task"] for r in results))
+    paired = {t: {(p["method"], p["budget"]): p for p in paired_vs_full(results, t)} for t in tasks}
+    shown = [t for t in tasks if paired[t]]
+    if shown:
+        lines += ["## Against the full cache", "",
+                  "Paired over the same items, mean difference and 95% interval: ΔNLL in nats per token (lower is "
+                  "better; perplexity ratio = exp ΔNLL), Δacc in points of accuracy (higher is better).", "",
+                  "| method | budget | " + " | ".join(f"{t} {'ΔNLL' if t == 'ppl' else 'Δacc'}" for t in shown) + " |",
+                  "|" + "---|" * (len(shown) + 2)]
+        for method, budget in dict.fromkeys(k for t in shown for k in paired[t]):
+            cells = []
+            for t in shown:
+                p = paired[t].get((method, budget))
+                name = "delta_nll" if t == "ppl" else "delta_acc"
+                if p is None:
+                    cells.append("")
+                elif t == "ppl":
+                    cells.append(f"{p[name]:+.4f} ±{p[name + '_ci95']:.4f} ({p['compression']:.1f}x)")
+                else:
+                    cells.append(f"{100 * p[name]:+.1f} ±{100 * p[name + '_ci95']:.1f} pts ({p['compression']:.1f}x)")
+            lines.append(f"| {method} | {budget} | " + " | ".join(cells) + " |")
+        lines += ["", "## Every result", ""]
+    lines.append(summary_table(results))
+    return "\n".join(lines)
+
+
+def _interval(rec: dict) -> tuple[float, float] | None:
+    """The 95% interval of a row's main metric, when its task reports one."""
+    m, v = rec["metrics"], rec["value"]
+    if rec["task"] == "ppl" and isinstance(m.get("ppl_ci95"), list):
+        lo, hi = m["ppl_ci95"]
+        return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else None
+    for name in (f"{rec['metric']}_ci95",):
+        if isinstance(m.get(name), (int, float)) and math.isfinite(m[name]):
+            return v - m[name], v + m[name]
+    se = m.get(f"{rec['metric']}_stderr")
+    if isinstance(se, (int, float)) and math.isfinite(se):
+        return v - Z95 * se, v + Z95 * se
+    return None
+
+
 def plot_results(results: list[dict], out_dir: Path) -> list[Path]:
-    """One PNG per task: the main metric against compression, one line per method."""
+    """One PNG per task: the main metric against compression, one line per method, with 95% intervals."""
     import matplotlib
     import matplotlib.ticker
 
@@ -408,11 +462,18 @@ def plot_results(results: list[dict], out_dir: Path) -> list[Path]:
         recs = [r for r in results if r["task"] == task]
         fig, ax = plt.subplots(figsize=(6, 4))
         for method in dict.fromkeys(r["method"] for r in recs):
-            pts = sorted((r["compression"], r["value"]) for r in recs if r["method"] == method)
+            mine = sorted((r for r in recs if r["method"] == method), key=lambda r: r["compression"])
+            spans = [_interval(r) for r in mine]
             if method == "full":
-                ax.axhline(pts[0][1], color="black", linestyle="--", label="full")
-            else:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+                line = ax.axhline(mine[0]["value"], color="black", linestyle="--", label="full (95% band)")
+                if spans[0] is not None:
+                    ax.axhspan(*spans[0], color=line.get_color(), alpha=0.08)
+                continue
+            xs, ys = [r["compression"] for r in mine], [r["value"] for r in mine]
+            low = [y - (s[0] if s else y) for y, s in zip(ys, spans)]
+            high = [(s[1] if s else y) - y for y, s in zip(ys, spans)]
+            err = [low, high]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method)
         ax.set_xlabel("KV compression (sequence length / budget)")
         ax.set_ylabel(recs[0]["metric"])
         ax.set_xscale("log")
