@@ -608,7 +608,7 @@ def test_a_method_without_a_recent_window_gets_advice_that_can_help(tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2
     assert "method 'tova' fixes recent=0; the given recent=8 is not used" in caplog.text
-    assert "kv-residual:" in err and "recent is 0" in err and "set kv_residual to 0" in err
+    assert "kv-residual:" in err and "recent is 0" in err and "set --kv-residual to 0" in err
     assert "raise recent" not in err
 
 

@@ -42,11 +42,10 @@ OWN_ARGUMENTS = (
 SHIPPED_TASKS = ("scissorhands_tiny_mc", "scissorhands_tiny_ppl", "scissorhands_tiny_gen")
 
 
-def model_args_table() -> str:
-    """Markdown table of every ``--model_args`` key: the backend's own, then each cache setting."""
-    from .lm_eval_backend import ScissorhandsLM
-
-    params = inspect.signature(ScissorhandsLM.__init__).parameters
+def model_args_table(backend) -> str:
+    """Markdown table of every ``--model_args`` key of ``backend`` (the model class): its own, then each cache
+    setting. The class is passed in, so that this module needs nothing from the backend's."""
+    params = inspect.signature(backend.__init__).parameters
     lines = ["| argument | default | meaning |", "|---|---|---|"]
     for name, meaning in OWN_ARGUMENTS:
         default = params[name].default
@@ -57,9 +56,9 @@ def model_args_table() -> str:
     return "\n".join(lines)
 
 
-def help_text() -> str:
+def help_text(backend) -> str:
     """The scissorhands part of the backend's ``--help``, as plain text."""
-    rows = [line.split(" | ") for line in model_args_table().splitlines()[2:]]
+    rows = [line.split(" | ") for line in model_args_table(backend).splitlines()[2:]]
     width = max(len(r[0].strip("| `")) for r in rows)
     out = ["scissorhands model type for lm-eval: --model scissorhands --model_args KEY=VALUE,KEY=VALUE,...",
            "", "model arguments (default in brackets):"]
