@@ -25,7 +25,7 @@ def in_window(step: int, now: int, window: int | None, bucket_steps: int | None)
 
 
 def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_steps, importance, scaling,
-                     sinks=0, value_weighted=False, protect=None, events=None):
+                     sinks=0, value_weighted=False, protect=None, events=None, prefill=0, prefill_drop=None):
     """Stream a whole sequence batch through a budgeted cache, token by token.
 
     Parameters
@@ -44,6 +44,9 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
         Importance times the norm of the token's value.
     protect : list of list of (start, end), optional
         ``protect[b]``: spans of positions of sequence ``b`` that are never evicted.
+    prefill, prefill_drop : int
+        The first ``prefill`` columns are one chunk (a prompt): an eviction made while taking them
+        drops ``prefill_drop`` tokens (the ``prefill_drop`` setting) instead of ``drop``.
     events : list, optional
         If given, every eviction is appended as ``(b, h, step, position, score)``,
         ``step`` being the number of real tokens seen when it was made.
@@ -70,7 +73,8 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
                 if not ok[b][t]:
                     continue  # padding: never stored, never a query
                 if len(stored) + 1 > budget:
-                    n_drop = max(drop, len(stored) + 1 - budget)
+                    amount = prefill_drop if prefill_drop is not None and t < prefill else drop
+                    n_drop = max(amount, len(stored) + 1 - budget)
                     scored = []
                     for idx, (p, col) in enumerate(stored):
                         pinned = any(lo <= p < hi for lo, hi in (protect[b] if protect else ()))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from reference import reference_stream
 from scissorhands.core.importance import ImportanceState
 from scissorhands.core.methods.scissorhands import Scissorhands
+from scissorhands.core.prefill import Streamed
 from scissorhands.hf.cache import ScissorhandsLayer
 
 
@@ -21,12 +22,12 @@ def chunk_mask(valid_chunk: torch.Tensor) -> torch.Tensor:
 
 
 def run_layer(q, k, v, valid, chunks, *, budget, recent, drop, window, bucket_steps, importance, scaling,
-              query_tile=256, sinks=0, value_weighted=False):
+              query_tile=256, sinks=0, value_weighted=False, prefill_drop=None):
     """Feed the tensors through one ScissorhandsLayer in the given chunks."""
     n_buckets = 1 if window is None else math.ceil(window / (bucket_steps or 1))
     steps = None if window is None else (bucket_steps or 1)
     layer = ScissorhandsLayer(budget, recent, drop, ImportanceState(importance, steps, n_buckets, value_weighted),
-                              Scissorhands(), query_tile=query_tile, sinks=sinks)
+                              Scissorhands(), query_tile=query_tile, sinks=sinks, prefill=Streamed(prefill_drop))
     outs, i = [], 0
     for c in chunks:
         kwargs = {}
@@ -119,6 +120,49 @@ def test_chunking_does_not_change_the_result():
     for out, layer in results[1:]:
         torch.testing.assert_close(out, results[0][0], rtol=1e-10, atol=1e-10)
         assert kept_of(layer, 2, 1) == kept_of(results[0][1], 2, 1)
+
+
+@st.composite
+def prefill_cases(draw):
+    """A prompt as one chunk, then decode steps; the prompt's evictions drop ``prefill_drop`` tokens."""
+    case = draw(cases())
+    t = case["t"]
+    prompt = draw(st.integers(1, t))
+    case["chunks"] = [prompt] + [1] * (t - prompt)
+    case["prefill_drop"] = draw(st.integers(1, case["budget"] - case["recent"]))
+    return case
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prefill_cases())
+def test_a_separate_prefill_drop_matches_the_reference(case):
+    """The fast path with ``prefill_drop`` against the naive reference with the same rule: outputs, kept
+    positions, and the budget as a peak (checked in run_layer at every chunk)."""
+    q, k, v, valid = make_inputs(case)
+    params = dict(budget=case["budget"], recent=case["recent"], drop=case["drop"], window=case["window"],
+                  bucket_steps=case["bucket_steps"], importance=case["importance"], scaling=0.5)
+    ref_out, ref_kept = reference_stream(q, k, v, valid, **params, prefill=case["chunks"][0],
+                                         prefill_drop=case["prefill_drop"])
+    out, layer = run_layer(q, k, v, valid, case["chunks"], query_tile=case["tile"], prefill_drop=case["prefill_drop"],
+                           **params)
+    assert kept_of(layer, case["b"], case["h_kv"]) == ref_kept
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+
+
+def test_prefill_drop_none_is_exact_streaming_and_a_larger_one_means_fewer_events():
+    base = dict(b=1, h_kv=2, group=2, t=80, recent=2, budget=16, drop=2, window=None, bucket_steps=None,
+                importance="sum", pads=[0], tile=8, seed=5)
+    q, k, v, valid = make_inputs(base)
+    params = dict(budget=16, recent=2, drop=2, window=None, bucket_steps=None, importance="sum", scaling=0.5)
+    exact, one = run_layer(q, k, v, valid, [80], **params)
+    same, two = run_layer(q, k, v, valid, [80], prefill_drop=2, **params)
+    torch.testing.assert_close(same, exact, rtol=0, atol=0)
+    _, big = run_layer(q, k, v, valid, [80], prefill_drop=8, **params)
+    assert one.kv.compressions == 32 and big.kv.compressions == 8  # (80 - 16) / 2 against (80 - 16) / 8
+    _, after = run_layer(q, k, v, valid, [60] + [1] * 20, prefill_drop=8, **params)
+    # The prompt: 6 events of 8 leave 12 stored after 60 tokens; decode fills 4 free slots, then each of the
+    # remaining 16 tokens' events drops 2 (the decode drop): 8 events.
+    assert after.kv.compressions == 6 + 8
 
 
 def test_recent_window_is_always_kept():

@@ -175,9 +175,9 @@ class BudgetedKV:
         return LayerView(self.layer_idx, self.slots.length, self.compressions, self.state, self.slots,
                          self.store.read, prompt_attention)
 
-    def compress(self, rows: torch.Tensor) -> None:
-        """Evict ``drop`` tokens from each KV head of the rows ``rows`` (CPU bool, (B,))."""
-        n_drop = torch.where(rows, self.drop, 0)  # (B,)
+    def compress(self, rows: torch.Tensor, drop: int | None = None) -> None:
+        """Evict ``drop`` (default: the layer's) tokens from each KV head of the rows ``rows`` (CPU bool, (B,))."""
+        n_drop = torch.where(rows, self.drop if drop is None else drop, 0)  # (B,)
         self.evict(self.method.score(self.view()), n_drop)
 
     def evict(self, scores: torch.Tensor, n_drop: torch.Tensor) -> None:

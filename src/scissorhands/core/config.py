@@ -111,6 +111,12 @@ class CacheSettings:
     drop: float | int = setting(
         0.05, "drop amount *m*: fraction of the layer budget (float) or token count (int)",
         s.parse_count_or_fraction, s.fraction_or_count(1, fraction_closed_low=False), metavar="M")
+    prefill_drop: float | int | None = setting(
+        None, "streamed prefill: tokens evicted at each compression event of a chunk of several tokens (a "
+        "fraction of the layer budget, or a count); `None` = `drop`, which makes a chunk exactly token-by-token "
+        "decoding. Larger means fewer, cheaper events; the peak stays the budget",
+        s.parse_optional_count_or_fraction, s.fraction_or_count(1, fraction_closed_low=False, allow_none=True),
+        metavar="M|none")
     importance: str = setting(
         "mean", '`"sum"` of attention probabilities, `"count"` of queries where it exceeded 1/n, or `"mean"` '
         "(sum / queries in the window)", s.parse_text, s.one_of(IMPORTANCE_FORMS), metavar="|".join(IMPORTANCE_FORMS))
@@ -263,10 +269,15 @@ class CacheSettings:
         steps = self.bucket_steps()
         return 1 if steps is None or self.window is None else math.ceil(self.window / steps)
 
-    def drop_for(self, layer_budget: int) -> int:
+    def drop_for(self, layer_budget: int, amount: float | int | None = None) -> int:
         """Drop amount for a layer with this budget (a fraction is rounded, then clamped)."""
-        m = max(1, round(self.drop * layer_budget)) if isinstance(self.drop, float) else int(self.drop)
+        amount = self.drop if amount is None else amount
+        m = max(1, round(amount * layer_budget)) if isinstance(amount, float) else int(amount)
         return max(1, min(m, layer_budget - self.recent_for(layer_budget) - self.sinks))
+
+    def prefill_drop_for(self, layer_budget: int) -> int | None:
+        """The streamed prefill's drop amount for this layer, or None when it is ``drop`` (exact streaming)."""
+        return None if self.prefill_drop is None else self.drop_for(layer_budget, self.prefill_drop)
 
 
 _LIBRARY_DEFAULTS = CacheSettings()
@@ -304,12 +315,15 @@ class ScissorhandsConfig(CacheSettings):
         if self.budget <= self.protected:
             what = f"recent ({self.recent})" if not self.sinks else f"recent + sinks ({self.protected})"
             raise ValueError(f"budget: must be > {what}, got {self.budget}")
-        if not isinstance(self.drop, float):
-            if self.drop >= self.budget:
-                raise ValueError(f"drop: must be < budget ({self.budget}), got {self.drop}")
+        for name in ("drop", "prefill_drop"):
+            amount = getattr(self, name)
+            if amount is None or isinstance(amount, float):
+                continue
+            if amount >= self.budget:
+                raise ValueError(f"{name}: must be < budget ({self.budget}), got {amount}")
             room = self.budget - self.recent_for(self.budget) - self.sinks
-            if self.drop > room:
-                raise ValueError(f"drop: must be <= budget - recent - sinks ({room}), got {self.drop}")
+            if amount > room:
+                raise ValueError(f"{name}: must be <= budget - recent - sinks ({room}), got {amount}")
 
     @property
     def settings(self) -> CacheSettings:

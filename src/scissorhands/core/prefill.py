@@ -44,19 +44,33 @@ class Prefill:
 
 
 class Streamed(Prefill):
-    """Blocks between compression events: the peak is the budget, and the result is token-by-token's."""
+    """Blocks between compression events: the peak is the budget, and the result is token-by-token's.
+
+    Parameters
+    ----------
+    drop : int, optional
+        Tokens each compression event of a chunk of several tokens evicts
+        (``prefill_drop``). None: the layer's ``drop``, which makes the chunk
+        exactly what feeding its tokens one at a time gives. A larger amount
+        means fewer events, each admitting a larger block; the peak stays the
+        budget.
+    """
 
     name = "stream"
 
+    def __init__(self, drop: int | None = None):
+        self.drop = drop
+
     def take(self, kv, q, out, key, value, valid, cum, scaling, softcap, query_tile):
         b, total = cum.shape
+        drop = self.drop if total > 1 else None  # one token (a padded decode step) decodes as usual
         i = 0
         while i < total:
             before = cum[:, i - 1] if i > 0 else torch.zeros(b, dtype=torch.long)
             coming = cum[:, -1] - before  # real tokens left per row
             full = (kv.slots.lengths >= kv.budget) & (coming > 0)
             if bool(full.any()):
-                kv.compress(full)
+                kv.compress(full, drop)
             lengths = kv.slots.lengths
             free = kv.budget - lengths  # (B,)
             # Block end: the first index at which some row would exceed its free space.
@@ -127,8 +141,13 @@ class PromptAware(Prefill):
 PREFILLS: dict[str, type[Prefill]] = {"stream": Streamed, "prompt-aware": PromptAware}
 
 
-def make_prefill(settings: CacheSettings) -> Prefill:
-    """The strategy ``settings.prefill`` names, with its settings."""
+def make_prefill(settings: CacheSettings, layer_budget: int | None = None) -> Prefill:
+    """The strategy ``settings.prefill`` names, with its settings (``prefill_drop`` needs the layer's budget)."""
+    drop = None if layer_budget is None else settings.prefill_drop_for(layer_budget)
     if settings.prefill == "prompt-aware":
-        return PromptAware(settings.observe, settings.pool)
+        strategy = PromptAware(settings.observe, settings.pool)
+        strategy.stream = Streamed(drop)
+        return strategy
+    if settings.prefill == "stream":
+        return Streamed(drop)
     return PREFILLS[settings.prefill]()

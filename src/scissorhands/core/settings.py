@@ -121,6 +121,10 @@ def parse_count_or_fraction(text: str) -> int | float:
     return parse_float(t) if any(c in t for c in ".eE") else parse_int(t)
 
 
+def parse_optional_count_or_fraction(text: str) -> int | float | None:
+    return None if text.strip().lower() in ("none", "null") else parse_count_or_fraction(text)
+
+
 def parse_text(text: str) -> str:
     return text.strip()
 
@@ -167,10 +171,12 @@ def integer(low: int, *, allow_none: bool = False, choices: tuple[int, ...] | No
     return check
 
 
-def fraction_or_count(low_count: int, fraction_closed_low: bool) -> Check:
-    """A fraction (a float in [0, 1) or (0, 1)) or a token count (an integer >= ``low_count``)."""
+def fraction_or_count(low_count: int, fraction_closed_low: bool, allow_none: bool = False) -> Check:
+    """A fraction (a float in [0, 1) or (0, 1)) or a token count (an integer >= ``low_count``), or None if allowed."""
 
     def check(name, value):
+        if value is None and allow_none:
+            return None
         if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float)):
             raise ValueError(f"{name}: must be a fraction or a token count, got {value!r}")
         if isinstance(value, float):

@@ -261,7 +261,7 @@ class ScissorhandsCache(Cache):
             residual = config.check_residual(budget, evicts=not self.method.is_full)
             layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
                                       self.method.make_state(config), self.method, config.query_tile, idx,
-                                      sinks=config.sinks, merge=config.merge, prefill=make_prefill(config),
+                                      sinks=config.sinks, merge=config.merge, prefill=make_prefill(config, budget),
                                       protect=protection,
                                       store=make_store(config, centers.get(idx), residual))
             if audit is not None:

@@ -43,7 +43,7 @@ from scissorhands.core.settings import from_strings
 KEY = "scissorhands"
 ENV = "SCISSORHANDS_VLLM"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
-FIXED = {"drop": 1, "prefill": "prompt-aware"}
+FIXED = {"drop": 1, "prefill": "prompt-aware", "prefill_drop": None}
 _UNSUPPORTED = {"kv_bits": None, "kv_key_bits": None, "kv_residual": None, "kv_key_centers": None,
                 "kv_store": None, "merge": False, "schedule": "uniform"}
 
