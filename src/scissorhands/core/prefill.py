@@ -64,6 +64,8 @@ class Streamed(Prefill):
     def take(self, kv, q, out, key, value, valid, cum, scaling, softcap, query_tile):
         b, total = cum.shape
         drop = self.drop if total > 1 else None  # one token (a padded decode step) decodes as usual
+        if valid is None and kv.slots.uniform is not None:
+            return self._aligned(kv, q, out, key, value, cum, scaling, softcap, query_tile, drop)
         i = 0
         while i < total:
             before = cum[:, i - 1] if i > 0 else torch.zeros(b, dtype=torch.long)
@@ -83,6 +85,25 @@ class Streamed(Prefill):
             base = lengths.clone()
             kv.append(key[:, :, i:e], value[:, :, i:e], bvalid, bcum)
             attend_block(kv, q[:, :, :, i:e], out[:, :, :, i:e], base, bcum, bvalid, scaling, softcap, query_tile)
+            i = e
+
+    def _aligned(self, kv, q, out, key, value, cum, scaling, softcap, query_tile, drop) -> None:
+        """No padding and every row at the same length: the same blocks, planned with Python integers.
+
+        Equal to the general loop block for block (a row that is full compresses, then a block fills the
+        free slots), without its dozen small tensor operations per event.
+        """
+        b, total = cum.shape
+        every = torch.ones(b, dtype=torch.bool)
+        i = 0
+        while i < total:
+            if kv.slots.uniform[0] >= kv.budget:
+                kv.compress(every, drop)
+            e = min(total, i + kv.budget - kv.slots.uniform[0])
+            bcum = cum[:, i:e] - i
+            base = kv.slots.lengths.clone()
+            kv.append(key[:, :, i:e], value[:, :, i:e], None, bcum)
+            attend_block(kv, q[:, :, :, i:e], out[:, :, :, i:e], base, bcum, None, scaling, softcap, query_tile)
             i = e
 
 

@@ -51,6 +51,8 @@ class SlotTable:
 
     def aligned(self, lengths: torch.Tensor) -> bool:
         """Do all rows store ``lengths`` alike and sit at the same step? Then scalar fast paths apply."""
+        if lengths.numel() == 1:  # one row is always aligned (no tensor ops: this runs several times per event)
+            return True
         return bool((lengths == lengths[0]).all()) and bool((self.seen == self.seen[0]).all())
 
     def uniform_state(self) -> tuple[int, int]:
