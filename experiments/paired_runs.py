@@ -1,0 +1,63 @@
+"""Paired differences between two eval runs on the same windows: how a setting changes each row.
+
+Each run is an ``eval --out`` folder. Rows are matched by task, method and budget; the per-item NLLs
+(or right/wrong answers) are paired item by item. Both runs must score the same items: the same text,
+``--seq-len``, ``--num-samples`` and ``--seed``. A setting that changes the items is refused.
+
+    python experiments/paired_runs.py BASE_DIR OTHER_DIR [--full FULL_DIR]
+
+This prints OTHER - BASE per row with a 95% interval. With ``--full``, it also prints each run against
+the full cache of FULL_DIR (default: BASE_DIR's own full row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from scissorhands.tools.eval.runner import load_results
+from scissorhands.tools.stats import paired_difference
+
+
+def _values(row: dict) -> list[float]:
+    scores = row["item_scores"]
+    key = "nll" if row["task"] == "ppl" else "correct"
+    return [float(s[key]) for s in scores]
+
+
+def _rows(folder: Path) -> dict:
+    return {(r["task"], r["method"], r["budget"]): r for r in load_results(folder / "results.jsonl")}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("base", type=Path)
+    p.add_argument("other", type=Path)
+    p.add_argument("--full", type=Path, default=None, help="the run whose full-cache rows both are compared with")
+    args = p.parse_args(argv)
+    base, other = _rows(args.base), _rows(args.other)
+    full_rows = _rows(args.full) if args.full else base
+    print(f"| task | method | budget | {args.other.name} - {args.base.name} | {args.base.name} vs full | "
+          f"{args.other.name} vs full |")
+    print("|---|---|---|---|---|---|")
+    for key in sorted(set(base) & set(other), key=str):
+        task, method, budget = key
+        if method == "full":
+            continue
+        a, b = _values(base[key]), _values(other[key])
+        if len(a) != len(b):
+            print(f"{key}: {len(a)} against {len(b)} items; not the same windows", file=sys.stderr)
+            return 2
+        full = full_rows.get((task, "full", None))
+        cells = [paired_difference(b, a)]
+        if full is not None:
+            f = _values(full)
+            cells += [paired_difference(a, f), paired_difference(b, f)]
+        text = " | ".join(f"{m:+.4f} ±{h:.4f}" for m, h in cells)
+        print(f"| {task} | {method} | {budget} | {text} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
