@@ -430,9 +430,11 @@ def compare_lines(mem: dict | None, cost) -> list[str]:
                                                                                    mem["full_kv_bytes"])
         fewer = f" ({seen / peak:.1f}x fewer)" if peak and seen > peak else " (nothing evicted)"
         lines.append(f"tokens: {seen:,} seen; at most {peak:,} stored per layer and KV head{fewer}")
+        saving = (f"{full / held:.1f}x less" if full > held else
+                  "no saving: every token seen fits within the budget, and slots are allocated ahead")
         lines.append(f"KV bytes: {_mib(held)} held against {_mib(full)} for the full cache, all "
-                     f"{len(mem['layers'])} layers ({full / held:.1f}x less; importance state "
-                     f"{_mib(mem['importance_bytes'])} more)")
+                     f"{len(mem['layers'])} layers ({saving}; importance state {_mib(mem['importance_bytes'])} "
+                     "more)")
         if len(layers) < len(mem["layers"]):
             lines.append(f"          the {len(layers)} budgeted layers alone: {_mib(mem['budgeted_kv_bytes'])} "
                          f"against {_mib(mem['full_kv_bytes'])}")
