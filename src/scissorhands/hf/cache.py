@@ -10,6 +10,8 @@ the budgeted storage (:mod:`scissorhands.core.streaming`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
@@ -17,7 +19,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 from scissorhands.core.audit import EvictionAudit
 from scissorhands.core.budgeted import BudgetedKV
 from scissorhands.core.centers import load_key_centers
-from scissorhands.core.config import DEFAULTS, ScissorhandsConfig
+from scissorhands.core.config import DEFAULTS, CacheSettings, ScissorhandsConfig
 from scissorhands.core.memory import layer_memory
 from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.methods.scissorhands import Scissorhands
@@ -30,6 +32,9 @@ from scissorhands.core.stores import make_store
 from scissorhands.core.streaming import attend
 
 from .guard import ModelGuard, check_continues, reuse_message
+
+if TYPE_CHECKING:
+    from scissorhands.core.memory_budget import MemoryChoice
 from .modelinfo import FULL, model_facts
 from .report import cache_memory_report
 
@@ -188,6 +193,15 @@ class ScissorhandsLayer(CacheLayerMixin):
         return layer_memory(self.kv)
 
 
+def memory_shape(model):
+    """What a memory budget's bytes depend on, for this model (see :mod:`scissorhands.core.memory_budget`)."""
+    from scissorhands.core.memory_budget import Shape
+
+    facts = model_facts(model)
+    itemsize = next(model.parameters()).element_size()
+    return Shape(len(facts.full_layers), facts.num_kv_heads, facts.head_dim, facts.head_dim, itemsize)
+
+
 class ScissorhandsCache(Cache):
     """A drop-in ``cache=`` for ``model.generate`` that evicts by persistence of importance.
 
@@ -219,6 +233,9 @@ class ScissorhandsCache(Cache):
     >>> cache.memory_report()["peak_stored"] <= 400
     True
     """
+
+    #: What ``for_memory`` chose (None for a cache built from a token budget).
+    memory_choice: MemoryChoice | None = None
 
     def __init__(self, model, config: ScissorhandsConfig, method: EvictionMethod | None = None, *,
                  protect: SpanSpec | Protection | None = None, audit: EvictionAudit | None = None):
@@ -288,9 +305,32 @@ class ScissorhandsCache(Cache):
         layers = self.budgeted_layers
         return layers[0].seen if layers else super().get_seq_length(layer_idx)
 
+    @classmethod
+    def for_memory(cls, model, memory, length: int, settings: CacheSettings | None = None,
+                   method: EvictionMethod | None = None, **kwargs) -> ScissorhandsCache:
+        """A cache whose peak bytes fit ``memory`` for a sequence of ``length`` tokens (prompt + new tokens).
+
+        ``memory`` is a fraction of the full cache's K/V bytes (``0.2``: a fifth) or a size per sequence
+        (``"64MiB"``); the store and token budget are chosen by :func:`scissorhands.core.memory_budget.choose`
+        and kept as ``cache.memory_choice`` (also in :meth:`memory_report`). Other arguments are the
+        constructor's.
+        """
+        from scissorhands.core.memory_budget import choose
+
+        method = method or Scissorhands()
+        base = type(method).resolve(settings if settings is not None else CacheSettings())
+        choice = choose(memory, memory_shape(model), length, base)
+        cache = cls(model, choice.config, method, **kwargs)
+        cache.memory_choice = choice
+        return cache
+
     def memory_report(self) -> dict:
         """K/V, per-token state and position bytes, and tokens stored.
 
-        See :func:`scissorhands.hf.report.cache_memory_report`.
+        See :func:`scissorhands.hf.report.cache_memory_report`; with ``memory=``, what it chose is
+        under ``"memory_choice"``.
         """
-        return cache_memory_report(self)
+        report = cache_memory_report(self)
+        if self.memory_choice is not None:
+            report["memory_choice"] = self.memory_choice.record()
+        return report

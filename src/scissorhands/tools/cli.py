@@ -352,6 +352,17 @@ def generate_config(args, length: int | None = None) -> ScissorhandsConfig | Non
                          "or --kv-bits for a quantised full cache")
     if method.is_full:  # the quantised full cache: a budget no sequence reaches, so nothing is evicted
         return method.configure(settings, _NO_BUDGET)
+    if getattr(args, "memory", None) is not None:
+        if args.budget is not None:
+            raise ValueError("memory: give --memory or --budget, not both")
+        from scissorhands.core.memory_budget import parse_memory
+
+        parse_memory(args.memory)  # checked now; chosen once the model and the prompt's length are known
+        return None
+    if args.budget is None:
+        if getattr(args, "budget_fallback", None) is None:
+            raise ValueError("budget: required: --budget B (tokens or a fraction), or --memory M (a byte budget)")
+        args.budget = args.budget_fallback
     spec = check_budget_spec(args.budget, "budget")
     if isinstance(spec, float):
         if length is None:
@@ -374,8 +385,17 @@ def _run_generate(args, prompt, label_budget: str) -> int:
     if callable(prompt):  # the demo's prompt needs the tokenizer (its chat template)
         prompt = prompt(tokenizer)
     prompt, n_system = _chat(args, tokenizer, prompt)
-    if config is None:  # a fractional budget: of this prompt and the new tokens
-        config = generate_config(args, len(tokenizer(prompt)["input_ids"]) + args.max_new_tokens)
+    length = len(tokenizer(prompt)["input_ids"]) + args.max_new_tokens
+    if getattr(args, "memory", None) is not None:  # a byte budget: the store and tokens chosen for this model
+        from scissorhands.core.memory_budget import choose
+        from scissorhands.hf.cache import memory_shape
+
+        choice = choose(args.memory, memory_shape(model), length, method.resolve(cache_settings(args)))
+        config = choice.config
+        label_budget = f"{config.budget} tokens, chosen for --memory {args.memory}"
+        print(f"[scissorhands] {choice.describe()}", file=sys.stderr)
+    elif config is None:  # a fractional budget: of this prompt and the new tokens
+        config = generate_config(args, length)
         assert config is not None
         label_budget = f"{args.budget:g} ({config.budget} tokens)"
     if isinstance(config.schedule, tuple):  # an explicit list fixes every layer's budget
@@ -568,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
         if args.command == "generate":
-            return _run_generate(args, _read_prompt(args), str(args.budget))
+            return _run_generate(args, _read_prompt(args), str(args.budget or args.budget_fallback))
         if args.command == "eval":
             return _run_eval(args)
         if args.command == "analyze":
@@ -584,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from .generation import demo_chat
 
-            return _run_generate(args, demo_chat, str(args.budget))
+            return _run_generate(args, demo_chat, str(args.budget or args.budget_fallback))
     except ValueError as e:  # includes ModelLoadError; messages start with the parameter's name
         return say(f"error: {in_flag_words(first_line(e))}", 2)
     except OSError as e:  # a file or folder that could not be read or written

@@ -72,10 +72,16 @@ def add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = None
     groups: dict[str, argparse._ArgumentGroup] = {}
     g = groups["eviction"] = p.add_argument_group("eviction")
     if with_budget:
-        g.add_argument("--budget", type=arg_type(parse_count_or_fraction), default=budget_default,
-                       required=budget_default is None, metavar="B",
+        shown = "" if budget_default is None else f" (default {budget_default})"
+        g.add_argument("--budget", type=arg_type(parse_count_or_fraction), default=None, metavar="B",
                        help="average tokens stored per full-attention layer (a hard peak per layer): a token count "
-                       "(> 1), or a fraction (<= 1) of the prompt plus --max-new-tokens, as in eval's --budgets")
+                       "(> 1), or a fraction (<= 1) of the prompt plus --max-new-tokens, as in eval's --budgets"
+                       f"{shown}; or give --memory")
+        g.add_argument("--memory", default=None, metavar="M",
+                       help="a memory budget instead of --budget: a fraction of the full cache's K/V bytes (0.2 = "
+                       "a fifth) or a size per sequence (64MiB); the store's bits, residual and token budget are "
+                       "chosen for it from measurements, and the choice is printed")
+        p.set_defaults(budget_fallback=budget_default)
         g.add_argument("--method", default="scissorhands", help=f"eviction method: {method_names()}")
     for name, default, decl in declared(CacheSettings):
         g = groups.get(decl.group) or groups.setdefault(decl.group, p.add_argument_group(decl.group))

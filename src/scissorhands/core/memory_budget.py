@@ -1,0 +1,239 @@
+"""A memory budget in bytes: choose the store (bits, key bits, residual) and the token budget for the user.
+
+``memory`` is either a fraction of the full cache's K/V bytes (in the model's
+dtype, for the sequence at hand, over the budgeted layers), or an absolute size
+per sequence: an integer number of bytes, or text such as ``"64MiB"``.
+
+The rule, from measurements. For each store of the measured frontier
+(``data/frontier.json``, built by ``experiments/frontier_data.py`` from the
+eviction × bits grid in docs/results.md), it takes the largest token budget
+whose peak bytes fit the target, counting everything stored: the K/V elements
+(packed or not), their scales and zero-points, the full-precision residual,
+the importance state and the positions. It then reads the store's measured
+ΔNLL at that budget, interpolating in the log of the budget fraction, and
+keeps the store with the smallest. A target no store can meet is a one-line
+``ValueError`` naming ``memory`` and the smallest reachable size.
+
+The frontier was measured on SmolLM2-135M, so on another model the choice
+assumes that the stores rank alike. The bytes are exact for the model at hand.
+
+The peak is between chunks. While a chunk is taken, a packed store's exact tail
+also holds that chunk's newest block: at most one block of full-precision
+tokens more, and none during decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import re
+from dataclasses import dataclass, replace
+from importlib import resources
+
+from .config import CacheSettings, ScissorhandsConfig
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One store of the frontier and its measured ΔNLL against the token budget (a fraction of the sequence)."""
+
+    name: str
+    label: str
+    kv_bits: int | None
+    kv_key_bits: int | None
+    kv_residual: int
+    points: tuple[tuple[float, float], ...]
+
+    def predicted(self, fraction: float) -> tuple[float, bool]:
+        """ΔNLL at ``fraction``, interpolated in log(fraction), and whether it lies outside the measured range."""
+        pts = self.points
+        fraction = min(fraction, 1.0)
+        if fraction >= pts[-1][0]:
+            return pts[-1][1], fraction > pts[-1][0]
+        if fraction <= pts[0][0]:
+            (f0, d0), (f1, d1) = pts[0], pts[1]
+            outside = fraction < f0
+        else:
+            i = next(i for i in range(1, len(pts)) if pts[i][0] >= fraction)
+            (f0, d0), (f1, d1) = pts[i - 1], pts[i]
+            outside = False
+        t = (math.log(fraction) - math.log(f0)) / (math.log(f1) - math.log(f0))
+        return d0 + t * (d1 - d0), outside
+
+
+def load_frontier() -> list[Family]:
+    """The shipped frontier (``scissorhands/core/data/frontier.json``)."""
+    record = json.loads(resources.files("scissorhands.core").joinpath("data/frontier.json").read_text())
+    return [Family(f["name"], f["label"], f["kv_bits"], f["kv_key_bits"], f["kv_residual"],
+                   tuple((float(a), float(b)) for a, b in f["points"])) for f in record["families"]]
+
+
+def parse_memory(spec) -> float | int:
+    """``0.2`` (a fraction in (0, 1]) or a size in bytes (an int, or text such as ``"64MiB"``, ``"1.5GB"``).
+
+    Raises a one-line ``ValueError`` naming ``memory``.
+    """
+    if isinstance(spec, str):
+        text = spec.strip().lower().replace(" ", "")
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([kmg]i?b|b)?", text)
+        if not m:
+            raise ValueError(f"memory: must be a fraction of the full cache (0.2) or a size (64MiB, 2GB), got {spec!r}")
+        number, unit = float(m.group(1)), m.group(2) or ""
+        if not unit and "." in m.group(1) or not unit and "e" in m.group(1):
+            spec = number
+        elif not unit:
+            spec = int(m.group(1))
+        else:
+            size = number * _UNITS[unit]
+            if not math.isfinite(size) or size < 1:
+                raise ValueError(f"memory: a size must be at least 1 byte, got {spec!r}")
+            return int(size)
+    if isinstance(spec, bool) or not isinstance(spec, numbers.Real) or not math.isfinite(spec):
+        raise ValueError(f"memory: must be a fraction of the full cache or a size in bytes, got {spec!r}")
+    if isinstance(spec, numbers.Integral):
+        if spec < 1:
+            raise ValueError(f"memory: a size in bytes must be >= 1, got {spec}")
+        return int(spec)
+    value = float(spec)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"memory: a fraction of the full cache must be in (0, 1], got {spec}")
+    return value
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the bytes depend on: the budgeted layers, KV heads, head sizes and the model's element size."""
+
+    layers: int
+    kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """What ``memory=`` chose, and the numbers behind the choice."""
+
+    memory: float | int
+    config: ScissorhandsConfig
+    family: str
+    target_bytes: int
+    peak_bytes: int
+    full_bytes: int
+    predicted_delta_nll: float
+    extrapolated: bool
+
+    def describe(self) -> str:
+        """One line for the CLI and the reports."""
+        c = self.config
+        bits = "16-bit" if not c.quantized else (f"{c.kv_bits}-bit" if c.kv_key_bits is None else
+                                                 f"{c.kv_key_bits}-bit keys / {c.kv_bits}-bit values")
+        residual = f", residual {c.kv_residual}" if c.quantized and c.kv_residual else ""
+        guess = "extrapolated" if self.extrapolated else "measured on SmolLM2-135M"
+        return (f"memory {self.memory}: {bits}{residual}, budget {c.budget} tokens; peak {self.peak_bytes:,} of "
+                f"{self.target_bytes:,} bytes ({self.full_bytes / self.peak_bytes:.1f}x less than the full cache's "
+                f"{self.full_bytes:,}); expected ΔNLL about {self.predicted_delta_nll:+.3f} ({guess})")
+
+    def record(self) -> dict:
+        return {"memory": self.memory, "family": self.family, "budget": self.config.budget,
+                "kv_bits": self.config.kv_bits, "kv_key_bits": self.config.kv_key_bits,
+                "kv_residual": self.config.kv_residual, "target_bytes": self.target_bytes,
+                "peak_bytes": self.peak_bytes, "full_bytes": self.full_bytes,
+                "predicted_delta_nll": self.predicted_delta_nll, "extrapolated": self.extrapolated}
+
+
+def peak_bytes(config: ScissorhandsConfig, shape: Shape, length: int, evicts: bool = True) -> int:
+    """Peak bytes a sequence of ``length`` tokens holds over the budgeted layers under ``config`` (between chunks)."""
+    from .stores.packed import packed_bytes_per_token_head  # torch: imported on use
+
+    tokens = config.budget  # slots grow geometrically up to the budget, so a shorter sequence may hold them all
+    dense = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
+    if config.quantized:
+        kv = packed_bytes_per_token_head(shape.head_dim_k, shape.head_dim_v, int(config.kv_bits or 16),
+                                         config.kv_key_bits, config.kv_group_size)
+        residual = min(config.residual_for(config.budget, evicts), tokens) * dense
+    else:
+        kv, residual = dense, 0
+    state_item = max(shape.itemsize, 4) if config.importance != "count" else 2
+    per_token = kv + config.n_buckets() * state_item + 4  # K/V, importance state, an int32 position
+    return shape.layers * shape.kv_heads * (tokens * per_token + residual)
+
+
+def choose(memory, shape: Shape, length: int, base: CacheSettings,
+           frontier: list[Family] | None = None) -> MemoryChoice:
+    """The store and token budget whose peak bytes fit ``memory`` best, by the measured frontier.
+
+    ``base`` keeps every setting but the store's (``kv_bits``, ``kv_key_bits``, ``kv_residual``), which the
+    choice sets.
+    """
+    spec = parse_memory(memory)
+    full = length * shape.layers * shape.kv_heads * (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
+    target = int(spec * full) if isinstance(spec, float) else spec
+    best: MemoryChoice | None = None
+    smallest = None
+    for family in frontier or load_frontier():
+        settings = replace(base, kv_bits=family.kv_bits, kv_key_bits=family.kv_key_bits,
+                           kv_residual=family.kv_residual if family.kv_bits else None)
+        floor = _floor(settings, length)
+        if floor is None:
+            continue
+        fits = _largest_budget(settings, shape, length, target, floor)
+        at_floor = peak_bytes(ScissorhandsConfig(budget=floor, **settings.as_dict()), shape, length)
+        smallest = at_floor if smallest is None else min(smallest, at_floor)
+        if fits is None:
+            continue
+        config = ScissorhandsConfig(budget=fits, **settings.as_dict())
+        delta, outside = family.predicted(fits / length)
+        choice = MemoryChoice(spec, config, family.name, target, peak_bytes(config, shape, length), full, delta,
+                              outside)
+        if best is None or (delta, choice.peak_bytes) < (best.predicted_delta_nll, best.peak_bytes):
+            best = choice
+    if best is None:
+        raise ValueError(f"memory: {memory!r} ({target:,} bytes) cannot be met for {length} tokens: the smallest "
+                         f"reachable peak is {smallest:,} bytes ({(smallest or 0) / full:.4f} of the full cache's "
+                         f"{full:,})")
+    return best
+
+
+def _valid(settings: CacheSettings, budget: int) -> bool:
+    """Whether a cache can be built at this budget (the residual must fit the recent window, and so on)."""
+    try:
+        ScissorhandsConfig(budget=budget, **settings.as_dict()).check_residual(budget)
+    except ValueError:
+        return False
+    return True
+
+
+def _floor(settings: CacheSettings, length: int) -> int | None:
+    """The smallest budget these settings can be built at (a residual needs a recent window as large)."""
+    budget = settings.protected + 1
+    while budget <= max(length, settings.protected + 1):
+        if _valid(settings, budget):
+            return budget
+        budget += 1
+    return None
+
+
+def _largest_budget(settings: CacheSettings, shape: Shape, length: int, target: int, floor: int) -> int | None:
+    """The largest token budget in [floor, length] whose peak fits ``target`` (bytes grow with the budget)."""
+    def peak(b):
+        if not _valid(settings, b):
+            return None
+        return peak_bytes(ScissorhandsConfig(budget=b, **settings.as_dict()), shape, length)
+
+    lo, hi = floor, max(floor, length)
+    first = peak(lo)
+    if first is None or first > target:
+        return None
+    while lo < hi:  # invariant: peak(lo) fits
+        mid = (lo + hi + 1) // 2
+        p = peak(mid)
+        if p is not None and p <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

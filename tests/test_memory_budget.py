@@ -1,0 +1,117 @@
+"""``memory=``: a byte budget that chooses the store and the token budget from the measured frontier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import run_cli, save_tiny_model, tiny_model
+from scissorhands import CacheSettings, ScissorhandsCache
+from scissorhands.core.memory_budget import choose, load_frontier, parse_memory
+from scissorhands.hf.cache import memory_shape
+
+
+@pytest.mark.parametrize("spec,value", [(0.2, 0.2), ("0.2", 0.2), (1.0, 1.0), ("64MiB", 64 * 2**20),
+                                        ("1.5GB", 1_500_000_000), ("2kb", 2000), (4096, 4096), ("4096", 4096)])
+def test_memory_specs(spec, value):
+    assert parse_memory(spec) == value
+
+
+@pytest.mark.parametrize("spec", [0.0, -0.5, 1.5, float("nan"), "5XB", "", True, 0, "0b", [0.2]])
+def test_bad_memory_specs_are_one_line(spec):
+    with pytest.raises(ValueError, match="^memory: "):
+        parse_memory(spec)
+
+
+def _held(report) -> int:
+    """Everything the budgeted layers store: K/V (packed data, scales, residual), importance state, positions."""
+    return report["budgeted_kv_bytes"] + report["importance_bytes"] + report["position_bytes"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["kv16", "kv8", "k8v4", "kv4", "kv4r32", "kv4r16", "k4v2r16"])
+def test_the_peak_counted_is_the_peak_stored_and_never_above_the_target(arch, family):
+    """For every store of the frontier, the chosen peak equals what the cache holds after prefill and after
+    decoding (a sliding-window layer keeps its own window and is not counted), and it fits the target."""
+    model = tiny_model(arch)
+    frontier = [f for f in load_frontier() if f.name == family]
+    length, prompt = 420, 380
+    for memory in (0.12, 0.2, 0.3, 0.45):  # the first target this store reaches with a budget the prompt fills
+        try:
+            choice = choose(memory, memory_shape(model), length, CacheSettings(), frontier)
+        except ValueError:
+            continue
+        if choice.config.budget < prompt:
+            break
+    assert choice.peak_bytes <= choice.target_bytes
+    cache = ScissorhandsCache(model, choice.config)
+    ids = torch.randint(3, 100, (1, length))
+    assert choice.config.budget < prompt  # the prompt fills it
+    with torch.no_grad():
+        model(ids[:, :prompt], cache=cache)
+        assert _held(cache.memory_report()) == choice.peak_bytes
+        for t in range(prompt, length):
+            model(ids[:, t:t + 1], cache=cache)
+            assert _held(cache.memory_report()) <= choice.target_bytes
+    assert _held(cache.memory_report()) == choice.peak_bytes
+
+
+def test_the_choice_follows_the_frontier_and_is_reported(tmp_path):
+    model = tiny_model("llama")
+    frontier = load_frontier()
+    ladder = [choose(m, memory_shape(model), 2048, CacheSettings()) for m in (0.5, 0.33, 0.2, 0.1, 0.05)]
+    expected = [c.predicted_delta_nll for c in ladder]
+    assert expected == sorted(expected)  # less memory never predicts less loss
+    for choice in ladder:  # no other store of the frontier predicts less at this target
+        for family in frontier:
+            try:
+                other = choose(choice.memory, memory_shape(model), 2048, CacheSettings(), [family])
+            except ValueError:
+                continue
+            assert choice.predicted_delta_nll <= other.predicted_delta_nll + 1e-12
+    cache = ScissorhandsCache.for_memory(model, 0.2, 600)
+    with torch.no_grad():
+        model(torch.randint(3, 100, (1, 600)), cache=cache)
+    record = cache.memory_report()["memory_choice"]
+    assert record["peak_bytes"] == _held(cache.memory_report()) <= record["target_bytes"]
+    assert "budget" in cache.memory_choice.describe() and "expected ΔNLL" in cache.memory_choice.describe()
+
+
+def test_the_frontier_reproduces_its_measured_points():
+    for family in load_frontier():
+        for fraction, delta in family.points:
+            assert family.predicted(fraction) == (pytest.approx(delta), False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(memory=st.floats(0.01, 1.0), length=st.integers(64, 4096))
+def test_unreachable_targets_name_the_smallest_reachable(memory, length):
+    """A target either gets a choice that fits it, or a one-line error whose smallest reachable size works."""
+    import re
+
+    shape = memory_shape(tiny_model("llama"))
+    try:
+        choice = choose(memory, shape, length, CacheSettings())
+    except ValueError as e:
+        smallest = int(re.search(r"smallest reachable peak is ([\d,]+) bytes", str(e)).group(1).replace(",", ""))
+        assert str(e).startswith("memory: ")
+        assert choose(smallest, shape, length, CacheSettings()).peak_bytes <= smallest
+        return
+    assert choice.peak_bytes <= choice.target_bytes
+
+
+def test_cli_memory_prints_its_choice_and_refuses_bad_input(tmp_path, capsys):
+    folder = save_tiny_model(tmp_path / "tiny")
+    base = ["generate", "--model", str(folder), "--prompt", "All work and no play makes Jack a dull boy. " * 3,
+            "--max-new-tokens", "8"]
+    code, _, err = run_cli(capsys, *base, "--memory", "0.2")
+    assert code == 0, err
+    assert "[scissorhands] memory 0.2: " in err and "expected ΔNLL about" in err
+    for extra, message in ((["--memory", "0.2", "--budget", "30"], "memory: give --memory or --budget, not both"),
+                           (["--memory", "0.0001"], "memory: '0.0001'"), (["--memory", "9ZB"], "memory: must be"),
+                           ([], "budget: required")):
+        code, _, err = run_cli(capsys, *base, *extra)
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert code == 2 and len(lines) == 1 and message in lines[0], err
