@@ -110,3 +110,32 @@ def test_the_vllm_plugin_resolves_the_same_settings(name):
                                get_method(name)())
     assert plugin.method is get_method(name)
     assert plugin.config == direct.config
+
+
+@pytest.mark.parametrize("name", ["scissorhands", "h2o", "tova"])
+@pytest.mark.parametrize("memory", ["0.2", "0.1", "12KiB"])
+def test_every_entry_point_makes_the_same_memory_choice(name, memory):
+    """``memory=`` through the Python API, the CLI's generate, eval's grid and the lm-eval backend: one store,
+    one token budget, one configuration (the method's own settings included)."""
+    from scissorhands.core.memory_budget import choose, parse_memory
+    from scissorhands.hf.cache import memory_shape
+    from scissorhands.tools.eval.runner import MemorySpec, _choose
+
+    model = tiny_model("llama")
+    method = get_method(name)
+    length = 300
+    python_api = ScissorhandsCache.for_memory(model, memory, length, ScissorhandsConfig(budget=16, **FLAGS).settings,
+                                              method())
+    args = cli.build_parser().parse_args(["generate", "--memory", memory, "--method", name, "--prompt", "x",
+                                          *_cli_flags()])
+    assert cli.generate_config(args) is None  # chosen once the model and the length are known, as _run_generate does
+    from_cli = choose(args.memory, memory_shape(model), length, method.resolve(cli.cache_settings(args)))
+    eval_args = cli.build_parser().parse_args(["eval", "--methods", name, "--memory", memory, *_cli_flags()])
+    spec = MemorySpec(parse_memory(eval_args.memory))
+    from_eval = _choose(model, spec, length, method, cli.cache_settings(eval_args))
+    lm = ScissorhandsLM(model=(model, _Tokenizer()), method=name, memory=memory, **FLAGS)
+    setup = lm.setup_for(length)
+    want = python_api.memory_choice.config
+    assert from_cli.config == want and from_eval.config == want
+    assert (setup.budget, setup.base) == (want.budget, want.settings)
+    assert _built(setup.make_cache(model, length)) == _built(python_api)

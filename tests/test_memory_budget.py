@@ -115,3 +115,41 @@ def test_cli_memory_prints_its_choice_and_refuses_bad_input(tmp_path, capsys):
         code, _, err = run_cli(capsys, *base, *extra)
         lines = [x for x in err.splitlines() if x.strip()]
         assert code == 2 and len(lines) == 1 and message in lines[0], err
+
+
+def test_eval_rows_for_memory_budgets_record_their_choice(tmp_path):
+    from conftest import ByteTokenizer
+    from scissorhands.core.methods import get_method
+    from scissorhands.tools.eval import run_grid
+    from scissorhands.tools.eval.runner import MemorySpec
+    from scissorhands.tools.eval.tasks import Perplexity
+    from scissorhands.tools.generation import demo_prompt
+
+    text = tmp_path / "t.txt"
+    text.write_text(demo_prompt())
+    model = tiny_model("llama")
+    task = Perplexity(seq_len=128, n_windows=2, data=str(text))
+    rows = run_grid(model, ByteTokenizer(), model_name="tiny", tasks=[task],
+                    methods=[get_method("full"), get_method("scissorhands")], budgets=[MemorySpec(0.2)],
+                    base=CacheSettings(), out_dir=tmp_path / "out")
+    row = next(r for r in rows if r["method"] == "scissorhands")
+    assert row["budget"] == "memory=0.2" and len(row["memory_choice"]) == 2
+    choice = row["memory_choice"][0]
+    assert choice["peak_bytes"] <= choice["target_bytes"] == int(0.2 * choice["full_bytes"])
+    assert row["compression"] == pytest.approx(row["full_kv_bytes"] / row["kv_bytes"]) and row["compression"] >= 5
+    assert row["config"]["kv_bits"] == choice["kv_bits"]
+    with pytest.raises(ValueError, match="^memory: .* cannot be met"):
+        run_grid(model, ByteTokenizer(), model_name="tiny", tasks=[task], methods=[get_method("scissorhands")],
+                 budgets=[MemorySpec(16)], base=CacheSettings(), out_dir=tmp_path / "out2")
+
+
+def test_lm_eval_memory_argument_errors_are_one_line():
+    from scissorhands.tools.lm_eval_backend import ScissorhandsLM
+    from test_entry_points import _Tokenizer
+
+    model = tiny_model("llama")
+    for kwargs, message in (({"memory": 0.2, "budget": 0.2}, "memory: give memory or budget, not both"),
+                            ({"memory": "lots"}, "memory: must be"),
+                            ({"memory": 0.2, "method": "full"}, "memory: method=full")):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            ScissorhandsLM(model=(model, _Tokenizer()), **kwargs)

@@ -86,8 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_args(ev, with_budget=False)
     ev.add_argument("--methods", default="full,scissorhands,h2o,tova,streaming",
                     help=f"comma list of: {method_names()}")
-    ev.add_argument("--budgets", default="0.1,0.2,0.33,0.5",
-                    help="comma list: fractions (<= 1) of each sequence's length, or token counts (> 1)")
+    ev.add_argument("--budgets", default=None,
+                    help="comma list: fractions (<= 1) of each sequence's length, or token counts (> 1) (default "
+                    "0.1,0.2,0.33,0.5, unless --memory is given)")
+    ev.add_argument("--memory", default=None,
+                    help="comma list of memory budgets: fractions of the full cache's K/V bytes, or sizes per "
+                    "sequence (64MiB); each row's store and token budget are chosen per item (see generate --memory)")
     ev.add_argument("--tasks", default="ppl", help="comma list: ppl, agreement, lambada, hellaswag, piqa, "
                     "winogrande, arc_easy, arc_challenge, openbookqa, or a .jsonl file")
     ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts)")
@@ -490,7 +494,19 @@ def _eval_budgets(args, base: CacheSettings, methods) -> list[float | int]:
     """``--budgets`` checked against the settings: finite, distinct, and token counts above the protected tokens."""
     from scissorhands.core.budget import check_budget_spec
 
-    budgets = [check_budget_spec(b, "budgets") for b in _floats(args.budgets, "budgets")]
+    if args.budgets is None:
+        args.budgets = "" if args.memory is not None else "0.1,0.2,0.33,0.5"
+    budgets: list = ([check_budget_spec(b, "budgets") for b in _floats(args.budgets, "budgets")]
+                     if args.budgets else [])
+    if args.memory is not None:
+        from scissorhands.core.memory_budget import parse_memory
+
+        from .eval.runner import MemorySpec
+
+        specs = [MemorySpec(parse_memory(m.strip())) for m in args.memory.split(",") if m.strip()]
+        if not specs:
+            raise ValueError("memory: is empty")
+        budgets += specs
     twice = next((b for i, b in enumerate(budgets) if b in budgets[:i]), None)
     if twice is not None:
         raise ValueError(f"budgets: {twice} is given twice")

@@ -201,7 +201,11 @@ class ScissorhandsLM(LM):
     budget : float or int
         Tokens each budgeted layer may store. Up to 1: a fraction of each
         sequence's own length; above 1: a token count. Never below
-        ``recent + 1``. Required unless ``method=full``.
+        ``recent + 1``. Required unless ``method=full`` or ``memory`` is given.
+    memory : float, int or str, optional
+        A byte budget instead (:mod:`scissorhands.core.memory_budget`): a fraction of the full cache's
+        K/V bytes, or a size per sequence such as ``"64MiB"``; the store and the token budget are chosen
+        for each request's length.
     **settings
         Every field of :class:`scissorhands.CacheSettings` by name (``recent``,
         ``window``, ``kv_bits``, ...), parsed and checked by its declaration,
@@ -239,6 +243,7 @@ class ScissorhandsLM(LM):
         tokenizer=None,
         method: str = "scissorhands",
         budget: float | int | None = None,
+        memory: float | int | str | None = None,
         seed: int = 0,
         dtype: str = "float32",
         device: str | None = None,
@@ -253,7 +258,18 @@ class ScissorhandsLM(LM):
         if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"method: unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method = METHODS[method]
-        self.budget_spec = _check_budget(budget, self.method)
+        self.memory = None
+        if memory is not None:
+            from scissorhands.core.memory_budget import parse_memory
+
+            if budget is not None:
+                raise ValueError("memory: give memory or budget, not both")
+            if self.method.is_full:
+                raise ValueError("memory: method=full evicts nothing; give an evicting method")
+            self.memory = parse_memory(memory)
+            self.budget_spec = None
+        else:
+            self.budget_spec = _check_budget(budget, self.method)
         # Every cache setting by its declaration: the same names, parsing and checks as the CLI's flags.
         self.base = CacheSettings(**from_strings(CacheSettings, settings, f"model argument for {MODEL_NAME}"))
         self.seed = _check_int("seed", seed)
@@ -302,12 +318,19 @@ class ScissorhandsLM(LM):
     def get_model_info(self) -> dict:
         """Settings recorded in lm-eval's results under ``config``: method, budget and every cache setting."""
         settings = {f"scissorhands_{k}": v for k, v in self.base.as_dict().items()}
-        return {"scissorhands_method": self.method.name, "scissorhands_budget": self.budget_spec, **settings,
+        return {"scissorhands_method": self.method.name, "scissorhands_budget": self.budget_spec,
+                "scissorhands_memory": self.memory, **settings,
                 "max_length": self._max_length, "prefix_token_id": self._prefix_token_id}
 
     # -- budgets -----------------------------------------------------------------------------
     def setup_for(self, length: int) -> ScoreSetup:
         """The scoring setup for one sequence of ``length`` tokens (the budget is resolved against it)."""
+        if self.memory is not None:  # a byte budget: the store and tokens chosen for this length
+            from scissorhands.core.memory_budget import choose
+            from scissorhands.hf.cache import memory_shape
+
+            choice = choose(self.memory, memory_shape(self._model), length, self.method.resolve(self.base))
+            return ScoreSetup(self.method, choice.config.budget, choice.config.settings, self.seed)
         budget = None if self.budget_spec is None else resolve_budget(self.budget_spec, length, self.base.protected)
         return ScoreSetup(self.method, budget, self.base, self.seed)
 
@@ -440,11 +463,12 @@ def _loglikelihood(lm: ScissorhandsLM, requests, disable_tqdm: bool) -> list[tup
     groups: dict[tuple, list[int]] = {}
     for i, (ctx, cont) in enumerate(encoded):
         setup = lm.setup_for(len(ctx) + len(cont))
-        groups.setdefault((tuple(ctx), setup.budget), []).append(i)
+        groups.setdefault((tuple(ctx), setup.budget, setup.base), []).append(i)
     results: list[tuple[float, bool] | None] = [None] * len(encoded)
-    for (ctx, budget), members in tqdm(groups.items(), desc="scissorhands loglikelihood", disable=disable_tqdm):
+    for (ctx, budget, base), members in tqdm(groups.items(), desc="scissorhands loglikelihood",
+                                             disable=disable_tqdm):
         conts = [encoded[i][1] for i in members]
-        setup = ScoreSetup(lm.method, budget, lm.base, lm.seed)
+        setup = ScoreSetup(lm.method, budget, base, lm.seed)
         for i, score in zip(members, continuation_logprobs(lm._model, list(ctx), conts, setup)):
             results[i] = score
             lm.cache_hook.add_partial("loglikelihood", requests[i].args, score)

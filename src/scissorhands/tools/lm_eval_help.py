@@ -27,6 +27,8 @@ OWN_ARGUMENTS = (
     ("method", f"the eviction method: {method_names()}"),
     ("budget", "up to 1: a fraction of each sequence's own length; above 1: a token count per budgeted layer; "
                "required unless `method=full`"),
+    ("memory", "a byte budget instead of `budget`: a fraction of the full cache's K/V bytes, or a size per "
+               "sequence (`64MiB`); the store and token budget are chosen per request"),
     ("seed", "seed of the `random` method"),
     ("dtype", "`float32`, `bfloat16` or `float16`, for models loaded by name"),
     ("device", "where to load the model (lm-eval's `--device`); `None`: CUDA if available, else CPU"),
@@ -49,7 +51,8 @@ def model_args_table(backend) -> str:
     lines = ["| argument | default | meaning |", "|---|---|---|"]
     for name, meaning in OWN_ARGUMENTS:
         default = params[name].default
-        lines.append(f"| `{name}` | {'—' if default is None and name == 'budget' else show(default)} | {meaning} |")
+        lines.append(f"| `{name}` | {'—' if default is None and name in ('budget', 'memory') else show(default)} | "
+                     f"{meaning} |")
     for name, default, decl in declared(CacheSettings):
         meaning = decl.help.replace("](#", "](../README.md#")  # the declarations link within the README
         lines.append(f"| `{name}` | {'—' if default is REQUIRED else show(default)} | {meaning} |")

@@ -8,6 +8,7 @@ import logging
 import math
 import numbers
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -235,6 +236,26 @@ def _open_for_append(path: Path, name: str) -> list[dict]:
     return records
 
 
+@dataclass(frozen=True)
+class MemorySpec:
+    """A grid row's memory budget (``eval --memory``): the store and token budget are chosen per item.
+
+    Its JSON form, in records, keys and tables, is ``"memory=<value>"``.
+    """
+
+    value: float | int
+
+    def __str__(self) -> str:
+        return f"memory={self.value}"
+
+
+def _choose(model, spec: MemorySpec, length: int, method: type[EvictionMethod], base: CacheSettings):
+    from scissorhands.core.memory_budget import choose
+    from scissorhands.hf.cache import memory_shape
+
+    return choose(spec.value, memory_shape(model), length, method.resolve(base))
+
+
 def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], budgets: list, base: CacheSettings):
     """Refuse two budgets that resolve to the same tokens on every item (identical grid rows).
 
@@ -244,6 +265,8 @@ def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], bud
     protected = base.protected
     seen: dict[tuple, float | int] = {}
     for spec in budgets:
+        if isinstance(spec, MemorySpec):
+            continue  # chosen per item; an unreachable one is refused before any cell runs (run_grid)
         if isinstance(spec, int) and spec <= protected:
             raise ValueError(f"budgets: a token count must be > recent + sinks ({protected}), got {spec}")
         used = tuple(min(resolve_budget(spec, i.length, protected, "budgets"), i.length) for i in items)
@@ -263,7 +286,7 @@ def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], bud
 
 
 def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: list[type[EvictionMethod]],
-             budgets: list[float], base: CacheSettings, out_dir: Path, limit: int | None = None, seed: int = 0,
+             budgets: list, base: CacheSettings, out_dir: Path, limit: int | None = None, seed: int = 0,
              resume: bool = True) -> list[dict]:
     """Evaluate every method at every budget on every task.
 
@@ -308,6 +331,10 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
         for method in methods:
             if not method.is_full:
                 _check_distinct_budgets(task, items, method, budgets, base)
+                for wanted in budgets:  # a memory budget no store meets is refused before any cell runs
+                    if isinstance(wanted, MemorySpec):
+                        for length in sorted({i.length for i in items}):
+                            _choose(model, wanted, length, method, base)
         all_items.append(items)
     out_dir.mkdir(parents=True, exist_ok=True)
     with exclusive(out_dir, "out"):  # two runs into one folder at once would both write every row
@@ -327,10 +354,17 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                     start = time.perf_counter()
                     scores, budgets_used = [], []
                     desc = f"{task.name} {method.name} {'full' if spec is None else spec}"
+                    choices = []
                     for item in tqdm(items, desc=desc, leave=False):
-                        budget = None if spec is None else resolve_budget(spec, item.length, protected)
+                        cell_base = base
+                        if isinstance(spec, MemorySpec):
+                            choice = _choose(model, spec, item.length, method, base)
+                            choices.append(choice)
+                            budget, cell_base = choice.config.budget, choice.config.settings
+                        else:
+                            budget = None if spec is None else resolve_budget(spec, item.length, protected)
                         budgets_used.append(item.length if budget is None else min(budget, item.length))
-                        scores.append(task.score(model, item, ScoreSetup(method, budget, base, seed)))
+                        scores.append(task.score(model, item, ScoreSetup(method, budget, cell_base, seed)))
                     metrics = task.aggregate(scores)
                     mean_len = sum(i.length for i in items) / len(items)
                     mean_budget = sum(budgets_used) / len(budgets_used)
@@ -338,7 +372,8 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         "task": task.name, "method": method.name, "budget": _jsonable(spec), "model": model_name,
                         "metric": task.main_metric, "value": metrics[task.main_metric], "metrics": metrics,
                         "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
-                        "kv_bytes": mean_budget * kv_bytes_per_token(model, method.resolve(base))
+                        "kv_bytes": (sum(c.peak_bytes for c in choices) / len(choices)) if choices else
+                        mean_budget * kv_bytes_per_token(model, method.resolve(base))
                         + kv_residual_bytes(model, method.resolve(base), mean_budget, evicts=not method.is_full),
                         "full_kv_bytes": mean_len * per_token,
                         "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
@@ -346,6 +381,10 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         "key_id": kid, "key": key,
                         "item_scores": scores,
                     }
+                    if choices:  # what memory= chose, per item (the store is the same whenever the lengths are)
+                        rec["memory_choice"] = [c.record() for c in choices]
+                        rec["compression"] = rec["full_kv_bytes"] / rec["kv_bytes"]  # in bytes, everything stored
+                        rec["config"] = _jsonable(choices[0].config.settings.as_dict())
                     with path.open("a") as f:
                         f.write(json.dumps(_jsonable(rec)) + "\n")
                     logger.info("%s: %s=%.4f (%.1f s)", desc, task.main_metric, rec["value"], rec["wall_s"])
