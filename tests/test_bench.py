@@ -23,7 +23,7 @@ SETTINGS = CacheSettings(recent=4)
 
 def small(**kw):
     base = dict(contexts=(64, 128), batches=(1, 2), budgets=(0.5, 0.25), steps=3, warmup=1, prefill_chunk=32,
-                prefill_contexts=(64,), repeats=1, memory=4 * 2**20, fit="cache", cap_prompt=48, cap_new=4,
+                prefill_contexts=(64,), repeats=1, cap_memory=4 * 2**20, fit="cache", cap_prompt=48, cap_new=4,
                 cap_limit=8, soak_tokens=60, soak_budget=24, soak_every=6, soak_prompt=8, settings=SETTINGS,
                 parts=("decode", "prefill", "maxbatch", "soak"))
     base.update(kw)
@@ -115,7 +115,7 @@ def test_max_fitting_finds_the_largest_batch_of_a_monotone_fit(largest, limit):
 
 def test_maxbatch_under_a_cap_with_a_known_memory_function():
     """A fake trial whose memory is linear in the batch: the search and the ratios follow from the arithmetic."""
-    cfg = small(memory=1000, cap_prompt=80, cap_new=20, cap_limit=256, budgets=(0.5, 0.2))
+    cfg = small(cap_memory=1000, cap_prompt=80, cap_new=20, cap_limit=256, budgets=(0.5, 0.2))
 
     def trial(model, make_cache, batch, prompt, new, chunk, seed):
         cache = make_cache()
@@ -151,7 +151,7 @@ def test_parse_size():
     assert parse_size("2GiB") == 2 * 2**30 and parse_size("512MiB") == 512 * 2**20
     assert parse_size("1.5G") == 1_500_000_000 and parse_size("4096") == 4096
     for bad in ("2XB", "-1GiB", "GiB", "nan", "0"):
-        with pytest.raises(ValueError, match="^memory: "):
+        with pytest.raises(ValueError, match="^cap-memory: "):
             parse_size(bad)
 
 
@@ -163,8 +163,9 @@ def test_parse_size():
     (["--budgets", "nan"], "budgets"),
     (["--steps", "0"], "steps"),
     (["--steps", "2.5"], "steps"),
+    (["--cap-memory", "2XB"], "cap-memory"),
     (["--memory", "2XB"], "memory"),
-    (["--parts", "maxbatch"], "memory"),
+    (["--parts", "maxbatch"], "cap-memory"),
     (["--parts", "decode,warp"], "parts"),
     (["--parts", "soak"], "soak-tokens"),
     (["--fit", "vibes"], "fit"),
@@ -184,7 +185,7 @@ def test_bench_command_writes_json_tables_and_plots(capsys, tmp_path):
     folder = save_tiny_model(tmp_path / "tiny")
     out = tmp_path / "out"
     code = main(["bench", "--model", str(folder), "--seq-len", "64", "--batches", "1", "--budgets", "0.5",
-                 "--steps", "2", "--warmup", "1", "--prefill-seq-len", "64", "--repeats", "1", "--memory", "1MiB",
+                 "--steps", "2", "--warmup", "1", "--prefill-seq-len", "64", "--repeats", "1", "--cap-memory", "1MiB",
                  "--fit", "cache", "--cap-prompt", "32", "--cap-new", "4", "--cap-limit", "4", "--soak-tokens", "40",
                  "--soak-budget", "16", "--soak-every", "8", "--soak-prompt", "8", "--recent", "4", "--out", str(out)])
     assert code == 0
@@ -215,7 +216,7 @@ def test_a_folder_holding_an_earlier_run_is_refused_or_replaced_whole(capsys, tm
     out = tmp_path / "out"
     quick = ["bench", "--model", str(folder), "--seq-len", "64", "--batches", "1", "--budgets", "0.5", "--steps",
              "2", "--warmup", "1", "--out", str(out)]
-    assert main([*quick, "--parts", "decode,maxbatch", "--memory", "1MiB", "--fit", "cache", "--cap-prompt", "32",
+    assert main([*quick, "--parts", "decode,maxbatch", "--cap-memory", "1MiB", "--fit", "cache", "--cap-prompt", "32",
                  "--cap-new", "4", "--cap-limit", "2"]) == 0
     assert (out / "max_batch.png").exists()
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -253,3 +254,19 @@ def test_ctrl_c_keeps_the_points_already_measured(capsys, tmp_path, monkeypatch)
     assert result["interrupted"] is True
     assert [p["context"] for p in result["decode"]] == [32]
     assert (out / "tables.md").read_text().count("| 32 |") >= 1
+
+
+def test_bench_measures_memory_budgets_beside_token_budgets(tmp_path):
+    """--memory adds a decode variant per method whose store and budget are chosen for the context, with the
+    full cache at that budget as its reference, and the bytes from storage equal to the analytic count."""
+    folder = save_tiny_model(tmp_path / "tiny")
+    code = main(["bench", "--model", str(folder), "--seq-len", "128", "--batches", "1", "--budgets", "0.5",
+                 "--memory", "0.2", "--steps", "2", "--warmup", "1", "--parts", "decode", "--out", str(tmp_path / "o")])
+    assert code == 0
+    point = json.loads((tmp_path / "o" / "bench.json").read_text())["decode"][0]
+    mem = next(v for v in point["variants"] if v["name"] == "scissorhands memory=0.2")
+    assert mem["memory_choice"]["peak_bytes"] <= mem["memory_choice"]["target_bytes"]
+    assert mem["bytes_match"]
+    assert any(v.get("reference_for") == "memory=0.2" for v in point["variants"])
+    assert [r["fraction"] for r in point["ratios"]] == [0.5, "memory=0.2"]
+    assert "memory=0.2" in (tmp_path / "o" / "tables.md").read_text()

@@ -275,7 +275,7 @@ CASES = [
     ("analyze-out-over-text", [*A[:4], "aout2", "--text", "aout2/tables.md"], "out"),
     ("bench-out-holds-an-earlier-run", [*B, "--out", "benchdone"], "out"),
     ("bench-out-over-schedule", [*B, "--out", "benchsched", "--schedule", "benchsched/bench.json"], "out"),
-    ("bench-cap-prompt-past-positions", [*B, "--memory", "1GiB", "--cap-prompt", "9000", "--parts", "maxbatch"],
+    ("bench-cap-prompt-past-positions", [*B, "--cap-memory", "1GiB", "--cap-prompt", "9000", "--parts", "maxbatch"],
      "cap-prompt"),
     ("bench-seq-len-past-positions", [*B, "--seq-len", "5000", "--parts", "decode"], "seq-len"),
 ]

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from scissorhands.core.config import PREFILL_MODES, CacheSettings
+from scissorhands.core.config import PREFILL_MODES, CacheSettings, ScissorhandsConfig
 from scissorhands.core.methods import get_method
 from scissorhands.core.stores.packed import packed_bytes_per_token_head
 from scissorhands.hf.cache import ScissorhandsCache
@@ -148,10 +148,10 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
 
 
 def _make_cache(model, budget: int | None, settings: CacheSettings, prefill: str | None = None,
-                method: str = "scissorhands"):
+                method: str = "scissorhands", chosen: dict | None = None):
     if budget is None:
         return DynamicCache(config=model.config)
-    config = settings.with_budget(budget)
+    config = settings.with_budget(budget) if chosen is None else ScissorhandsConfig(budget=budget, **chosen)
     if prefill is not None:
         config = replace(config, prefill=prefill)
     return ScissorhandsCache(model, config, get_method(method)())
@@ -187,7 +187,8 @@ def _prefill(model, ids: torch.Tensor, cache, chunk: int | None) -> torch.Tensor
 
 # -- decode ----------------------------------------------------------------------------------------------------
 
-def _variants(context: int, budgets, methods=("scissorhands",)) -> list[dict]:
+def _variants(context: int, budgets, methods=("scissorhands",), memories=(), model=None,
+              settings: CacheSettings | None = None) -> list[dict]:
     out = [{"name": "full", "cache": "full", "context": context, "budget": None}]
     for f in budgets:
         b = budget_tokens(f, context)
@@ -195,6 +196,19 @@ def _variants(context: int, budgets, methods=("scissorhands",)) -> list[dict]:
             out.append({"name": f"{m} {f:g}", "cache": "scissorhands", "method": m, "context": context, "budget": b,
                         "fraction": f})
         out.append({"name": f"full at {b}", "cache": "full", "context": b, "budget": None, "reference_for": f})
+    for memory in memories:  # memory=: the store and token budget chosen for this context
+        from scissorhands.core.memory_budget import choose
+        from scissorhands.hf.cache import memory_shape
+
+        label, first = f"memory={memory}", None
+        for m in methods:
+            choice = choose(memory, memory_shape(model), context, get_method(m).resolve(settings or CacheSettings()))
+            first = choice.config.budget if first is None else first
+            out.append({"name": f"{m} {label}", "cache": "scissorhands", "method": m, "context": context,
+                        "budget": choice.config.budget, "fraction": label,
+                        "chosen": choice.config.settings.as_dict(), "memory_choice": choice.record()})
+        out.append({"name": f"full at {first}", "cache": "full", "context": first, "budget": None,
+                    "reference_for": label})
     return out
 
 
@@ -210,11 +224,12 @@ def decode_point(model, cfg: BenchConfig, context: int, batch: int) -> dict:
         cache's at context = budget) and ``vs_full`` (over the full cache's at T).
     """
     lead = cfg.steps + cfg.warmup
-    variants = _variants(context, cfg.budgets, cfg.methods)
+    variants = _variants(context, cfg.budgets, cfg.methods, cfg.memories, model, cfg.settings)
     states = []
     for i, v in enumerate(variants):
         ids = _tokens(model, batch, v["context"] - lead, cfg.seed + i)
-        cache = _make_cache(model, v["budget"], cfg.settings, method=v.get("method", "scissorhands"))
+        cache = _make_cache(model, v["budget"], cfg.settings, method=v.get("method", "scissorhands"),
+                            chosen=v.get("chosen"))
         start = time.perf_counter()
         with torch.no_grad():
             nxt = _prefill(model, ids, cache, cfg.prefill_chunk)
@@ -369,7 +384,7 @@ def generation_trial(model, make_cache: Callable[[], object], batch: int, prompt
 
 def maxbatch_part(model, cfg: BenchConfig, trial: Callable[..., dict] = generation_trial) -> list[dict]:
     """Largest batch that fits the cap, full cache and each budget (a fraction of prompt + new tokens)."""
-    assert cfg.memory is not None
+    assert cfg.cap_memory is not None
     total = cfg.cap_prompt + cfg.cap_new
     variants: list[tuple[str, str, int | None]] = [("full", "full", None)]
     variants += [(f"{m} {f:g}", m, budget_tokens(f, total)) for f in cfg.budgets for m in cfg.methods]
@@ -387,7 +402,7 @@ def maxbatch_part(model, cfg: BenchConfig, trial: Callable[..., dict] = generati
             used = r["rss_growth_bytes"] if cfg.fit == "rss" and r["rss_growth_bytes"] is not None else r["cache_bytes"]
             r["used_bytes"] = used
             runs[b] = r
-            return used <= cfg.memory
+            return used <= cfg.cap_memory
 
         best, trials = max_fitting(fits, cfg.cap_limit)
         at = runs.get(best, {})
@@ -514,7 +529,8 @@ def tables(result: dict) -> str:
         for point in result["decode"]:
             for r in point["ratios"]:
                 label = "" if r.get("method", "scissorhands") == "scissorhands" else f"{r['method']} "
-                lines.append(f"| {point['context']} | {point['batch']} | {label}{r['fraction']:g} ({r['budget']}) | "
+                spec = r["fraction"] if isinstance(r["fraction"], str) else f"{r['fraction']:g}"
+                lines.append(f"| {point['context']} | {point['batch']} | {label}{spec} ({r['budget']}) | "
                              f"{r['tokens_per_s']:.1f} | {r['reference_tokens_per_s']:.1f} | {r['vs_reference']:.2f} | "
                              f"{r['full_tokens_per_s']:.1f} | {r['vs_full']:.2f} |")
         lines += ["", "| context | batch | variant | KV bytes (storage) | analytic | importance bytes | analytic | "
@@ -615,7 +631,7 @@ def plot(result: dict, out_dir) -> list[str]:
         rows = result["maxbatch"]
         ax.bar([r["variant"] for r in rows], [r["max_batch"] for r in rows])
         ax.set_ylabel("largest batch under the cap")
-        ax.set_title(f"Max batch under {result['config']['memory'] / 2**20:.0f} MiB")
+        ax.set_title(f"Max batch under {result['config']['cap_memory'] / 2**20:.0f} MiB")
         fig.tight_layout()
         fig.savefig(out_dir / "max_batch.png", dpi=120)
         plt.close(fig)

@@ -43,7 +43,10 @@ def add_parser(subparsers):
     opt("--prefill-seq-len", WHOLES, d.prefill_contexts, "prefill: comma list of prompt lengths")
     alias(g, "--prefill-contexts", "--prefill-seq-len", "prefill_seq_len")
     opt("--repeats", WHOLE, d.repeats, "prefill: interleaved repeats (median reported)")
-    opt("--memory", arg_type(parse_size), d.memory, "max batch: memory cap, e.g. 2GiB or 512MiB")
+    opt("--cap-memory", arg_type(parse_size), d.cap_memory, "max batch: memory cap, e.g. 2GiB or 512MiB")
+    g.add_argument("--memory", default=None, metavar="M,M",
+                   help="decode: comma list of memory budgets (fractions of the full cache's bytes, or sizes such "
+                   "as 64MiB), each a variant whose store and token budget are chosen for it (see generate --memory)")
     opt("--fit", str, d.fit, "max batch: 'rss' (peak RSS growth of the run <= cap) or 'cache' (cache tensor bytes "
         "<= cap)")
     opt("--cap-prompt", WHOLE, d.cap_prompt, "max batch: prompt tokens")
@@ -68,7 +71,8 @@ def config_from_args(args, settings):
     """A validated :class:`~.bench_config.BenchConfig` from the parsed options (``ValueError`` naming one)."""
     parts = args.parts
     if parts is None:
-        parts = ("decode", "prefill") + ("maxbatch",) * (args.memory is not None) + ("soak",) * (args.soak_tokens > 0)
+        parts = (("decode", "prefill") + ("maxbatch",) * (args.cap_memory is not None)
+                 + ("soak",) * (args.soak_tokens > 0))
     if "soak" in parts and args.soak_tokens <= 0:
         raise ValueError("soak-tokens: the soak part needs --soak-tokens >= 1")
     if args.threads < 0:
@@ -82,11 +86,24 @@ def config_from_args(args, settings):
     return BenchConfig(
         contexts=args.seq_len, batches=args.batches, budgets=args.budgets, steps=args.steps, warmup=args.warmup,
         prefill_chunk=args.prefill_chunk, prefill_contexts=args.prefill_seq_len, repeats=args.repeats,
-        memory=args.memory, fit=args.fit, cap_prompt=args.cap_prompt, cap_new=args.cap_new,
+        memories=_memories(args.memory), cap_memory=args.cap_memory, fit=args.fit, cap_prompt=args.cap_prompt,
+        cap_new=args.cap_new,
         cap_limit=args.cap_limit, soak_tokens=args.soak_tokens, soak_budget=args.soak_budget,
         soak_every=args.soak_every, soak_prompt=args.soak_prompt, parts=tuple(parts), settings=settings,
         seed=args.seed, methods=args.methods,
     ), args.threads
+
+
+def _memories(text: str | None) -> tuple:
+    """``--memory``: each spec checked now (a one-line error naming ``memory``)."""
+    if text is None:
+        return ()
+    from scissorhands.core.memory_budget import parse_memory
+
+    specs = tuple(parse_memory(m.strip()) for m in text.split(",") if m.strip())
+    if not specs:
+        raise ValueError("memory: is empty")
+    return specs
 
 
 def run(args, settings, check_model_args) -> int:

@@ -36,7 +36,10 @@ class BenchConfig:
         Prompt lengths for the prefill part (batch 1, one forward pass).
     repeats : int
         Prefill repeats (interleaved).
-    memory : int or None
+    memories : tuple
+        Decode: memory budgets (``memory=``: fractions of the full cache's bytes, or sizes), each measured as a
+        variant whose store and token budget are chosen for it, beside ``budgets``.
+    cap_memory : int or None
         Memory cap in bytes for the max-batch search.
     fit : str
         ``"rss"``: a run fits when the process's peak RSS growth over the run
@@ -60,7 +63,8 @@ class BenchConfig:
     prefill_chunk: int = 512
     prefill_contexts: tuple[int, ...] = (2048, 8192)
     repeats: int = 3
-    memory: int | None = None
+    memories: tuple = ()
+    cap_memory: int | None = None
     fit: str = "rss"
     cap_prompt: int = 1024
     cap_new: int = 64
@@ -99,16 +103,16 @@ class BenchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name.replace('_', '-')}: must be a whole number >= {low}, got {value}")
-        if self.memory is not None and (not isinstance(self.memory, int) or self.memory <= 0):
-            raise ValueError(f"memory: must be a positive size such as 2GiB, got {self.memory}")
+        if self.cap_memory is not None and (not isinstance(self.cap_memory, int) or self.cap_memory <= 0):
+            raise ValueError(f"cap-memory: must be a positive size such as 2GiB, got {self.cap_memory}")
         if self.fit not in FIT_MODES:
             raise ValueError(f"fit: must be one of {', '.join(FIT_MODES)}, got {self.fit!r}")
         unknown = [p for p in self.parts if p not in PARTS]
         if unknown or not self.parts:
             given = ",".join(self.parts) or "(empty)"
             raise ValueError(f"parts: must be a comma list of {', '.join(PARTS)}, got {given}")
-        if "maxbatch" in self.parts and self.memory is None:
-            raise ValueError("memory: the maxbatch part needs a cap, e.g. --memory 2GiB")
+        if "maxbatch" in self.parts and self.cap_memory is None:
+            raise ValueError("cap-memory: the maxbatch part needs a cap, e.g. --cap-memory 2GiB")
         lead = self.steps + self.warmup
         for t in self.contexts:
             for f in self.budgets:
@@ -128,7 +132,7 @@ def budget_tokens(spec: float, context: int) -> int:
     return round(spec * context) if spec < 1 else int(spec)
 
 
-def parse_size(text: str, name: str = "memory") -> int:
+def parse_size(text: str, name: str = "cap-memory") -> int:
     """``"2GiB"``, ``"512MiB"``, ``"1.5G"``, ``"300M"`` or plain bytes, as bytes; one-line ``ValueError`` else."""
     units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
              "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
