@@ -138,7 +138,10 @@ def test_cli_summary_holds_only_the_current_run(tmp_path, tiny_folder, text_file
     summary = (out / "summary.md").read_text()
     new = [r for r in records if r["mean_length"] == 96]
     assert all(f"{r['compression']:.1f}x" in summary for r in new)
-    assert summary.count("\n") == 4  # header, rule, full, scissorhands: the old run's rows are not in it
+    table = summary.split("## Every result\n\n")[1]
+    assert table.count("\n") == 4  # header, rule, full, scissorhands: the old run's rows are not in it
+    paired = summary.split("## Every result")[0]
+    assert sum(line.startswith("| scissorhands |") for line in paired.splitlines()) == 1
 
 
 def test_torn_last_line_is_reported_dropped_and_the_run_goes_on(tmp_path, text_file, caplog):
