@@ -10,8 +10,9 @@ transformers adapter is :mod:`scissorhands.hf`.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .lazy import lazy_names
 
 if TYPE_CHECKING:
     from .audit import EvictionAudit
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 # Each public name and the module that defines it, imported on first use (PEP 562), so that
 # importing the package (or a light module in it, such as the settings) does not import torch.
-_WHERE = {name: module for module, names in {
+__getattr__ = lazy_names(__name__, globals(), {
     ".audit": ("EvictionAudit",),
     ".budget": ("resolve_budget",),
     ".budgeted": ("BudgetedKV",),
@@ -36,15 +37,7 @@ _WHERE = {name: module for module, names in {
     ".protect": ("Protection",),
     ".schedule": ("layer_budgets",),
     ".state": ("TokenState",),
-}.items() for name in names}
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+})
 
 
 __all__ = [

@@ -3,8 +3,9 @@ calibrated per-layer budgets, and the deviation of compressed attention against 
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from scissorhands.core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from .bound import deviation_vs_budget, kl_per_position, relative_l2
@@ -16,22 +17,14 @@ if TYPE_CHECKING:
 
 # Each public name and the module that defines it, imported on first use (PEP 562), so that
 # importing the package (or a light module in it, such as the settings) does not import torch.
-_WHERE = {name: module for module, names in {
+__getattr__ = lazy_names(__name__, globals(), {
     ".bound": ("deviation_vs_budget", "kl_per_position", "relative_l2",),
     ".calibrate": ("calibrated_budgets", "save_schedule",),
     ".capture": ("attention_maps", "capture_attention_outputs", "eager_copy", "full_attention_layers", "random_copy",),
     ".persistence": ("layer_persistence", "topk_persistence", "union_persistence",),
     ".powerlaw": ("fit_power_law", "rank_frequency",),
     ".settings": ("AnalysisSettings",),
-}.items() for name in names}
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+})
 
 
 __all__ = [
