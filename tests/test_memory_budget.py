@@ -14,12 +14,12 @@ from scissorhands.hf.cache import memory_shape
 
 
 @pytest.mark.parametrize("spec,value", [(0.2, 0.2), ("0.2", 0.2), (1.0, 1.0), ("64MiB", 64 * 2**20),
-                                        ("1.5GB", 1_500_000_000), ("2kb", 2000), (4096, 4096), ("4096", 4096)])
+                                        ("1.5GB", 1_500_000_000), ("2kb", 2000), (4096, 4096), ("4096B", 4096)])
 def test_memory_specs(spec, value):
     assert parse_memory(spec) == value
 
 
-@pytest.mark.parametrize("spec", [0.0, -0.5, 1.5, float("nan"), "5XB", "", True, 0, "0b", [0.2]])
+@pytest.mark.parametrize("spec", [0.0, -0.5, 1.5, float("nan"), "5XB", "", True, 0, "0b", [0.2], "1", "4096"])
 def test_bad_memory_specs_are_one_line(spec):
     with pytest.raises(ValueError, match="^memory: "):
         parse_memory(spec)

@@ -72,7 +72,7 @@ def load_frontier() -> list[Family]:
 
 
 def parse_memory(spec) -> float | int:
-    """``0.2`` (a fraction in (0, 1]) or a size in bytes (an int, or text such as ``"64MiB"``, ``"1.5GB"``).
+    """``0.2`` (a fraction in (0, 1]) or a size in bytes (an int, or text with a unit: ``"64MiB"``, ``"1.5GB"``).
 
     Raises a one-line ``ValueError`` naming ``memory``.
     """
@@ -82,10 +82,11 @@ def parse_memory(spec) -> float | int:
         if not m:
             raise ValueError(f"memory: must be a fraction of the full cache (0.2) or a size (64MiB, 2GB), got {spec!r}")
         number, unit = float(m.group(1)), m.group(2) or ""
-        if not unit and "." in m.group(1) or not unit and "e" in m.group(1):
+        if not unit and ("." in m.group(1) or "e" in m.group(1)):
             spec = number
-        elif not unit:
-            spec = int(m.group(1))
+        elif not unit:  # "1" could mean the whole cache or one byte: a size needs its unit
+            raise ValueError(f"memory: a size needs a unit (4096B, 64MiB, 2GB); a fraction is written 0.2 or 1.0, "
+                             f"got {spec!r}")
         else:
             size = number * _UNITS[unit]
             if not math.isfinite(size) or size < 1:
