@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
-        print(help_text(ScissorhandsLM))
+        sys.stdout.write(help_text(ScissorhandsLM) + "\n")  # the command line's own help, before lm-eval's
     elif "--include_path" not in args and not any(a.startswith("--include_path=") for a in args):
         args += ["--include_path", str(shipped_tasks_folder())]  # the shipped offline tasks, by name
     sys.argv = [sys.argv[0], *args]
