@@ -147,11 +147,14 @@ class MemoryChoice:
                 "predicted_delta_nll": self.predicted_delta_nll, "extrapolated": self.extrapolated}
 
 
-def peak_bytes(config: ScissorhandsConfig, shape: Shape, length: int, evicts: bool = True) -> int:
-    """Peak bytes a sequence of ``length`` tokens holds over the budgeted layers under ``config`` (between chunks)."""
+def peak_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -> int:
+    """Peak bytes a sequence holds over the budgeted layers under ``config`` (between chunks).
+
+    The slots grow up to the budget whatever the sequence's length, so the budget alone decides.
+    """
     from .stores.packed import packed_bytes_per_token_head  # torch: imported on use
 
-    tokens = config.budget  # slots grow geometrically up to the budget, so a shorter sequence may hold them all
+    tokens = config.budget
     dense = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
     if config.quantized:
         kv = packed_bytes_per_token_head(shape.head_dim_k, shape.head_dim_v, int(config.kv_bits or 16),
@@ -183,13 +186,13 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
         if floor is None:
             continue
         fits = _largest_budget(settings, shape, length, target, floor)
-        at_floor = peak_bytes(ScissorhandsConfig(budget=floor, **settings.as_dict()), shape, length)
+        at_floor = peak_bytes(ScissorhandsConfig(budget=floor, **settings.as_dict()), shape)
         smallest = at_floor if smallest is None else min(smallest, at_floor)
         if fits is None:
             continue
         config = ScissorhandsConfig(budget=fits, **settings.as_dict())
         delta, outside = family.predicted(fits / length)
-        choice = MemoryChoice(spec, config, family.name, target, peak_bytes(config, shape, length), full, delta,
+        choice = MemoryChoice(spec, config, family.name, target, peak_bytes(config, shape), full, delta,
                               outside)
         if best is None or (delta, choice.peak_bytes) < (best.predicted_delta_nll, best.peak_bytes):
             best = choice
@@ -224,7 +227,7 @@ def _largest_budget(settings: CacheSettings, shape: Shape, length: int, target: 
     def peak(b):
         if not _valid(settings, b):
             return None
-        return peak_bytes(ScissorhandsConfig(budget=b, **settings.as_dict()), shape, length)
+        return peak_bytes(ScissorhandsConfig(budget=b, **settings.as_dict()), shape)
 
     lo, hi = floor, max(floor, length)
     first = peak(lo)
