@@ -4,7 +4,8 @@ Each argument is ``LABEL:PARAMETERS:EVAL_DIR`` (an ``eval --out`` folder with a 
 ``scissorhands`` rows at budgets 0.2 and 0.1 on the same windows).
 
     python experiments/scale_plot.py smollm2-135m:135e6:docs/results/prefill_drop/pd_none \\
-        qwen2.5-coder-0.5b:494e6:docs/results/qwen/q05_prose_2k qwen2.5-coder-1.5b:1.54e9:docs/results/qwen/q15_prose_2k \\
+        qwen2.5-coder-0.5b:494e6:docs/results/qwen/q05_prose_2k \\
+        qwen2.5-coder-1.5b:1.54e9:docs/results/qwen/q15_prose_2k \\
         --out docs/analysis/scale.png
 """
 
