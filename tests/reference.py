@@ -24,8 +24,45 @@ def in_window(step: int, now: int, window: int | None, bucket_steps: int | None)
     return step // s >= (now - 1) // s - n_buckets + 1
 
 
+BIG = 1e308  # ranks above any score and below the shields (inf): a tiered token evicted only when nothing else is
+
+
+def width_table(k, v, widths, group):
+    """K/V of every token at every width of a demotion chain: ``{width: (k, v)}``.
+
+    Every token is quantised once at the chain's widest packed width (by the
+    library's quantiser, tested on its own in test_quant.py); a token at width
+    ``w`` reads its top ``w`` bits with the missing bits at their midpoint. 16
+    is the token itself.
+    """
+    from scissorhands.core.stores.packed import quantize_codes
+
+    top = max(w for w in widths if w < 16)
+    table = {}
+    for w in widths:
+        if w == 16:
+            table[w] = (k, v)
+            continue
+        out = []
+        for x in (k, v):
+            code, scale, zero = quantize_codes(x, top, group)
+            miss = top - w
+            q = ((code.to(torch.int32) >> miss) << miss).to(torch.float32) + (2**miss - 1) / 2
+            q = q.reshape(*q.shape[:-1], scale.shape[-1], -1)
+            deq = torch.addcmul(zero.float().unsqueeze(-1), q, scale.float().unsqueeze(-1))
+            out.append(deq.reshape(x.shape).to(x.dtype))
+        table[w] = tuple(out)
+    return table
+
+
+def pinned(position: int, sinks: int, spans) -> bool:
+    """Is ``position`` an attention sink or inside a protected span?"""
+    return position < sinks or any(lo <= position < hi for lo, hi in spans)
+
+
 def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_steps, importance, scaling,
-                     sinks=0, value_weighted=False, protect=None, events=None, prefill=0, prefill_drop=None):
+                     sinks=0, value_weighted=False, protect=None, events=None, prefill=0, prefill_drop=None,
+                     tiers=None, base_bits=None, group=32, widths_out=None):
     """Stream a whole sequence batch through a budgeted cache, token by token.
 
     Parameters
@@ -50,6 +87,13 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
     events : list, optional
         If given, every eviction is appended as ``(b, h, step, position, score)``,
         ``step`` being the number of real tokens seen when it was made.
+    tiers : list of (bits, cap), optional
+        Demotion before eviction (``kv_demote``): the widths above ``base_bits``, widest first, each with the
+        most tokens that may hold it or wider. A new token takes the widest width. A compression comes when
+        the next token would exceed the budget or a cap; it evicts (at the budget) among the base-width
+        tokens, then at each width whose cap is reached, from the last cap to the first, demotes the
+        lowest-scoring tokens of that width or wider one width down. Attention reads each token at its width
+        (:func:`width_table`, quantised in groups of ``group``).
 
     Returns
     -------
@@ -59,58 +103,85 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
     """
     b_size, h_q, t_len, _ = q.shape
     h_kv = k.shape[1]
-    group = h_q // h_kv
-    ql, kl, vl, ok = q.tolist(), k.tolist(), v.tolist(), valid.tolist()
+    heads_per_kv = h_q // h_kv
+    ql, vl, ok = q.tolist(), v.tolist(), valid.tolist()
+    widths = [w for w, _ in tiers or ()] + ([base_bits] if tiers else [16])
+    table = width_table(k, v, widths, group) if tiers else {16: (k, v)}
+    table_l = {w: (a.tolist(), c.tolist()) for w, (a, c) in table.items()}
     out = [[[[0.0] * v.shape[-1] for _ in range(t_len)] for _ in range(h_q)] for _ in range(b_size)]
     kept = []
     for b in range(b_size):
         kept_b = []
         for h in range(h_kv):
-            stored = []  # list of (position, column in the input), in append order
+            stored = []  # list of [position, column in the input, width], in append order
             history = {}  # key position -> list of (query step, importance added)
             pos = 0  # real tokens seen by this sequence
             for t in range(t_len):
                 if not ok[b][t]:
                     continue  # padding: never stored, never a query
-                if len(stored) + 1 > budget:
+                wider = [sum(1 for item in stored if item[2] >= w) for w, _ in tiers or ()]
+                over = [c + 1 > cap for c, (_, cap) in zip(wider, tiers or ())]
+                if len(stored) + 1 > budget or any(over):
                     amount = prefill_drop if prefill_drop is not None and t < prefill else drop
-                    n_drop = max(amount, len(stored) + 1 - budget)
-                    scored = []
-                    for idx, (p, col) in enumerate(stored):
-                        pinned = any(lo <= p < hi for lo, hi in (protect[b] if protect else ()))
-                        if idx >= len(stored) - recent or p < sinks or pinned:
-                            score = math.inf
-                        else:
-                            seen = [(u, val) for u, val in history.get(p, [])
-                                    if in_window(u, pos, window, bucket_steps)]
-                            score = sum(val for _, val in seen)
-                            if importance == "mean":
-                                score /= max(1, len({u for u, _ in seen}))
-                            if value_weighted:
-                                score *= math.sqrt(sum(x * x for x in vl[b][h][col]))
-                        scored.append((score, idx))
-                    # Lowest score goes first; among equals the older (smaller index) goes first.
-                    scored.sort()
-                    gone = {idx for _, idx in scored[:n_drop]}
-                    if events is not None:
-                        events.extend((b, h, pos, stored[idx][0], score) for score, idx in scored[:n_drop])
-                    stored = [item for idx, item in enumerate(stored) if idx not in gone]
-                stored.append((pos, t))
+
+                    spans = protect[b] if protect else ()
+                    scores = {}  # taken once, at the start of the event
+                    for p, col, _ in stored:
+                        seen = [(u, val) for u, val in history.get(p, []) if in_window(u, pos, window, bucket_steps)]
+                        score = sum(val for _, val in seen)
+                        if importance == "mean":
+                            score /= max(1, len({u for u, _ in seen}))
+                        if value_weighted:
+                            score *= math.sqrt(sum(x * x for x in vl[b][h][col]))
+                        scores[p] = score
+                    if len(stored) + 1 > budget:
+                        n_drop = max(amount, len(stored) + 1 - budget)
+                        scored = []
+                        for idx, (p, _, w) in enumerate(stored):
+                            if idx >= len(stored) - recent or pinned(p, sinks, spans):
+                                score = math.inf
+                            elif w != widths[-1]:
+                                score = BIG
+                            else:
+                                score = scores[p]
+                            scored.append((score, idx))
+                        # Lowest score goes first; among equals the older (smaller index) goes first.
+                        scored.sort()
+                        gone = {idx for _, idx in scored[:n_drop]}
+                        if events is not None:
+                            events.extend((b, h, pos, stored[idx][0], scores[stored[idx][0]] if score >= BIG
+                                           else score) for score, idx in scored[:n_drop])
+                        stored = [item for idx, item in enumerate(stored) if idx not in gone]
+                    for level in reversed(range(len(tiers or ()))):
+                        w, cap = tiers[level]
+                        count = sum(1 for item in stored if item[2] >= w)
+                        if count < cap:
+                            continue
+                        n = min(amount, count - min(len(stored), recent))
+                        ranked = sorted((BIG if pinned(p, sinks, spans) else scores[p], idx)
+                                        for idx, (p, _, width) in enumerate(stored)
+                                        if width >= w and idx < len(stored) - recent)
+                        for _, idx in ranked[:n]:
+                            stored[idx][2] = widths[level + 1]
+                stored.append([pos, t, widths[0]])
                 n = len(stored)
-                for j in range(group):
-                    head = h * group + j
-                    logits = [sum(a * c for a, c in zip(ql[b][head][t], kl[b][h][col])) * scaling for _, col in stored]
+                for j in range(heads_per_kv):
+                    head = h * heads_per_kv + j
+                    logits = [sum(a * c for a, c in zip(ql[b][head][t], table_l[w][0][b][h][col])) * scaling
+                              for _, col, w in stored]
                     top = max(logits)
                     exps = [math.exp(x - top) for x in logits]
                     total = sum(exps)
-                    for (p, col), e in zip(stored, exps):
+                    for (p, col, w), e in zip(stored, exps):
                         pr = e / total
                         row = out[b][head][t]
-                        for i, val in enumerate(vl[b][h][col]):
+                        for i, val in enumerate(table_l[w][1][b][h][col]):
                             row[i] += pr * val
                         add = (1.0 if pr > 1.0 / n else 0.0) if importance == "count" else pr
                         history.setdefault(p, []).append((pos, add))
                 pos += 1
-            kept_b.append([p for p, _ in stored])
+            kept_b.append([p for p, _, _ in stored])
+            if widths_out is not None:
+                widths_out.setdefault(b, {})[h] = [w for _, _, w in stored]
         kept.append(kept_b)
     return torch.tensor(out, dtype=v.dtype), kept

@@ -17,6 +17,21 @@ Two extension points let features join an eviction without editing it:
   seen, positions, scores, dropped)``, and of row reordering,
   ``select_batch(layer_idx, index)``; the eviction audit is one
   (:class:`~scissorhands.core.audit.EvictionAudit`).
+
+Tiers (demotion before eviction), when the store keeps a chain of bit widths
+(:class:`~scissorhands.core.stores.tiered.TieredKVStore`, ``kv_demote``):
+
+* a new token is stored at the widest width; each width ``w`` above the base
+  may hold at most ``cap_w`` tokens of a row (that width or wider);
+* a compression event comes when the next token would exceed the budget *or*
+  a width's cap. It first evicts (if the row is at its budget) ``drop`` tokens
+  among those at the base width: a token at a wider width is evicted only if
+  no base token is left outside the recent window and the shields. Then, at
+  every width whose cap is reached, widest pool first, it demotes the
+  ``drop`` lowest-scoring tokens at that width or wider to the next width
+  down. The recent window is never demoted; shielded tokens only when no other
+  token is left. Ties go as for eviction: the older token first. Both use the
+  scores the method gave at the start of the event.
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ import torch
 from .merging import MergeState
 from .methods.base import EvictionMethod, LayerView
 from .protect import Protection
-from .selection import keep_order
+from .selection import keep_order, lowest
 from .slots import SlotTable
 from .state import TokenState
 from .stores.base import DenseKVStore, KVStore
@@ -93,6 +108,13 @@ class BudgetedKV:
             self.shields.append(protect)
         self.given_shields = list(self.shields)  # as given; each allocation fits them to its batch
         self.listeners: list = []
+        self.tiers = self.store.tiered()  # the chain of widths, or None
+        if self.tiers is not None:
+            if merge:
+                raise ValueError("kv_demote: cannot be combined with merge")
+            if method.is_full:
+                raise ValueError("kv_demote: the full cache scores no tokens, so it cannot demote any")
+            self.tiers.bind(budget, recent, drop)
         self.reset()
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -104,6 +126,7 @@ class BudgetedKV:
         self.compressions = 0
         self.allocated = True
         self.states_ready = False  # the states allocate at the first attention (they need the group size)
+        self.tier_counts = torch.zeros(b, 0 if self.tiers is None else len(self.tiers.tier_caps), dtype=torch.long)
 
     def reset(self) -> None:
         """Forget the sequence: storage, state and slots start empty (nothing allocated)."""
@@ -114,6 +137,25 @@ class BudgetedKV:
         self.compressions = 0
         self.allocated = False
         self.states_ready = False
+        self.tier_counts = torch.zeros(0, 0, dtype=torch.long)  # (B, widths above the base), CPU
+
+    def room(self) -> torch.Tensor:
+        """Tokens each row (B,) can take before its next compression event (CPU): the budget's free slots, and
+        with tiers the free entries of every width."""
+        free = self.budget - self.slots.lengths
+        if self.tiers is None:
+            return free
+        caps = torch.tensor(self.tiers.tier_caps)
+        return torch.minimum(free, (caps[None, :] - self.tier_counts).min(dim=1).values)
+
+    def room_uniform(self) -> int:
+        """:meth:`room` when every row is aligned, as one integer (no tensor operation without tiers)."""
+        free = self.budget - self.slots.uniform_state()[0]
+        if self.tiers is None:
+            return free
+        # Rows of equal length may differ in their widths' counts: the fullest decides (an event is a no-op for a
+        # row with room left, since it evicts only at the budget and demotes only at a full width).
+        return min(free, min(c - int(n) for c, n in zip(self.tiers.tier_caps, self.tier_counts.amax(dim=0))))
 
     @property
     def capacity(self) -> int:
@@ -156,6 +198,8 @@ class BudgetedKV:
             for state in self.states:
                 state.clear_slots(r, sl)
         slots.advance(added)
+        if self.tiers is not None:
+            self.tier_counts += added[:, None]
 
     def append_token(self, key: torch.Tensor, value: torch.Tensor) -> int:
         """Decode fast path: one token per row, all rows aligned; return the new stored length."""
@@ -168,6 +212,8 @@ class BudgetedKV:
         for state in self.states:
             state.clear(length, length + 1)
         slots.advance_uniform()
+        if self.tiers is not None:
+            self.tier_counts += 1
         return length + 1
 
     def view(self, prompt_attention: torch.Tensor | None = None) -> LayerView:
@@ -176,28 +222,74 @@ class BudgetedKV:
                          self.store.read, prompt_attention)
 
     def compress(self, rows: torch.Tensor, drop: int | None = None) -> None:
-        """Evict ``drop`` (default: the layer's) tokens from each KV head of the rows ``rows`` (CPU bool, (B,))."""
-        n_drop = torch.where(rows, self.drop if drop is None else drop, 0)  # (B,)
-        self.evict(self.method.score(self.view()), n_drop)
+        """Evict ``drop`` (default: the layer's) tokens from each KV head of the rows ``rows`` (CPU bool, (B,)).
 
-    def evict(self, scores: torch.Tensor, n_drop: torch.Tensor) -> None:
-        """Drop the ``n_drop`` (B,) lowest ``scores`` (B, H_kv, L) of each row and KV head, and compact."""
+        With tiers, a row evicts only if it is at its budget, and demotes at every width whose cap it reached.
+        """
+        amount = self.drop if drop is None else drop
+        if self.tiers is None:
+            self.evict(self.method.score(self.view()), torch.where(rows, amount, 0))
+            return
+        scores = self.method.score(self.view())
+        n_drop = torch.where(rows & (self.slots.lengths >= self.budget), amount, 0)
+        if bool((n_drop > 0).any()):
+            order = self.evict(scores, n_drop)
+            scores = scores.gather(2, order.to(scores.device))[:, :, : self.slots.length]
+        self._demote(scores, rows, amount)
+
+    def _demote(self, scores: torch.Tensor, rows: torch.Tensor, amount: int) -> None:
+        """At each width whose cap a row of ``rows`` reached, demote its ``amount`` lowest ``scores`` a width down."""
+        tiers = self.tiers
+        assert tiers is not None
         length = scores.shape[-1]
-        positions = self.slots.positions[:, :, :length]  # (B, H_kv, L)
+        device = scores.device
+        counts = tiers.head_counts()  # (B, H_kv, levels): after the eviction
+        rows_d = rows.to(device)[:, None]
+        recent = torch.clamp(self.slots.lengths, max=self.recent).to(device)[:, None]  # (B, 1)
+        shield = self._shield(self.slots.positions[:, :, :length])
+        # Shielded tokens go only when nothing else is left: above every score, below the recent window.
+        ranked = scores if shield is None else scores.masked_fill(shield, torch.finfo(scores.dtype).max)
+        for level in reversed(range(len(tiers.tier_caps))):  # the widest pool first
+            # Each KV head demotes at a width only when its own count there reached the cap.
+            full = rows_d & (counts[..., level] >= tiers.tier_caps[level])  # (B, H_kv)
+            if not bool(full.any()):
+                continue
+            holds = tiers.pools[level].where[:, :, :length] >= 0  # (B, H_kv, L): at this width or wider
+            n = torch.where(full, torch.clamp(counts[..., level] - recent, max=amount), 0)
+            tiers.demote(level, lowest(ranked, self.slots.lengths, self.recent, n, ~holds) & holds)
+            counts = tiers.head_counts()
+        self.tier_counts = counts.amax(dim=1).cpu()
+
+    def _shield(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Slots (B, H_kv, L) no eviction may drop: every shield's mask, or'ed."""
         shield = None
         for part in self.shields:
             mask = part.mask(positions)
             shield = mask if shield is None else shield | mask
+        return shield
+
+    def evict(self, scores: torch.Tensor, n_drop: torch.Tensor) -> torch.Tensor:
+        """Drop the ``n_drop`` (B,) lowest ``scores`` (B, H_kv, L) of each row and KV head, and compact.
+
+        Returns the order the slots were compacted by, over every row (B, H_kv, L): kept slots first.
+        """
+        length = scores.shape[-1]
+        positions = self.slots.positions[:, :, :length]  # (B, H_kv, L)
+        shield = self._shield(positions)
+        ranked = scores
+        if self.tiers is not None:
+            # Only tokens at the base width are evicted while any is left: wider ones rank above every score.
+            ranked = scores.masked_fill(self.tiers.tier_mask(length), torch.finfo(scores.dtype).max)
         # Only the rows that drop tokens are ranked and compacted (a ragged batch compresses its rows at
         # different steps); merging folds across every row's slots, so it takes the whole batch.
         dropping = n_drop > 0
         rows = None if self.merge is not None or bool(dropping.all()) else dropping.nonzero().squeeze(1)
         sel = None if rows is None else rows.to(scores.device)
         if sel is None:
-            keep = keep_order(scores, self.slots.lengths, self.recent, n_drop, shield)
+            keep = keep_order(ranked, self.slots.lengths, self.recent, n_drop, shield)
         else:
             sub_shield = None if shield is None else shield.expand_as(scores)[sel]
-            keep = keep_order(scores[sel], self.slots.lengths[rows], self.recent, n_drop[rows], sub_shield)
+            keep = keep_order(ranked[sel], self.slots.lengths[rows], self.recent, n_drop[rows], sub_shield)
         if self.listeners:
             # Slot keep[b, h, j] is dropped when its rank j is among the last n_drop[b].
             rank = torch.arange(length, device=keep.device)
@@ -223,6 +315,9 @@ class BudgetedKV:
                 state.compact(whole)
         self.slots.compact(keep, n_drop, sel)
         self.compressions += 1
+        if self.tiers is not None:
+            self.tiers.forget(self.slots.lengths)
+        return keep if sel is None else _whole_batch(keep, sel, scores.shape[0])
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (beam reordering, batch expansion)."""
@@ -236,3 +331,4 @@ class BudgetedKV:
         for state in self.states:
             state.select_batch(dev)
         self.slots.select_batch(index)
+        self.tier_counts = self.tier_counts.index_select(0, index.cpu())

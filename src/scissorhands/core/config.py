@@ -82,6 +82,63 @@ def _group_size(name, value):
     return value
 
 
+# The packed widths a chain may step through; each step's plane is 2 or 4 bits wide.
+PACKED_CHAIN = (8, 4, 2)
+
+
+def parse_tiers(spec) -> tuple[tuple[int, float], ...]:
+    """``"16:0.2,4:0.5"`` (or a list of pairs) as ``((16, 0.2), (4, 0.5))``: widths above ``kv_bits``, each with
+    the most tokens of a layer's budget (a fraction) that may hold that width or more."""
+    if isinstance(spec, str):
+        pairs = []
+        for part in spec.replace(" ", "").split(","):
+            bits, sep, share = part.partition(":")
+            if not sep:
+                raise ValueError(f"kv_demote: must be BITS:SHARE pairs such as 16:0.2,4:0.5, got {spec!r}")
+            try:
+                pairs.append((int(bits), float(share)))
+            except ValueError:
+                raise ValueError(f"kv_demote: must be BITS:SHARE pairs such as 16:0.2,4:0.5, got {spec!r}") from None
+        return tuple(pairs)
+    if isinstance(spec, (list, tuple)):
+        try:
+            return tuple((int(b), float(f)) for b, f in spec)
+        except (TypeError, ValueError):
+            raise ValueError(f"kv_demote: must be (bits, share) pairs, got {spec!r}") from None
+    raise ValueError(f"kv_demote: must be BITS:SHARE pairs such as 16:0.2,4:0.5, got {spec!r}")
+
+
+def check_tiers(tiers: tuple[tuple[int, float], ...], base_bits) -> None:
+    """Raise a one-line ``ValueError`` naming ``kv_demote`` unless the chain ``tiers`` over ``base_bits`` is valid."""
+    if not tiers:
+        raise ValueError("kv_demote: give at least one BITS:SHARE pair above kv_bits")
+    if base_bits not in (2, 4):
+        raise ValueError(f"kv_demote: needs kv_bits 2 or 4 (the width demoted tokens end at), got {base_bits}")
+    widths = [b for b, _ in tiers]
+    if any(b not in (16, 8, 4, 2) for b in widths):
+        raise ValueError(f"kv_demote: widths must be among 16, 8, 4, 2, got {widths}")
+    chain = widths + [base_bits]
+    if any(a <= b for a, b in zip(chain, chain[1:])):
+        raise ValueError(f"kv_demote: widths must fall strictly, ending above kv_bits={base_bits}, got {widths}")
+    packed = [b for b in chain if b < 16]
+    want = list(PACKED_CHAIN[PACKED_CHAIN.index(packed[0]):PACKED_CHAIN.index(base_bits) + 1])
+    if packed != want:
+        raise ValueError(f"kv_demote: packed widths must step through {want} one by one (each step drops 2 or 4 "
+                         f"bits of the same code), got {packed}")
+    shares = [f for _, f in tiers]
+    if any(not 0.0 < f < 1.0 for f in shares):
+        raise ValueError(f"kv_demote: each share must be a fraction of the budget in (0, 1), got {shares}")
+    if any(a > b for a, b in zip(shares, shares[1:])):
+        raise ValueError(f"kv_demote: shares must not fall down the chain (a share counts every token at that "
+                         f"width or wider), got {shares}")
+
+
+def _demote(name, value):
+    if value is None:
+        return None
+    return parse_tiers(value)
+
+
 _KV = "packed K/V"
 _PREFILL = "prefill"
 
@@ -160,6 +217,11 @@ class CacheSettings:
         None, "packed K/V: keep each row's newest R tokens also in full precision; every query reads its last R "
         "tokens exact. `None` = 32, at most each layer's recent window; 0 = none; a number must fit the recent "
         "window", s.parse_optional_int, s.integer(0, allow_none=True), group=_KV, metavar="R")
+    kv_demote: tuple[tuple[int, float], ...] | None = setting(
+        None, "demotion before eviction: widths above `kv_bits`, each with the share of a layer's budget that may "
+        "hold it or wider, e.g. `16:0.1,4:0.5`; the least important tokens lose bits first, and only tokens at "
+        "`kv_bits` are evicted ([below](#demotion-before-eviction))", s.parse_optional_text, _demote, group=_KV,
+        metavar="BITS:SHARE,...")
     kv_store: str | None = setting(
         None, "the K/V store by name (`scissorhands.core.stores.STORES`); `None` = `dense`, or `packed` when "
         "`kv_bits` is below 16", s.parse_optional_text, _store_name, group=_KV, metavar="NAME")
@@ -179,6 +241,21 @@ class CacheSettings:
             raise ValueError(f"kv_key_bits: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
         if self.kv_key_centers is not None and not self.quantized:
             raise ValueError(f"kv_key_centers: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
+        if self.kv_demote is not None:
+            if not self.quantized:
+                raise ValueError(f"kv_demote: needs kv_bits 2 or 4 (the width demoted tokens end at), got "
+                                 f"kv_bits={self.kv_bits}")
+            check_tiers(self.kv_demote, self.kv_bits)
+            if self.kv_key_bits is not None:
+                raise ValueError(f"kv_key_bits: cannot be combined with kv_demote (keys and values share one chain "
+                                 f"of widths), got kv_key_bits={self.kv_key_bits}")
+            if self.kv_store not in (None, "tiered"):
+                raise ValueError(f"kv_store: kv_demote needs the tiered store, got kv_store={self.kv_store!r}")
+            if self.merge:
+                raise ValueError("kv_demote: cannot be combined with merge")
+            if self.prefill != "stream":
+                raise ValueError(f"kv_demote: needs prefill='stream' (a prompt held whole would not fit the widths' "
+                                 f"pools), got prefill={self.prefill!r}")
         if self.kv_residual:
             if not self.lossy:
                 raise ValueError(f"kv_residual: needs a lossy store (kv_bits below 16, or a kv_store other than "

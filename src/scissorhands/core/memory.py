@@ -24,7 +24,9 @@ def layer_memory(kv: BudgetedKV) -> dict:
         ``position_bytes``; ``full_kv_bytes`` and ``bf16_full_kv_bytes`` (what
         a full cache would hold for the tokens seen, in the model's dtype and
         in bfloat16); per stored token and KV head: ``kv_bytes_per_token_head``,
-        ``importance_bytes_per_token_head``.
+        ``importance_bytes_per_token_head``. With demotion (``kv_demote``):
+        ``tokens_by_width`` (stored token and KV head pairs at each width now)
+        and ``width_caps`` (each width's most tokens per row and KV head).
     """
     slots = kv.slots
     if not kv.allocated:
@@ -34,7 +36,7 @@ def layer_memory(kv: BudgetedKV) -> dict:
     heads = slots.positions.shape[1]
     per_token_head = kv.store.bytes_per_token_head()
     token_heads = int(slots.seen.sum()) * heads
-    return {
+    report: dict = {
         "budget": kv.budget,
         "stored": slots.length,
         "peak": slots.peak,
@@ -51,3 +53,11 @@ def layer_memory(kv: BudgetedKV) -> dict:
         "kv_bytes_per_token_head": per_token_head,
         "importance_bytes_per_token_head": kv.state.bytes_per_token_head(),
     }
+    if kv.tiers is not None:
+        # Stored (token, KV head) pairs at each width now, widest first, and each width's cap per row and head.
+        widths = kv.tiers.slot_widths(slots.length)
+        slot = torch.arange(slots.length, device=widths.device)
+        real = slot[None, None, :] < slots.lengths.to(widths.device)[:, None, None]
+        report["tokens_by_width"] = {str(w): int(((widths == w) & real).sum()) for w in kv.tiers.widths}
+        report["width_caps"] = dict(zip((str(w) for w, _ in kv.tiers.tiers), kv.tiers.tier_caps))
+    return report

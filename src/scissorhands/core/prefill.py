@@ -70,11 +70,11 @@ class Streamed(Prefill):
         while i < total:
             before = cum[:, i - 1] if i > 0 else torch.zeros(b, dtype=torch.long)
             coming = cum[:, -1] - before  # real tokens left per row
-            full = (kv.slots.lengths >= kv.budget) & (coming > 0)
+            full = (kv.room() <= 0) & (coming > 0)
             if bool(full.any()):
                 kv.compress(full, drop)
             lengths = kv.slots.lengths
-            free = kv.budget - lengths  # (B,)
+            free = kv.room()  # (B,)
             # Block end: the first index at which some row would exceed its free space.
             over = (cum - before[:, None]) > free[:, None]  # (B, T)
             over[:, :i] = False
@@ -97,9 +97,11 @@ class Streamed(Prefill):
         every = torch.ones(b, dtype=torch.bool)
         i = 0
         while i < total:
-            if kv.slots.uniform[0] >= kv.budget:
+            room = kv.room_uniform()
+            if room <= 0:
                 kv.compress(every, drop)
-            e = min(total, i + kv.budget - kv.slots.uniform[0])
+                room = kv.room_uniform()
+            e = min(total, i + room)
             bcum = cum[:, i:e] - i
             base = kv.slots.lengths.clone()
             kv.append(key[:, :, i:e], value[:, :, i:e], None, bcum)

@@ -37,6 +37,25 @@ def keep_order(
     LongTensor, shape (B, H_kv, L)
         Slot indices: the kept slots in stored order, then the dropped ones.
     """
+    dropped = lowest(scores, lengths, recent, n_drop, shield)
+    # Kept slots first, in stored order; dropped ones after.
+    return torch.sort(dropped.to(torch.uint8), dim=-1, stable=True).indices  # (B, H_kv, L)
+
+
+def lowest(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    recent: int,
+    n: torch.Tensor,
+    shield: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which slots are the ``n[b]`` lowest-scoring of row ``b`` (B, H_kv, L) bool, by the rules of :func:`keep_order`.
+
+    ``n`` is (B,), or (B, H_kv) for a count per KV head.
+
+    The recent window, empty slots and ``shield`` are never chosen (while
+    there are enough other slots); among equal scores the older slot is chosen.
+    """
     length = scores.shape[-1]
     device = scores.device
     score = scores.clone()
@@ -47,7 +66,6 @@ def keep_order(
         score.masked_fill_(shield, float("inf"))
     # Stable ascending sort: among equal scores the older slot comes first and goes first.
     order = torch.sort(score, dim=-1, stable=True).indices  # (B, H_kv, L)
-    ranked_drop = slot[None, None, :] < n_drop.to(device)[:, None, None]  # (B, 1, L): rank < n_drop
-    dropped = torch.zeros_like(score, dtype=torch.bool).scatter_(2, order, ranked_drop.expand_as(order))
-    # Kept slots first, in stored order; dropped ones after.
-    return torch.sort(dropped.to(torch.uint8), dim=-1, stable=True).indices  # (B, H_kv, L)
+    n = n.to(device)
+    ranked = slot[None, None, :] < (n[:, None, None] if n.dim() == 1 else n[:, :, None])  # (B, 1 or H_kv, L)
+    return torch.zeros_like(score, dtype=torch.bool).scatter_(2, order, ranked.expand_as(order).contiguous())

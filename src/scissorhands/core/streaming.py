@@ -79,7 +79,7 @@ def _decode_step(kv: BudgetedKV, query, key, value, scaling, softcap) -> torch.T
     """One new token per row, all rows in step: the per-token path, kept to a few tensor ops."""
     b, h_q, _, d = query.shape  # (B, H_q, 1, D)
     h = key.shape[1]
-    if kv.slots.uniform_state()[0] >= kv.budget:
+    if kv.room_uniform() <= 0:
         kv.compress(torch.ones(b, dtype=torch.bool))
     seen = kv.slots.uniform_state()[1]  # compression keeps rows aligned
     length = kv.append_token(key, value)

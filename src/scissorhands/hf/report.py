@@ -58,6 +58,9 @@ def cache_memory_report(cache) -> dict:
     total["max_stored"] = max(m["stored"] for m in budgeted)
     total["peak_stored"] = max(m["peak"] for m in budgeted)
     total["stored_per_layer"] = [m["stored"] for m in per_layer]
+    tiered = [m["tokens_by_width"] for m in budgeted if "tokens_by_width" in m]
+    if tiered:
+        total["tokens_by_width"] = {w: sum(t[w] for t in tiered) for w in tiered[0]}
     total["layers"] = per_layer
     total.update(_whole_model(per_layer))
     return total

@@ -49,7 +49,10 @@ class ScoreSetup:
         When nothing would be evicted: transformers' DynamicCache, or, with
         packed K/V (``kv_bits`` < 16), a budgeted cache as large as the sequence.
         """
-        if self.method.is_full or self.budget is None or self.budget >= total_length:
+        if self.base.kv_demote is not None and not self.method.is_full and self.budget is not None:
+            # With demotion a budget above the length still demotes by its widths' shares: the cache as built.
+            return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed))
+        if (self.method.is_full or self.budget is None or self.budget >= total_length):
             if self.base.quantized:
                 # Nothing will be evicted: the full method's packed cache, whatever method was asked for, so
                 # that settings tied to eviction (the residual's cap by the recent window) do not apply.

@@ -331,6 +331,11 @@ def memory_line(mem: dict) -> str:
                  f"{_mib(mem['kv_scale_bytes'])}{residual}; against a bf16 full cache "
                  f"{mem['kv_reduction_vs_bf16']:.2f}x (K/V), {mem['total_reduction_vs_bf16']:.2f}x "
                  "(with importance state and positions)")
+    if mem.get("tokens_by_width"):
+        counts = mem["tokens_by_width"]
+        total = sum(counts.values()) or 1
+        line += "; demotion: stored tokens at " + ", ".join(f"{w} bits {100 * n / total:.0f}%"
+                                                            for w, n in counts.items())
     return line
 
 

@@ -16,6 +16,7 @@ from ..registry import Registry
 from .base import DenseKVStore, KVStore, gather_rows
 from .packed import PackedKVStore
 from .residual import ResidualStore
+from .tiered import TieredKVStore
 
 STORES: Registry[type[KVStore]] = Registry("register_store", KVStore)
 
@@ -34,6 +35,8 @@ def store_name(settings) -> str:
     """The store the settings ask for: ``kv_store``, else packed for ``kv_bits`` below 16, else dense."""
     if settings.kv_store is not None:
         return settings.kv_store
+    if getattr(settings, "kv_demote", None) is not None:
+        return "tiered"
     return "packed" if settings.quantized else "dense"
 
 
@@ -48,6 +51,7 @@ def make_store(settings, key_center: torch.Tensor | None = None, residual: int =
 
 register_store(DenseKVStore)
 register_store(PackedKVStore)
+register_store(TieredKVStore)
 
-__all__ = ["STORES", "DenseKVStore", "KVStore", "PackedKVStore", "ResidualStore", "gather_rows", "make_store",
-           "register_store", "store_name", "unregister_store"]
+__all__ = ["STORES", "DenseKVStore", "KVStore", "PackedKVStore", "ResidualStore", "TieredKVStore", "gather_rows",
+           "make_store", "register_store", "store_name", "unregister_store"]

@@ -111,6 +111,10 @@ class KVStore(ABC):
         """Dense values of slots ``[start, end)``: (B, H_kv, end - start, D_v)."""
         return self.read(end)[1][:, :, start:]
 
+    def tiered(self):
+        """The chain of bit widths this store demotes through (a :class:`~.tiered.TieredKVStore`), or None."""
+        return None
+
     def settle(self) -> None:  # noqa: B027  (optional: most stores keep nothing per chunk)
         """A chunk's attention is done: free what only its queries needed (nothing, by default)."""
 

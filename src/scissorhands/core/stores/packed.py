@@ -68,16 +68,8 @@ def unpack(packed: torch.Tensor, bits: int, dim: int | None = None) -> torch.Ten
     return q if dim is None else q[..., :dim]
 
 
-def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantise ``x`` (..., D) in groups of ``group`` along the last axis.
-
-    Returns
-    -------
-    packed : uint8 Tensor, shape (..., ceil(D * bits / 8))
-    scale, zero : float16 Tensors, shape (..., D // group)
-        ``dequantize`` gives back each element within ``scale / 2`` of ``x``
-        (for values inside float16's range).
-    """
+def quantize_codes(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize` before packing: integer codes (..., D) as uint8, and the scale and zero (..., D // group)."""
     *lead, d = x.shape
     xg = x.float().reshape(*lead, d // group, group)  # (..., G, group)
     lo, hi = torch.aminmax(xg, dim=-1)  # (..., G)
@@ -89,7 +81,21 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     # Inflate by more than float16's rounding error: the rounded scale still reaches the maximum, nothing is clipped.
     scale = ((hi - zf) / levels).clamp_(min=_MIN_SCALE).mul_(1 + 2.0**-10).half()
     q = (xg - zf.unsqueeze(-1)).div_(scale.float().unsqueeze(-1)).round_().clamp_(0, levels)
-    return pack(q.reshape(*lead, d), bits), scale, zero
+    return q.reshape(*lead, d).to(torch.uint8), scale, zero
+
+
+def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` (..., D) in groups of ``group`` along the last axis.
+
+    Returns
+    -------
+    packed : uint8 Tensor, shape (..., ceil(D * bits / 8))
+    scale, zero : float16 Tensors, shape (..., D // group)
+        ``dequantize`` gives back each element within ``scale / 2`` of ``x``
+        (for values inside float16's range).
+    """
+    q, scale, zero = quantize_codes(x, bits, group)
+    return pack(q, bits), scale, zero
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,

@@ -193,6 +193,9 @@ class ResidualStore(KVStore):
     def read_exact_values(self, start: int, end: int, ends) -> torch.Tensor:
         return self.tail.read("values", start, end, ends)
 
+    def tiered(self):
+        return self.inner.tiered()
+
     def settle(self) -> None:
         self.inner.settle()
         self.tail.trim()

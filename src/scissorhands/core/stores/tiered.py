@@ -1,0 +1,367 @@
+"""Demotion before eviction: each stored token has a bit width, and the least important lose bits first.
+
+A :class:`TieredKVStore` keeps K/V at a chain of widths, for example
+16 → 4 → 2 or 8 → 4 → 2 bits. A token is written at the top of the chain.
+When more tokens hold a width than that width's share of the layer budget
+allows, the layer demotes the lowest-scoring ones a step down; eviction then
+only ever drops tokens at the bottom of the chain (see
+:class:`~scissorhands.core.budgeted.BudgetedKV`, "tiers").
+
+Layout: bit planes, so that a demotion re-packs nothing.
+
+* Every token is quantised once, when it is written, at the widest packed
+  width ``w_top`` of the chain, in groups along the head dimension as the
+  packed store does (:mod:`.packed`): an integer code ``q`` in
+  ``[0, 2**w_top)`` per element, and one float16 scale and zero-point per
+  group.
+* The *base plane* holds the top ``w_base`` bits of ``q`` for every slot.
+* Each packed width above the base adds a *plane*: the next
+  ``w - w_below`` bits of ``q``. A plane lives in a pool of the width's share
+  of the budget; each slot holds an index into that pool, or -1. A token at
+  width ``w`` holds an entry in every pool down to the base.
+* A 16-bit top of the chain is a pool of dense K/V rows in the model's dtype.
+
+A token at width ``w`` reads back as its top ``w`` bits with the missing low
+bits at their midpoint: ``(code_w * 2**k + (2**k - 1) / 2) * scale + zero``
+with ``k = w_top - w``. That is an asymmetric ``w``-bit quantisation of the
+same group (its levels are the centres of ``2**w`` equal bins), so a demoted
+token is as exact as one written at ``w`` bits, with no second rounding.
+Demoting a token frees its pool entries; nothing else moves. An eviction
+permutes the base plane, the scales and the pool indices with the slots, and
+the pools stay where they are.
+
+Bytes are what is allocated: the base plane and scales for every slot, each
+pool at its share of the budget, and the pool indices and occupancy maps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import check_tiers, parse_tiers
+from .base import KVStore, gather_rows
+from .packed import group_for, pack, packed_width, quantize_codes, unpack
+
+
+class _Pool:
+    """One width above the base: a pool of ``cap`` entries per (row, KV head), and each slot's entry or -1."""
+
+    def __init__(self, bits: int, cap: int, dense: bool, plane: int = 0):
+        self.bits, self.cap, self.dense = bits, cap, dense
+        self.plane = plane  # bits of the code this pool adds (a packed width); 0 for dense rows
+        self.k = self.v = torch.empty(0)  # (B, H_kv, cap, W): packed plane bytes, or dense rows
+        self.where = torch.empty(0)  # (B, H_kv, capacity): the slot's entry, -1 for none
+        self.used = torch.empty(0)  # (B, H_kv, cap) bool
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.where, self.used]
+
+
+class TieredKVStore(KVStore):
+    """K/V at a chain of bit widths; the layer demotes the least important tokens a width down before evicting.
+
+    Parameters
+    ----------
+    bits : {2, 4}
+        The bottom of the chain: every token ends there before it may be evicted.
+    tiers : sequence of (bits, share)
+        The widths above ``bits``, widest first (16, 8 or 4), each with the
+        most tokens of the layer's budget, as a fraction, that may hold it or a
+        wider one. Packed widths step through 8, 4, 2 one by one.
+    group_size, read_tile, key_center
+        As for :class:`~.packed.PackedKVStore`.
+
+    The layer tells the store its budget (:meth:`bind`), which turns the
+    shares into pool sizes.
+    """
+
+    name = "tiered"
+
+    def __init__(self, bits: int = 2, tiers=((4, 0.5),), group_size: int = 32, read_tile: int = 512,
+                 key_center: torch.Tensor | None = None):
+        tiers = parse_tiers(tiers)
+        check_tiers(tiers, bits)
+        if isinstance(read_tile, bool) or not isinstance(read_tile, int) or read_tile < 1:
+            raise ValueError(f"kv_tile: must be an integer >= 1, got {read_tile!r}")
+        self.bits, self.tiers, self.group_size, self.read_tile = bits, tiers, group_size, read_tile
+        self.key_center = key_center
+        packed = [b for b, _ in tiers if b < 16] + [bits]
+        self.top = packed[0]  # the width every token is quantised at
+        self.budget: int | None = None
+        self.reset()
+
+    # -- the chain -----------------------------------------------------------------------------
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Every width of the chain, widest first, the base last."""
+        return (*(b for b, _ in self.tiers), self.bits)
+
+    def bind(self, budget: int, recent: int, drop: int) -> None:
+        """Size the pools for a layer of this budget; each must hold the recent window and a drop's worth more."""
+        caps = [max(1, round(share * budget)) for _, share in self.tiers]
+        need = recent + drop
+        if caps[0] < need:
+            raise ValueError(f"kv_demote: the {self.tiers[0][0]}-bit share holds {caps[0]} tokens of this layer's "
+                             f"budget of {budget}, fewer than the recent window plus a drop ({recent} + {drop}); "
+                             f"raise it to at least {need / budget:.3f}")
+        if budget - caps[-1] < drop:
+            raise ValueError(f"kv_demote: the {self.tiers[-1][0]}-bit share leaves {budget - caps[-1]} tokens of "
+                             f"this layer's budget of {budget} at {self.bits} bits, fewer than a drop ({drop}); "
+                             f"lower it to at most {(budget - drop) / budget:.3f}")
+        self.budget, self.caps = budget, tuple(caps)
+
+    def tiered(self) -> TieredKVStore:
+        return self
+
+    @property
+    def tier_caps(self) -> tuple[int, ...]:
+        """Most tokens per (row, KV head) at each width above the base, widest first (after :meth:`bind`)."""
+        if self.budget is None:
+            raise RuntimeError("TieredKVStore: used before bind")
+        return self.caps
+
+    # -- allocation ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.pools: list[_Pool] = []
+        self.base = self.scale_k = self.zero_k = self.scale_v = self.zero_v = torch.empty(0)
+        self.base_v = torch.empty(0)
+        self.dtype = torch.float32
+        self.center: torch.Tensor | None = None
+
+    def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        b, h, _, dk = key.shape
+        dv = value.shape[-1]
+        if self.key_center is not None and tuple(self.key_center.shape) != (h, dk):
+            raise ValueError(f"kv_key_centers: centres of shape {tuple(self.key_center.shape)} do not fit "
+                             f"{h} KV heads of {dk} channels")
+        caps = self.tier_caps
+        dev = key.device
+        self.dtype, self.dims = key.dtype, (dk, dv)
+        self.groups = (group_for(dk, self.group_size), group_for(dv, self.group_size))
+        self.center = None if self.key_center is None else self.key_center.to(dev, torch.float32)[:, None, :]
+        self.base = torch.zeros(b, h, 0, packed_width(dk, self.bits), dtype=torch.uint8, device=dev)
+        self.base_v = torch.zeros(b, h, 0, packed_width(dv, self.bits), dtype=torch.uint8, device=dev)
+        self.scale_k = torch.zeros(b, h, 0, dk // self.groups[0], dtype=torch.float16, device=dev)
+        self.zero_k = torch.zeros_like(self.scale_k)
+        self.scale_v = torch.zeros(b, h, 0, dv // self.groups[1], dtype=torch.float16, device=dev)
+        self.zero_v = torch.zeros_like(self.scale_v)
+        index = torch.int16 if max(caps) < 2**15 else torch.int32
+        self.pools = []
+        for (bits, _), cap, below in zip(self.tiers, caps, self.widths[1:]):
+            pool = _Pool(bits, cap, dense=bits == 16, plane=0 if bits == 16 else bits - below)
+            if pool.dense:
+                pool.k = key.new_zeros(b, h, cap, dk)
+                pool.v = value.new_zeros(b, h, cap, dv)
+            else:
+                pool.k = torch.zeros(b, h, cap, packed_width(dk, pool.plane), dtype=torch.uint8, device=dev)
+                pool.v = torch.zeros(b, h, cap, packed_width(dv, pool.plane), dtype=torch.uint8, device=dev)
+            pool.where = torch.full((b, h, 0), -1, dtype=index, device=dev)
+            pool.used = torch.zeros(b, h, cap, dtype=torch.bool, device=dev)
+            self.pools.append(pool)
+
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        return [self.base, self.base_v, self.scale_k, self.zero_k, self.scale_v, self.zero_v]
+
+    @property
+    def capacity(self) -> int:
+        return self.base.shape[-2] if self.base.dim() == 4 else 0
+
+    def resize(self, capacity: int) -> None:
+        def resized(t: torch.Tensor, fill=0) -> torch.Tensor:
+            out = t.new_full((*t.shape[:2], capacity, *t.shape[3:]), fill)
+            keep = min(capacity, t.shape[2])
+            out[:, :, :keep] = t[:, :, :keep]
+            return out
+
+        (self.base, self.base_v, self.scale_k, self.zero_k, self.scale_v,
+         self.zero_v) = (resized(t) for t in self._slot_tensors())
+        for pool in self.pools:
+            pool.where = resized(pool.where, -1)
+
+    # -- writing -----------------------------------------------------------------------------------
+    def _codes(self, key: torch.Tensor, value: torch.Tensor):
+        """(codes, scale, zero) of K and of V at the top width; ``key`` (..., H_kv, D) with centres taken off."""
+        if self.center is not None:
+            key = key.float() - (self.center if key.dim() == 4 else self.center[:, 0])
+        return (quantize_codes(key, self.top, self.groups[0]), quantize_codes(value, self.top, self.groups[1]))
+
+    def _plane(self, code: torch.Tensor, pool: _Pool) -> torch.Tensor:
+        """The plane of ``pool`` cut from top-width codes: the ``pool.plane`` bits below its width's top bits."""
+        return pack((code >> (self.top - pool.bits)) & (2**pool.plane - 1), pool.plane)
+
+    def _free_entries(self, pool: _Pool) -> torch.Tensor:
+        """Each (row, head)'s pool entries, free ones first in index order (B, H_kv, cap)."""
+        ar = torch.arange(pool.cap, device=pool.used.device)
+        return torch.where(pool.used, ar + pool.cap, ar).sort(dim=-1).values
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        c = key.shape[-2]
+        (qk, sk, zk), (qv, sv, zv) = self._codes(key, value)
+        end = start + c
+        self.base[:, :, start:end] = pack(qk >> (self.top - self.bits), self.bits)
+        self.base_v[:, :, start:end] = pack(qv >> (self.top - self.bits), self.bits)
+        self.scale_k[:, :, start:end], self.zero_k[:, :, start:end] = sk, zk
+        self.scale_v[:, :, start:end], self.zero_v[:, :, start:end] = sv, zv
+        for pool in self.pools:
+            # The first c free entries of every (row, head). A full pool (which the layer's demotion rules out)
+            # yields an index past the pool, and the scatter fails loudly rather than overwrite a live entry.
+            if c == 1:
+                ar = torch.arange(pool.cap, device=pool.used.device)
+                entries = torch.where(pool.used, ar + pool.cap, ar).min(dim=-1, keepdim=True).values
+            else:
+                entries = self._free_entries(pool)[:, :, :c]
+            pool.used.scatter_(2, entries, True)
+            if pool.dense:
+                k_new, v_new = key.to(pool.k.dtype), value.to(pool.v.dtype)
+            else:
+                k_new, v_new = self._plane(qk, pool), self._plane(qv, pool)
+            pool.k.scatter_(2, entries[..., None].expand(-1, -1, -1, pool.k.shape[-1]), k_new)
+            pool.v.scatter_(2, entries[..., None].expand(-1, -1, -1, pool.v.shape[-1]), v_new)
+            pool.where[:, :, start:end] = entries.to(pool.where.dtype)
+
+    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        (qk, sk, zk), (qv, sv, zv) = self._codes(key, value)  # (N, H_kv, ·)
+        self.base[rows, :, slots] = pack(qk >> (self.top - self.bits), self.bits)
+        self.base_v[rows, :, slots] = pack(qv >> (self.top - self.bits), self.bits)
+        self.scale_k[rows, :, slots], self.zero_k[rows, :, slots] = sk, zk
+        self.scale_v[rows, :, slots], self.zero_v[rows, :, slots] = sv, zv
+        n, h = key.shape[:2]
+        counts = torch.bincount(rows, minlength=self.base.shape[0])
+        first = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(n, device=rows.device) - first[rows]  # (N,) the token's order within its row
+        r, hh = rows[:, None], torch.arange(h, device=rows.device)[None, :]
+        for pool in self.pools:
+            entries = self._free_entries(pool)[r, hh, rank[:, None]]  # (N, H_kv)
+            if bool((entries >= pool.cap).any()):
+                raise RuntimeError("TieredKVStore: a pool is full (the layer must demote before writing)")
+            pool.used[r, hh, entries] = True
+            if pool.dense:
+                pool.k[r, hh, entries], pool.v[r, hh, entries] = key.to(pool.k.dtype), value.to(pool.v.dtype)
+            else:
+                pool.k[r, hh, entries], pool.v[r, hh, entries] = self._plane(qk, pool), self._plane(qv, pool)
+            pool.where[r, hh, slots[:, None]] = entries.to(pool.where.dtype)
+
+    # -- demotion and eviction ------------------------------------------------------------------------
+    def _release(self, pool: _Pool, gone: torch.Tensor) -> None:
+        """Free the entries the slots ``gone`` (B, H_kv, L) hold in ``pool``; those slots then hold none."""
+        length = gone.shape[-1]
+        where = pool.where[:, :, :length]
+        gone = gone & (where >= 0)
+        hits = torch.zeros(pool.used.shape, dtype=torch.int32, device=gone.device)
+        hits.scatter_add_(2, where.clamp(min=0).long(), gone.to(torch.int32))
+        pool.used &= hits == 0
+        where.masked_fill_(gone, -1)
+
+    def demote(self, level: int, slots: torch.Tensor) -> None:
+        """Slots ``slots`` (B, H_kv, L) bool, at width ``widths[level]`` or wider, fall to ``widths[level + 1]``."""
+        for pool in self.pools[: level + 1]:
+            self._release(pool, slots)
+
+    def forget(self, lengths: torch.Tensor) -> None:
+        """Slots at or past each row's length (B,) hold nothing now: free their pool entries."""
+        cap = self.capacity
+        if not self.pools or cap == 0:
+            return
+        dead = torch.arange(cap, device=self.base.device)[None, :] >= lengths.to(self.base.device)[:, None]
+        dead = dead[:, None, :].expand(-1, self.base.shape[1], -1)
+        for pool in self.pools:
+            self._release(pool, dead)
+
+    def head_counts(self) -> torch.Tensor:
+        """Tokens per (row, KV head) at each width above the base, widest first: (B, H_kv, levels)."""
+        return torch.stack([pool.used.sum(dim=-1) for pool in self.pools], dim=-1)
+
+    def tier_mask(self, length: int) -> torch.Tensor:
+        """Which of the first ``length`` slots hold a width above the base (B, H_kv, L) bool."""
+        return self.pools[-1].where[:, :, :length] >= 0
+
+    def slot_widths(self, length: int) -> torch.Tensor:
+        """The width each of the first ``length`` slots holds now (B, H_kv, L)."""
+        widths = torch.full(self.base.shape[:2] + (length,), self.bits, dtype=torch.int16, device=self.base.device)
+        for pool in reversed(self.pools):  # narrowest first, so a wider width overwrites
+            widths.masked_fill_(pool.where[:, :, :length] >= 0, pool.bits)
+        return widths
+
+    def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        for t in self._slot_tensors():
+            gather_rows(t, order, rows)
+        for pool in self.pools:
+            gather_rows(pool.where, order, rows)
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        (self.base, self.base_v, self.scale_k, self.zero_k, self.scale_v,
+         self.zero_v) = (t.index_select(0, index) for t in self._slot_tensors())
+        for pool in self.pools:
+            pool.k, pool.v, pool.where, pool.used = (t.index_select(0, index) for t in pool.tensors())
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def _read(self, which: int, start: int, end: int) -> torch.Tensor:
+        """Dense K (``which`` 0) or V (1) of slots ``[start, end)``: (B, H_kv, n, D)."""
+        base = (self.base, self.base_v)[which][:, :, start:end]
+        scale = (self.scale_k, self.scale_v)[which][:, :, start:end]
+        zero = (self.zero_k, self.zero_v)[which][:, :, start:end]
+        dim, group = self.dims[which], self.groups[which]
+        code = unpack(base, self.bits, dim).to(torch.int32)  # (B, H_kv, n, D)
+        missing = torch.full(code.shape[:3], self.top - self.bits, dtype=torch.int32, device=code.device)
+        dense_pool = None
+        for pool in reversed(self.pools):  # from the plane just above the base upwards
+            if pool.dense:
+                dense_pool = pool
+                continue
+            where = pool.where[:, :, start:end]  # (B, H_kv, n)
+            have = where >= 0
+            idx = where.clamp(min=0).long()[..., None].expand(-1, -1, -1, (pool.k, pool.v)[which].shape[-1])
+            plane = unpack((pool.k, pool.v)[which].gather(2, idx), pool.plane, dim).to(torch.int32)
+            code = (code << pool.plane) | torch.where(have[..., None], plane, 0)
+            missing -= have.to(torch.int32) * pool.plane
+        # ``code`` is now on the top width's scale; bits a token no longer holds sit at their midpoint.
+        q = code.to(torch.float32) + ((1 << missing) - 1).to(torch.float32)[..., None] / 2
+        groups = scale.shape[-1]
+        q = q.reshape(*q.shape[:3], groups, group)
+        x = torch.addcmul(zero.float().unsqueeze(-1), q, scale.float().unsqueeze(-1)).reshape(*q.shape[:3], dim)
+        if which == 0 and self.center is not None:
+            x = x + self.center
+        x = x.to(self.dtype)
+        if dense_pool is not None:
+            where = dense_pool.where[:, :, start:end]
+            rows = (dense_pool.k, dense_pool.v)[which]
+            exact = rows.gather(2, where.clamp(min=0).long()[..., None].expand(-1, -1, -1, dim))
+            x = torch.where((where >= 0)[..., None], exact.to(x.dtype), x)
+        return x
+
+    def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._read(0, 0, length), self._read(1, 0, length)
+
+    def read_keys(self, start: int, end: int) -> torch.Tensor:
+        return self._read(0, start, end)
+
+    def read_values(self, start: int, end: int) -> torch.Tensor:
+        return self._read(1, start, end)
+
+    # -- bytes -------------------------------------------------------------------------------------------
+    def data_bytes(self) -> int:
+        """K/V element data: the base plane of every slot and every pool (planes, or dense rows)."""
+        return self.base.nbytes + self.base_v.nbytes + sum(p.k.nbytes + p.v.nbytes for p in self.pools)
+
+    def scale_bytes(self) -> int:
+        """Scales and zero-points, key centres, and the tiers' bookkeeping (each slot's pool entries, occupancy)."""
+        own = sum(t.nbytes for t in (self.scale_k, self.zero_k, self.scale_v, self.zero_v))
+        own += 0 if self.center is None else self.center.nbytes
+        return own + sum(p.where.nbytes + p.used.nbytes for p in self.pools)
+
+    def nbytes(self) -> int:
+        return self.data_bytes() + self.scale_bytes()
+
+    def bytes_per_token_head(self) -> int:
+        """What one slot costs beside the pools: its base plane, scales and zero-points, and pool indices."""
+        per = self.base.shape[-1] + self.base_v.shape[-1]
+        per += 2 * (self.scale_k.shape[-1] + self.zero_k.shape[-1] + self.scale_v.shape[-1] + self.zero_v.shape[-1])
+        return per + sum(p.where.element_size() for p in self.pools)
+
+    def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
+        itemsize = torch.empty(0, dtype=dtype or self.dtype).element_size()
+        return sum(self.dims) * itemsize
+
+    @classmethod
+    def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> TieredKVStore:
+        return cls(settings.kv_bits, settings.kv_demote, settings.kv_group_size, settings.kv_tile, key_center)

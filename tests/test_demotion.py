@@ -1,0 +1,283 @@
+"""Demotion before eviction (``kv_demote``): the tiered store against the naive reference and the packed store."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import left_padded, run_cli, save_tiny_model, tiny_model
+from reference import reference_stream
+from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
+from scissorhands.core.importance import ImportanceState
+from scissorhands.core.methods import get_method
+from scissorhands.core.methods.scissorhands import Scissorhands
+from scissorhands.core.prefill import Streamed
+from scissorhands.core.stores import ResidualStore, make_store
+from scissorhands.core.stores.tiered import TieredKVStore
+from scissorhands.hf.cache import ScissorhandsLayer
+from scissorhands.hf.scoring import ScoreSetup, token_logprobs
+from test_reference import chunk_mask, kept_of, make_inputs
+from test_scoring import BASE, decode_logprobs
+
+# (widths above the base, widest first; the base): every kind of chain the store takes.
+CHAINS = [((4,), 2), ((16, 4), 2), ((8, 4), 2), ((16,), 4), ((8,), 4), ((16, 8, 4), 2)]
+
+
+@st.composite
+def tier_cases(draw):
+    widths, base = draw(st.sampled_from(CHAINS))
+    b = draw(st.integers(1, 3))
+    h_kv = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 2]))
+    t = draw(st.integers(1, 40))
+    recent = draw(st.integers(0, 4))
+    drop = draw(st.integers(1, 4))
+    # Caps: the first holds the recent window and a drop; each later one at least the one before; the last
+    # leaves at least a drop at the base.
+    caps, low = [], recent + drop
+    for _ in widths:
+        cap = draw(st.integers(low, low + 6))
+        caps.append(cap)
+        low = cap
+    budget = draw(st.integers(caps[-1] + drop, caps[-1] + drop + 8))
+    window = draw(st.one_of(st.none(), st.integers(1, 12)))
+    bucket_steps = None if window is None else draw(st.one_of(st.none(), st.integers(1, 5)))
+    importance = draw(st.sampled_from(["sum", "count", "mean"]))
+    pads = [draw(st.integers(0, t - 1)) for _ in range(b)]
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(t - 1, 1)), max_size=5))) - {t}) if t > 1 else []
+    chunks = [y - x for x, y in zip([0] + cuts, cuts + [t])]
+    sinks = draw(st.integers(0, 2))
+    room = max(drop, budget - recent - sinks)  # the most a layer's prefill drop may be (the settings clamp it)
+    prefill_drop = draw(st.one_of(st.none(), st.integers(drop, min(drop + 3, room))))
+    if prefill_drop is not None:  # a prompt, then decoding: the prefill drop applies to the prompt's events
+        chunks = [chunks[0]] + [1] * (t - chunks[0])
+    return dict(b=b, h_kv=h_kv, group=group, t=t, recent=recent, budget=budget, drop=drop, window=window,
+                bucket_steps=bucket_steps, importance=importance, pads=pads, chunks=chunks, sinks=sinks,
+                tiers=list(zip(widths, caps)), base=base, seed=draw(st.integers(0, 2**16)),
+                tile=draw(st.integers(1, 8)), prefill_drop=prefill_drop)
+
+
+def tiered_layer(case, read_tile=512):
+    budget = case["budget"]
+    # Shares chosen so that the layer's rounding gives back each cap exactly.
+    store = TieredKVStore(case["base"], [(w, cap / budget) for w, cap in case["tiers"]], group_size=4,
+                          read_tile=read_tile)
+    steps = None if case["window"] is None else (case["bucket_steps"] or 1)
+    n_buckets = 1 if case["window"] is None else -(-case["window"] // steps)
+    state = ImportanceState(case["importance"], steps, n_buckets, False)
+    return ScissorhandsLayer(budget, case["recent"], case["drop"], state, Scissorhands(), store=store,
+                             query_tile=case["tile"], sinks=case["sinks"], prefill=Streamed(case["prefill_drop"]))
+
+
+def run(case, layer, q, k, v, valid):
+    outs, i = [], 0
+    caps = layer.kv.tiers.tier_caps
+    for c in case["chunks"]:
+        layer.update(k[:, :, i:i + c], v[:, :, i:i + c], kwargs={})
+        vc = valid[:, i:i + c]
+        mask = None if bool(vc.all()) else chunk_mask(vc)
+        outs.append(layer.attend(q[:, :, i:i + c], k[:, :, i:i + c], v[:, :, i:i + c], mask, 0.5))
+        # Invariants between chunks: the budget, every width's cap, in every KV head.
+        assert int(layer.slots.lengths.max()) <= case["budget"]
+        for pool, cap in zip(layer.kv.tiers.pools, caps):
+            assert int(pool.used.sum(-1).max()) <= cap
+        i += c
+    return torch.cat(outs, dim=2)
+
+
+def reference_for(case, q, k, v, valid, widths_out=None):
+    return reference_stream(q, k, v, valid, budget=case["budget"], recent=case["recent"], drop=case["drop"],
+                            window=case["window"], bucket_steps=case["bucket_steps"],
+                            importance=case["importance"], scaling=0.5, sinks=case["sinks"],
+                            prefill=case["chunks"][0], prefill_drop=case["prefill_drop"], tiers=case["tiers"],
+                            base_bits=case["base"], group=4, widths_out=widths_out)
+
+
+def stored_widths(layer, b_size, h_kv):
+    tiers = layer.kv.tiers
+    out = {}
+    for b in range(b_size):
+        n = int(layer.slots.lengths[b])
+        w = tiers.slot_widths(layer.slots.length)[b, :, :n]
+        out[b] = {h: w[h].tolist() for h in range(h_kv)}
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tier_cases())
+def test_tiered_layer_matches_the_reference(case):
+    """Which tokens are kept, at which width, and every query's output: the fast layer is the naive reference."""
+    q, k, v, valid = make_inputs(case)
+    widths = {}
+    ref_out, ref_kept = reference_for(case, q, k, v, valid, widths)
+    layer = tiered_layer(case)
+    out = run(case, layer, q, k, v, valid)
+    assert kept_of(layer, case["b"], case["h_kv"]) == ref_kept
+    assert stored_widths(layer, case["b"], case["h_kv"]) == widths
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+    assert torch.all(out.transpose(1, 2)[~valid] == 0)
+
+
+def test_the_recent_window_stays_at_the_top_width_and_only_base_tokens_are_evicted():
+    case = dict(b=1, h_kv=2, group=2, t=60, recent=3, budget=20, drop=2, window=None, bucket_steps=None,
+                importance="sum", pads=[0], chunks=[1] * 60, sinks=0, tiers=[(16, 6), (4, 12)], base=2, seed=5,
+                tile=4, prefill_drop=None)
+    q, k, v, valid = make_inputs(case)
+    layer = tiered_layer(case)
+    dropped_widths = []
+    for i in range(60):
+        before = {h: dict(zip(layer.stored_positions(0)[h].tolist(),
+                              layer.kv.tiers.slot_widths(layer.slots.length)[0, h].tolist()))
+                  for h in range(2)} if i else {0: {}, 1: {}}
+        run(dict(case, chunks=[1]), layer, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], valid[:, i:i + 1])
+        widths = layer.kv.tiers.slot_widths(layer.slots.length)[0]
+        assert widths[:, -min(3, i + 1):].eq(16).all()  # the newest three at full precision
+        for h in range(2):
+            now = set(layer.stored_positions(0)[h].tolist())
+            dropped_widths += [w for p, w in before[h].items() if p not in now]
+    assert dropped_widths and set(dropped_widths) == {2}  # evicted only once demoted to the bottom
+    counts = [int((widths == w).sum()) for w in (16, 4, 2)]
+    assert counts[0] <= 2 * 6 and counts[0] + counts[1] <= 2 * 12 and sum(counts) == 2 * 20
+
+
+def test_caps_at_the_budget_are_the_packed_store_at_the_top_width():
+    """Nothing demoted (every cap covers the text) and no eviction: bitwise the packed cache at the widest width."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(2))
+    packed = replace(BASE, kv_bits=4, kv_group_size=8, kv_residual=0)
+    tiered = replace(packed, kv_bits=2, kv_demote=((4, 0.5),))  # 100 tokens at 4 bits: the whole text
+    a, cache_a = decode_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 200, packed))
+    b, cache_b = decode_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 200, tiered))
+    assert isinstance(cache_b.budgeted_layers[0].kv.store, TieredKVStore)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("demote,bits", [("4:0.5", 2), ("16:0.4,4:0.7", 2), ("8:0.5", 4), ("16:0.4,8:0.55,4:0.7", 2)])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_scorer_equals_decoding_with_demotion(demote, bits, arch):
+    """One blocked forward = token-by-token decoding through the tiered cache, demotions and evictions included."""
+    model = tiny_model(arch)
+    ids = torch.randint(3, 256, (56,), generator=torch.Generator().manual_seed(1))
+    base = replace(BASE, kv_bits=bits, kv_demote=demote, kv_group_size=8, kv_tile=5, kv_residual=0)
+    setup = ScoreSetup(get_method("scissorhands"), 20, base)
+    fast, _ = token_logprobs(model, ids, setup)
+    slow, cache = decode_logprobs(model, ids, setup)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
+    assert all(layer.compressions > 0 for layer in cache.budgeted_layers)
+    packed, _ = token_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 20, replace(base, kv_demote=None)))
+    assert not torch.equal(fast, packed)  # the demotion is really in the path
+
+
+def test_a_residual_wraps_the_tiered_store():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (50,), generator=torch.Generator().manual_seed(3))
+    base = replace(BASE, kv_bits=2, kv_demote="16:0.4,4:0.7", kv_group_size=8, kv_residual=2)
+    setup = ScoreSetup(get_method("scissorhands"), 20, base)
+    fast, _ = token_logprobs(model, ids, setup)
+    slow, cache = decode_logprobs(model, ids, setup)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
+    store = cache.budgeted_layers[0].kv.store
+    assert isinstance(store, ResidualStore) and isinstance(store.inner, TieredKVStore)
+
+
+def test_batched_generation_with_demotion_equals_each_sequence_alone():
+    model = tiny_model("llama", torch.float64)
+    lengths = [30, 21, 9]
+    ids, mask = left_padded(lengths, seed=4)
+    cfg = ScissorhandsConfig(budget=14, recent=3, drop=2, window=8, window_buckets=4, kv_bits=2,
+                             kv_demote="16:0.36,4:0.72", kv_group_size=8)
+
+    def greedy(i, m, cache):
+        with torch.no_grad():
+            return model.generate(i, attention_mask=m, cache=cache, max_new_tokens=15, do_sample=False,
+                                  pad_token_id=0)
+
+    batch_cache = ScissorhandsCache(model, cfg)
+    batch = greedy(ids, mask, batch_cache)
+    for row, n in enumerate(lengths):
+        alone_cache = ScissorhandsCache(model, cfg)
+        alone = greedy(ids[row:row + 1, -n:], mask[row:row + 1, -n:], alone_cache)
+        assert torch.equal(batch[row, -(n + 15):], alone[0])
+        for lb, la in zip(batch_cache.budgeted_layers, alone_cache.budgeted_layers):
+            assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
+            wb = lb.kv.tiers.slot_widths(lb.slots.length)[row, :, : int(lb.slots.lengths[row])]
+            wa = la.kv.tiers.slot_widths(la.slots.length)[0, :, : int(la.slots.lengths[0])]
+            assert torch.equal(wb, wa)
+
+
+def test_bytes_are_counted_exactly():
+    """The pools at their caps, the base plane and scales for every slot, the indices and occupancy maps."""
+    store = TieredKVStore(2, "16:0.25,4:0.5", group_size=8)
+    store.bind(40, 4, 2)
+    assert store.tier_caps == (10, 20)
+    k = torch.randn(3, 2, 5, 16)
+    store.allocate(k, k)
+    store.resize(40)
+    b, h, d = 3, 2, 16
+    base = 2 * b * h * 40 * (d * 2 // 8)
+    scales = 2 * b * h * 40 * (d // 8) * 2 * 2
+    dense_pool = 2 * b * h * 10 * d * 4
+    plane_pool = 2 * b * h * 20 * (d * 2 // 8)
+    index = 2 * b * h * 40 * 2  # int16 per slot per pool
+    used = b * h * (10 + 20)
+    assert store.data_bytes() == base + dense_pool + plane_pool
+    assert store.nbytes() == base + scales + dense_pool + plane_pool + index + used
+
+
+def test_a_demoted_token_reads_as_a_quantisation_at_its_width():
+    """A 4-bit code cut to 2 bits reads back within a 2-bit step's half of the value: no second rounding."""
+    store = TieredKVStore(2, "4:0.5", group_size=8)
+    store.bind(8, 1, 1)
+    x = torch.randn(1, 1, 4, 8)
+    store.allocate(x, x)
+    store.resize(8)
+    store.write(0, x, x)
+    exact4 = store.read(4)[0]
+    store.demote(0, torch.ones(1, 1, 4, dtype=torch.bool))
+    two = store.read(4)[0]
+    step4 = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 15
+    assert torch.all((exact4 - x).abs() <= step4 / 2 + 1e-6)
+    assert torch.all((two - x).abs() <= 2 * step4 + 1e-6)  # the 2-bit bins are 4 steps wide: half is 2 steps
+    assert not torch.equal(two, exact4)
+    assert int(store.pools[0].used.sum()) == 0  # the demotion freed the plane entries
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(kv_bits=2, kv_demote="8:0.5"), "kv_demote"),
+    (dict(kv_bits=4, kv_demote="4:0.5"), "kv_demote"),
+    (dict(kv_demote="4:0.5"), "kv_demote"),
+    (dict(kv_bits=8, kv_demote="16:0.5"), "kv_demote"),
+    (dict(kv_bits=2, kv_demote="4:0.6,8:0.2"), "kv_demote"),
+    (dict(kv_bits=2, kv_demote="16:0.6,4:0.2"), "kv_demote"),
+    (dict(kv_bits=2, kv_demote="4:1.5"), "kv_demote"),
+    (dict(kv_bits=2, kv_demote="4"), "kv_demote"),
+    (dict(kv_bits=2, kv_demote="4:0.5", kv_key_bits=8), "kv_key_bits"),
+    (dict(kv_bits=2, kv_demote="4:0.5", kv_store="packed"), "kv_store"),
+    (dict(kv_bits=2, kv_demote="4:0.5", prefill="prompt-aware"), "kv_demote"),
+])
+def test_bad_demotion_settings_are_one_line_errors(kwargs, param):
+    with pytest.raises(ValueError) as err:
+        CacheSettings(**kwargs)
+    assert str(err.value).startswith(f"{param}:") and "\n" not in str(err.value)
+
+
+def test_a_share_too_small_for_the_recent_window_names_kv_demote():
+    with pytest.raises(ValueError, match=r"^kv_demote: the 4-bit share holds 2 tokens .* at least 0\.300"):
+        make_store(ScissorhandsConfig(budget=20, kv_bits=2, kv_demote="4:0.1", recent=4, drop=2), None, 0) \
+            .bind(20, 4, 2)
+
+
+def test_cli_generate_with_demotion_reports_it(capsys, tmp_path):
+    tiny_llama_dir = save_tiny_model(tmp_path / "tiny")
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "hello there " * 20,
+                             "--budget", "24", "--kv-bits", "2", "--kv-demote", "16:0.3,4:0.6",
+                             "--max-new-tokens", "5")
+    assert code == 0, err
+    line = next(x for x in err.splitlines() if "demotion: stored tokens at 16 bits" in x)
+    shares = [float(p.split()[-1].rstrip("%")) for p in line.split("demotion: stored tokens at ")[1].split(", ")]
+    assert len(shares) == 3 and abs(sum(shares) - 100) <= 2 and shares[0] <= 30 + 1 and shares[2] > 0
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "hi", "--budget", "24",
+                           "--kv-bits", "2", "--kv-demote", "16:0.9,4:0.5")
+    assert code == 2 and err.strip().count("\n") == 0 and "kv-demote" in err
