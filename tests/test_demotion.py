@@ -281,3 +281,20 @@ def test_cli_generate_with_demotion_reports_it(capsys, tmp_path):
     code, _, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "hi", "--budget", "24",
                            "--kv-bits", "2", "--kv-demote", "16:0.9,4:0.5")
     assert code == 2 and err.strip().count("\n") == 0 and "kv-demote" in err
+
+
+def test_peak_bytes_of_a_tiered_cache_are_what_it_allocates():
+    """memory_budget.peak_bytes counts the tiered store's pools, planes and indices as the cache allocates them."""
+    from scissorhands.core.memory_budget import peak_bytes
+    from scissorhands.hf.cache import memory_shape
+
+    model = tiny_model("llama")
+    cfg = ScissorhandsConfig(budget=30, kv_bits=2, kv_demote="16:0.3,4:0.6", kv_group_size=8, recent=4, drop=2)
+    cache = ScissorhandsCache(model, cfg)
+    ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    report = cache.memory_report()
+    held = report["budgeted_kv_bytes"] + report["importance_bytes"] + report["position_bytes"]
+    assert report["peak_stored"] == 30
+    assert peak_bytes(cfg, memory_shape(model)) == held

@@ -139,3 +139,33 @@ def test_every_entry_point_makes_the_same_memory_choice(name, memory):
     assert from_cli.config == want and from_eval.config == want
     assert (setup.budget, setup.base) == (want.budget, want.settings)
     assert _built(setup.make_cache(model, length)) == _built(python_api)
+
+
+def test_demotion_settings_are_the_same_through_every_entry_point_and_refused_by_vllm():
+    """``kv_demote`` through the Python API, generate's flags, the scorer, eval's flags and lm-eval's arguments:
+    one configuration and one chain of widths in every layer. vLLM keeps K/V in its own blocks and refuses it."""
+    from scissorhands.vllm.settings import parse
+
+    demote = {"kv_bits": 2, "kv_demote": "16:0.5,4:0.75", "kv_group_size": 8}
+    flags = [*_cli_flags(), "--kv-bits", "2", "--kv-demote", "16:0.5,4:0.75", "--kv-group-size", "8"]
+    model = tiny_model("llama")
+    method = get_method("scissorhands")
+    python_api = ScissorhandsCache(model, ScissorhandsConfig(budget=BUDGET, **FLAGS, **demote), method())
+    args = cli.build_parser().parse_args(["generate", "--budget", str(BUDGET), "--prompt", "x", *flags])
+    from_cli = ScissorhandsCache(model, cli.generate_config(args), method())
+    scorer = ScoreSetup(method, BUDGET, python_api.config.settings).make_cache(model, LENGTH)
+    eval_args = cli.build_parser().parse_args(["eval", "--methods", "scissorhands", "--budgets", str(BUDGET), *flags])
+    from_eval = ScoreSetup(method, BUDGET, cli.cache_settings(eval_args)).make_cache(model, LENGTH)
+    lm = ScissorhandsLM(model=(model, _Tokenizer()), method="scissorhands", budget=BUDGET, **FLAGS,
+                        **{k: str(v) for k, v in demote.items()})
+    from_lm_eval = lm.setup_for(LENGTH).make_cache(model, LENGTH)
+
+    def chain(cache):
+        return [(layer.kv.tiers.tiers, layer.kv.tiers.tier_caps) for layer in cache.budgeted_layers]
+
+    want = (_built(python_api), chain(python_api))
+    assert want[1][0] == (((16, 0.5), (4, 0.75)), (8, 12))
+    for label, cache in [("cli", from_cli), ("scorer", scorer), ("eval", from_eval), ("lm-eval", from_lm_eval)]:
+        assert (_built(cache), chain(cache)) == want, label
+    with pytest.raises(ValueError, match=r"^kv_demote: not supported by the vLLM adapter"):
+        parse({"method": "scissorhands", "budget": BUDGET, "kv_demote": "4:0.5"})

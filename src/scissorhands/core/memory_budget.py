@@ -17,6 +17,11 @@ keeps the store with the smallest. A target no store can meet is a one-line
 The frontier was measured on SmolLM2-135M, so on another model the choice
 assumes that the stores rank alike. The bytes are exact for the model at hand.
 
+Demotion before eviction (``kv_demote``) is not among the stores it chooses:
+at the same bytes it measured no better than the best fixed store on SmolLM2-135M
+or Qwen2.5-Coder-0.5B (docs/results.md, "Demotion before eviction").
+:func:`peak_bytes` counts a tiered store exactly all the same.
+
 The peak is between chunks. While a chunk is taken, a packed store's exact tail
 also holds that chunk's newest block: at most one block of full-precision
 tokens more, and none during decoding.
@@ -150,29 +155,47 @@ class MemoryChoice:
 def peak_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -> int:
     """Peak bytes a sequence holds over the budgeted layers under ``config`` (between chunks).
 
-    The slots grow up to the budget whatever the sequence's length, so the budget alone decides.
+    The K/V store (:func:`store_bytes`), the importance state and an int32 position per slot. The slots grow
+    up to the budget whatever the sequence's length, so the budget alone decides.
     """
-    from .stores.packed import packed_bytes_per_token_head  # torch: imported on use
+    state_item = max(shape.itemsize, 4) if config.importance != "count" else 2
+    per_token = config.n_buckets() * state_item + 4  # importance state, an int32 position
+    return store_bytes(config, shape, evicts) + shape.layers * shape.kv_heads * config.budget * per_token
+
+
+def store_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -> int:
+    """Peak bytes of the K/V store alone: elements (packed or not), scales and zero-points, the residual, and a
+    tiered store's pools and indices."""
+    from .stores.packed import packed_bytes_per_token_head, packed_width  # torch: imported on use
 
     tokens = config.budget
     dense = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
+    pools = 0
+    if config.kv_demote is not None:
+        # The tiered store: every slot's base plane and scales, each width's pool at its share (planes, or dense
+        # rows for 16 bits) with its occupancy map, and one pool index per slot and width.
+        chain = [b for b, _ in config.kv_demote] + [int(config.kv_bits or 16)]
+        caps = [max(1, round(share * tokens)) for _, share in config.kv_demote]
+        index = 2 if max(caps) < 2**15 else 4
+        for (bits, _), below, cap in zip(config.kv_demote, chain[1:], caps):
+            entry = dense if bits == 16 else \
+                packed_width(shape.head_dim_k, bits - below) + packed_width(shape.head_dim_v, bits - below)
+            pools += cap * (entry + 1) + tokens * index
     if config.quantized:
         kv = packed_bytes_per_token_head(shape.head_dim_k, shape.head_dim_v, int(config.kv_bits or 16),
                                          config.kv_key_bits, config.kv_group_size)
         residual = min(config.residual_for(config.budget, evicts), tokens) * dense
     else:
         kv, residual = dense, 0
-    state_item = max(shape.itemsize, 4) if config.importance != "count" else 2
-    per_token = kv + config.n_buckets() * state_item + 4  # K/V, importance state, an int32 position
-    return shape.layers * shape.kv_heads * (tokens * per_token + residual)
+    return shape.layers * shape.kv_heads * (tokens * kv + residual + pools)
 
 
 def choose(memory, shape: Shape, length: int, base: CacheSettings,
            frontier: list[Family] | None = None) -> MemoryChoice:
     """The store and token budget whose peak bytes fit ``memory`` best, by the measured frontier.
 
-    ``base`` keeps every setting but the store's (``kv_bits``, ``kv_key_bits``, ``kv_residual``), which the
-    choice sets.
+    ``base`` keeps every setting but the store's (``kv_bits``, ``kv_key_bits``, ``kv_residual``,
+    ``kv_demote``), which the choice sets.
     """
     spec = parse_memory(memory)
     full = length * shape.layers * shape.kv_heads * (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
@@ -180,7 +203,7 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
     best: MemoryChoice | None = None
     smallest = None
     for family in frontier or load_frontier():
-        settings = replace(base, kv_bits=family.kv_bits, kv_key_bits=family.kv_key_bits,
+        settings = replace(base, kv_bits=family.kv_bits, kv_key_bits=family.kv_key_bits, kv_demote=None,
                            kv_residual=family.kv_residual if family.kv_bits else None)
         floor = _floor(settings, length)
         if floor is None:

@@ -26,7 +26,7 @@ What the adapter fixes, and why (each given otherwise is a one-line error):
 * one budget for every layer (``schedule="uniform"``): vLLM's window is one
   number;
 * K/V stay in vLLM's blocks in the model's dtype: no ``kv_bits``,
-  ``kv_residual``, ``kv_store`` or ``merge``.
+  ``kv_residual``, ``kv_demote``, ``kv_store`` or ``merge``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ KEY = "scissorhands"
 ENV = "SCISSORHANDS_VLLM"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
 FIXED = {"drop": 1, "prefill": "prompt-aware", "prefill_drop": None}
-_UNSUPPORTED = {"kv_bits": None, "kv_key_bits": None, "kv_residual": None, "kv_key_centers": None,
+_UNSUPPORTED = {"kv_bits": None, "kv_key_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_demote": None,
                 "kv_store": None, "merge": False, "schedule": "uniform"}
 
 

@@ -44,6 +44,14 @@ def kv_bytes_per_token(model, settings=None) -> int:
     return facts.kv_bytes_per_token(next(model.parameters()).element_size())
 
 
+def _tiered_bytes(model, settings, budget: float) -> int:
+    """K/V store bytes of a demoting (tiered) cache at a token budget: planes, pools, scales, residual, indices."""
+    from scissorhands.core.memory_budget import store_bytes
+    from scissorhands.hf.cache import memory_shape
+
+    return store_bytes(settings.with_budget(max(1, round(budget))), memory_shape(model))
+
+
 def kv_residual_bytes(model, settings, budget: float, evicts: bool = True) -> float:
     """Bytes of a sequence's full-precision residual at an average ``budget`` (model dtype), 0 without one.
 
@@ -373,7 +381,8 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         "metric": task.main_metric, "value": metrics[task.main_metric], "metrics": metrics,
                         "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
                         "kv_bytes": (sum(c.peak_bytes for c in choices) / len(choices)) if choices else
-                        mean_budget * kv_bytes_per_token(model, method.resolve(base))
+                        _tiered_bytes(model, method.resolve(base), mean_budget) if cell_base.kv_demote is not None
+                        else mean_budget * kv_bytes_per_token(model, method.resolve(base))
                         + kv_residual_bytes(model, method.resolve(base), mean_budget, evicts=not method.is_full),
                         "full_kv_bytes": mean_len * per_token,
                         "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
