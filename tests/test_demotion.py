@@ -298,3 +298,19 @@ def test_peak_bytes_of_a_tiered_cache_are_what_it_allocates():
     held = report["budgeted_kv_bytes"] + report["importance_bytes"] + report["position_bytes"]
     assert report["peak_stored"] == 30
     assert peak_bytes(cfg, memory_shape(model)) == held
+
+
+def test_memory_takes_the_demotion_chain_where_its_measured_curve_is_lowest():
+    """On a SmolLM2-135M-shaped float32 cache at 2,048 tokens, a fifth of the bytes leaves room beyond a 4-bit
+    cache of the whole sequence: the frontier's 8 → 4 chain measured lowest there, and memory= takes it."""
+    from scissorhands.core.memory_budget import Shape, choose, load_frontier
+
+    shape = Shape(layers=30, kv_heads=3, head_dim_k=64, head_dim_v=64, itemsize=4)
+    chain = next(f for f in load_frontier() if f.kv_demote)
+    choice = choose(0.2, shape, 2048, CacheSettings())
+    assert choice.family == chain.name and choice.config.kv_demote == chain.kv_demote
+    assert choice.peak_bytes <= choice.target_bytes and "demotion" in choice.describe()
+    others = [f for f in load_frontier() if not f.kv_demote]
+    assert choose(0.2, shape, 2048, CacheSettings(), frontier=others).predicted_delta_nll > choice.predicted_delta_nll
+    # A prompt-aware prefill cannot demote: the chain is skipped, not an error.
+    assert choose(0.2, shape, 2048, CacheSettings(prefill="prompt-aware")).config.kv_demote is None

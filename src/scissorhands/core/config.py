@@ -133,6 +133,30 @@ def check_tiers(tiers: tuple[tuple[int, float], ...], base_bits) -> None:
                          f"width or wider), got {shares}")
 
 
+def share_caps(tiers, budget: int) -> tuple[int, ...]:
+    """Each width's share of a layer budget, in tokens (at least one)."""
+    return tuple(max(1, round(share * budget)) for _, share in tiers)
+
+
+def tier_caps(tiers, budget: int, recent: int, drop: int) -> tuple[int, ...]:
+    """Each width's most tokens in a layer of this budget, or a one-line ``ValueError`` naming ``kv_demote``.
+
+    The widest width must hold the recent window (never demoted) and a drop's worth more; the base must
+    keep at least a drop's worth of tokens that only it holds (eviction takes them from there).
+    """
+    caps = share_caps(tiers, budget)
+    need = recent + drop
+    if caps[0] < need:
+        raise ValueError(f"kv_demote: the {tiers[0][0]}-bit share holds {caps[0]} tokens of this layer's budget "
+                         f"of {budget}, fewer than the recent window plus a drop ({recent} + {drop}); raise it to "
+                         f"at least {need / budget:.3f}")
+    if budget - caps[-1] < drop:
+        raise ValueError(f"kv_demote: the {tiers[-1][0]}-bit share leaves {budget - caps[-1]} tokens of this "
+                         f"layer's budget of {budget} below it, fewer than a drop ({drop}); lower it to at most "
+                         f"{(budget - drop) / budget:.3f}")
+    return caps
+
+
 def _demote(name, value):
     if value is None:
         return None

@@ -17,10 +17,11 @@ keeps the store with the smallest. A target no store can meet is a one-line
 The frontier was measured on SmolLM2-135M, so on another model the choice
 assumes that the stores rank alike. The bytes are exact for the model at hand.
 
-Demotion before eviction (``kv_demote``) is not among the stores it chooses:
-at the same bytes it measured no better than the best fixed store on SmolLM2-135M
-or Qwen2.5-Coder-0.5B (docs/results.md, "Demotion before eviction").
-:func:`peak_bytes` counts a tiered store exactly all the same.
+Demotion before eviction (``kv_demote``) is one of the stores: 8-bit for the
+recent window and a little more, 4-bit below it, measured in float32
+(docs/results.md, "Demotion before eviction"). It wins where there are bytes
+to spare beyond a 4-bit cache of the whole sequence, and ties the 4-bit store
+below that.
 
 The peak is between chunks. While a chunk is taken, a packed store's exact tail
 also holds that chunk's newest block: at most one block of full-precision
@@ -36,7 +37,7 @@ import re
 from dataclasses import dataclass, replace
 from importlib import resources
 
-from .config import CacheSettings, ScissorhandsConfig
+from .config import CacheSettings, ScissorhandsConfig, share_caps, tier_caps
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -49,18 +50,20 @@ class Family:
     label: str
     kv_bits: int | None
     kv_key_bits: int | None
-    kv_residual: int
+    kv_residual: int | None
     points: tuple[tuple[float, float], ...]
+    kv_demote: tuple[tuple[int, float], ...] | None = None
 
     def predicted(self, fraction: float) -> tuple[float, bool]:
         """ΔNLL at ``fraction``, interpolated in log(fraction), and whether it lies outside the measured range."""
         pts = self.points
         fraction = min(fraction, 1.0)
+        tol = 1e-4  # the curves store fractions to six digits: a budget measured exactly is not "outside"
         if fraction >= pts[-1][0]:
-            return pts[-1][1], fraction > pts[-1][0]
+            return pts[-1][1], fraction > pts[-1][0] * (1 + tol)
         if fraction <= pts[0][0]:
             (f0, d0), (f1, d1) = pts[0], pts[1]
-            outside = fraction < f0
+            outside = fraction < f0 * (1 - tol)
         else:
             i = next(i for i in range(1, len(pts)) if pts[i][0] >= fraction)
             (f0, d0), (f1, d1) = pts[i - 1], pts[i]
@@ -73,7 +76,9 @@ def load_frontier() -> list[Family]:
     """The shipped frontier (``scissorhands/core/data/frontier.json``)."""
     record = json.loads(resources.files("scissorhands.core").joinpath("data/frontier.json").read_text())
     return [Family(f["name"], f["label"], f["kv_bits"], f["kv_key_bits"], f["kv_residual"],
-                   tuple((float(a), float(b)) for a, b in f["points"])) for f in record["families"]]
+                   tuple((float(a), float(b)) for a, b in f["points"]),
+                   None if not f.get("kv_demote") else tuple((int(b), float(x)) for b, x in f["kv_demote"]))
+            for f in record["families"]]
 
 
 def parse_memory(spec) -> float | int:
@@ -138,6 +143,9 @@ class MemoryChoice:
         c = self.config
         bits = "16-bit" if not c.quantized else (f"{c.kv_bits}-bit" if c.kv_key_bits is None else
                                                  f"{c.kv_key_bits}-bit keys / {c.kv_bits}-bit values")
+        if c.kv_demote:
+            chain = ", ".join(f"{b}-bit for {share:g} of the budget" for b, share in c.kv_demote)
+            bits = f"{chain}, then {c.kv_bits}-bit (demotion before eviction)"
         residual = f", residual {c.kv_residual}" if c.quantized and c.kv_residual else ""
         guess = "extrapolated" if self.extrapolated else "measured on SmolLM2-135M"
         return (f"memory {self.memory}: {bits}{residual}, budget {c.budget} tokens; peak {self.peak_bytes:,} of "
@@ -147,6 +155,7 @@ class MemoryChoice:
     def record(self) -> dict:
         return {"memory": self.memory, "family": self.family, "budget": self.config.budget,
                 "kv_bits": self.config.kv_bits, "kv_key_bits": self.config.kv_key_bits,
+                "kv_demote": self.config.kv_demote,
                 "kv_residual": self.config.kv_residual, "target_bytes": self.target_bytes,
                 "peak_bytes": self.peak_bytes, "full_bytes": self.full_bytes,
                 "predicted_delta_nll": self.predicted_delta_nll, "extrapolated": self.extrapolated}
@@ -175,7 +184,7 @@ def store_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -
         # The tiered store: every slot's base plane and scales, each width's pool at its share (planes, or dense
         # rows for 16 bits) with its occupancy map, and one pool index per slot and width.
         chain = [b for b, _ in config.kv_demote] + [int(config.kv_bits or 16)]
-        caps = [max(1, round(share * tokens)) for _, share in config.kv_demote]
+        caps = share_caps(config.kv_demote, tokens)
         index = 2 if max(caps) < 2**15 else 4
         for (bits, _), below, cap in zip(config.kv_demote, chain[1:], caps):
             entry = dense if bits == 16 else \
@@ -203,8 +212,11 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
     best: MemoryChoice | None = None
     smallest = None
     for family in frontier or load_frontier():
-        settings = replace(base, kv_bits=family.kv_bits, kv_key_bits=family.kv_key_bits, kv_demote=None,
-                           kv_residual=family.kv_residual if family.kv_bits else None)
+        try:
+            settings = replace(base, kv_bits=family.kv_bits, kv_key_bits=family.kv_key_bits,
+                               kv_demote=family.kv_demote, kv_residual=family.kv_residual if family.kv_bits else None)
+        except ValueError:  # a store these settings cannot take (demotion with a prompt-aware prefill)
+            continue
         floor = _floor(settings, length)
         if floor is None:
             continue
@@ -229,7 +241,10 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
 def _valid(settings: CacheSettings, budget: int) -> bool:
     """Whether a cache can be built at this budget (the residual must fit the recent window, and so on)."""
     try:
-        ScissorhandsConfig(budget=budget, **settings.as_dict()).check_residual(budget)
+        config = ScissorhandsConfig(budget=budget, **settings.as_dict())
+        config.check_residual(budget)
+        if config.kv_demote is not None:
+            tier_caps(config.kv_demote, budget, config.recent_for(budget), config.drop_for(budget))
     except ValueError:
         return False
     return True

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import check_tiers, parse_tiers
+from ..config import check_tiers, parse_tiers, tier_caps
 from .base import KVStore, gather_rows
 from .packed import group_for, pack, packed_width, quantize_codes, unpack
 
@@ -98,16 +98,7 @@ class TieredKVStore(KVStore):
 
     def bind(self, budget: int, recent: int, drop: int) -> None:
         """Size the pools for a layer of this budget; each must hold the recent window and a drop's worth more."""
-        caps = [max(1, round(share * budget)) for _, share in self.tiers]
-        need = recent + drop
-        if caps[0] < need:
-            raise ValueError(f"kv_demote: the {self.tiers[0][0]}-bit share holds {caps[0]} tokens of this layer's "
-                             f"budget of {budget}, fewer than the recent window plus a drop ({recent} + {drop}); "
-                             f"raise it to at least {need / budget:.3f}")
-        if budget - caps[-1] < drop:
-            raise ValueError(f"kv_demote: the {self.tiers[-1][0]}-bit share leaves {budget - caps[-1]} tokens of "
-                             f"this layer's budget of {budget} at {self.bits} bits, fewer than a drop ({drop}); "
-                             f"lower it to at most {(budget - drop) / budget:.3f}")
+        caps = tier_caps(self.tiers, budget, recent, drop)
         self.budget, self.caps = budget, tuple(caps)
 
     def tiered(self) -> TieredKVStore:
