@@ -4,15 +4,20 @@ It reads the eviction × bits grid (docs/results.md, "Eviction and low-bit K/V t
 bf16, Shakespeare, T = 2,048, 8 windows). It keeps the stores that need no calibration file, and writes
 one curve per store: the token budget as a fraction of the sequence, and the measured mean ΔNLL.
 
-    python experiments/frontier_data.py docs/results/kvbits/grid.jsonl src/scissorhands/core/data/frontier.json \
-        --demotion docs/results/memory docs/results/demotion/8to4
+    python experiments/frontier_data.py src/scissorhands/core/data/frontier.json \
+        --grid docs/results/kvbits/grid.jsonl \
+        --demotion docs/results/memory docs/results/demotion/8to4 docs/results/demotion/8to4_40
+    python experiments/frontier_data.py src/scissorhands/core/data/frontier_qwen2.json \
+        --eval docs/results/qwen/q05_prose_2k docs/results/qwen/q05_prose_2k docs/results/qwen/frontier/* \
+        --measured-on Qwen2.5-Coder-0.5B
 
 2-bit values without a residual lose more than 1.6 nats at every budget, so they are left out.
 
-``--demotion FULL RUN...`` adds one curve per demotion store (``kv_demote``) found in the ``eval --out``
-folders RUN, each row's ΔNLL paired against FULL's full-cache row on the same windows. Those were measured
-in float32 (docs/results.md, "Demotion before eviction"); the grid's ΔNLL in bf16 matches the float32
-rows of ``memory=`` within 0.001, so the curves are comparable.
+``--eval FULL RUN...`` reads every store's curve from eval runs instead (a model family's own frontier,
+``data/frontier_<model_type>.json``). ``--demotion FULL RUN...`` adds one curve per demotion store
+(``kv_demote``) found in the ``eval --out`` folders RUN, each row's ΔNLL paired against FULL's full-cache
+row on the same windows. Those were measured in float32 (docs/results.md, "Demotion before eviction");
+the grid's ΔNLL in bf16 matches the float32 rows of ``memory=`` within 0.001, so the curves are comparable.
 """
 
 from __future__ import annotations
@@ -37,13 +42,41 @@ FAMILIES = {
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("grid", type=Path)
-    p.add_argument("out", type=Path)
+    p.add_argument("out", type=Path, help="the frontier file to write")
+    p.add_argument("--grid", type=Path, default=None, help="the eviction × bits grid (bf16, SmolLM2-135M)")
+    p.add_argument("--eval", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="FULL then RUN folders: one curve per store found in eval runs, against FULL's full row")
     p.add_argument("--demotion", type=Path, nargs="+", default=None, metavar="DIR",
-                   help="FULL then RUN folders: demotion curves from eval runs, against FULL's full-cache row")
+                   help="FULL then RUN folders: only the demotion curves of eval runs, against FULL's full row")
+    p.add_argument("--measured-on", default="SmolLM2-135M", help="the model the curves were measured on")
     args = p.parse_args(argv)
-    points = defaultdict(dict)
-    for line in args.grid.read_text().splitlines():
+    if args.grid is None and args.eval is None:
+        p.error("give --grid, --eval, or both")
+    families: list[dict] = []
+    sources = []
+    if args.grid is not None:
+        families += grid_families(args.grid)
+        sources.append(f"{args.grid}: SmolLM2-135M, bf16, Shakespeare, T = 2,048, 8 windows, shipped eviction "
+                       "defaults, groups of 32 channels")
+    for option, only_demotion in (("eval", False), ("demotion", True)):
+        folders = getattr(args, option)
+        if not folders:
+            continue
+        if len(folders) < 2:
+            p.error(f"--{option}: give the full-cache folder, then at least one run folder")
+        families += eval_families(folders[0], folders[1:], only_demotion)
+        sources.append(("demotion: " if only_demotion else "") + ", ".join(str(d) for d in folders[1:])
+                       + f" (paired against {folders[0]})")
+    record = {"format": "scissorhands-frontier/1", "measured_on": args.measured_on, "source": "; ".join(sources),
+              "families": families}
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+def grid_families(grid: Path) -> list[dict]:
+    """The grid's curves, one per store of :data:`FAMILIES`."""
+    points: dict = defaultdict(dict)
+    for line in grid.read_text().splitlines():
         row = json.loads(line)
         if row["name"] in FAMILIES and not row["settings"].get("kv_key_centers"):
             points[row["name"]][float(row["budget"])] = round(float(row["delta_nll"]), 5)
@@ -53,20 +86,11 @@ def main(argv=None) -> int:
         curve = sorted(points[name].items())
         families.append({"name": name, "label": label, "kv_bits": bits, "kv_key_bits": key_bits,
                          "kv_residual": residual, "points": [[f, d] for f, d in curve]})
-    source = ("docs/results/kvbits/grid.jsonl: SmolLM2-135M, bf16, Shakespeare, T = 2,048, 8 windows, "
-              "shipped eviction defaults, groups of 32 channels")
-    if args.demotion:
-        if len(args.demotion) < 2:
-            p.error("--demotion: give the full-cache folder, then at least one run folder")
-        families += demotion_families(args.demotion[0], args.demotion[1:])
-        source += "; demotion: " + ", ".join(str(d) for d in args.demotion[1:]) + " (float32, paired)"
-    record = {"format": "scissorhands-frontier/1", "source": source, "families": families}
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    return 0
+    return families
 
 
-def demotion_families(full_dir: Path, runs: list[Path]) -> list[dict]:
-    """One curve per demotion chain in ``runs``: (token budget / length, paired mean ΔNLL) per row."""
+def eval_families(full_dir: Path, runs: list[Path], only_demotion: bool = False) -> list[dict]:
+    """One curve per store in ``runs``: (token budget / length, paired mean ΔNLL against ``full_dir``)."""
     from scissorhands.tools.eval.runner import load_results
     from scissorhands.tools.stats import paired_difference
 
@@ -76,18 +100,36 @@ def demotion_families(full_dir: Path, runs: list[Path]) -> list[dict]:
     for run in runs:
         for r in load_results(run / "results.jsonl"):
             cfg = r["config"]
-            if r["task"] != "ppl" or not cfg.get("kv_demote"):
+            if r["task"] != "ppl" or r["method"] != "scissorhands" or r.get("memory_choice") \
+                    or cfg.get("kv_key_centers"):
                 continue
-            chain = tuple((int(b), float(x)) for b, x in cfg["kv_demote"])
-            key = (cfg["kv_bits"], chain, cfg.get("kv_residual"))
-            delta, _ = paired_difference([float(x["nll"]) for x in r["item_scores"]], reference)
+            chain = tuple((int(b), float(x)) for b, x in cfg.get("kv_demote") or ())
+            if only_demotion and not chain:
+                continue
+            bits = cfg.get("kv_bits") if cfg.get("kv_bits") and cfg["kv_bits"] < 16 else None
+            key = (bits, cfg.get("kv_key_bits"), cfg.get("kv_residual") if bits else 0, chain)
+            items = [float(x["nll"]) for x in r["item_scores"]]
+            if len(items) != len(reference):
+                raise SystemExit(f"{run}: {len(items)} windows against the full row's {len(reference)}")
+            delta, _ = paired_difference(items, reference)
             curves.setdefault(key, {})[round(r["mean_budget"] / r["mean_length"], 6)] = round(delta, 5)
     out = []
-    for (bits, chain, residual), points in curves.items():
-        name = f"kv{bits}d" + "-".join(f"{b}x{x:g}" for b, x in chain)
-        label = ", ".join(f"{b}-bit for {x:g} of the budget" for b, x in chain) + f", then {bits}-bit (demotion)"
-        out.append({"name": name, "label": label, "kv_bits": bits, "kv_key_bits": None, "kv_residual": residual,
-                    "kv_demote": [list(t) for t in chain], "points": [[f, d] for f, d in sorted(points.items())]})
+    for (bits, key_bits, residual, chain), points in curves.items():
+        if bits is None:
+            points.setdefault(1.0, 0.0)  # the full cache itself
+        r = 32 if bits and residual is None else residual  # None: the default residual of a packed store
+        name = ("kv16" if bits is None else f"kv{bits}" if key_bits is None else f"k{key_bits}v{bits}") + \
+            (f"r{r}" if r else "") + ("d" + "-".join(f"{b}x{x:g}" for b, x in chain) if chain else "")
+        label = "16-bit (eviction alone)" if bits is None else \
+            (f"{bits}-bit" if key_bits is None else f"{key_bits}-bit keys, {bits}-bit values") + \
+            (f", residual {r}" if r else "")
+        if chain:
+            label = ", ".join(f"{b}-bit for {x:g} of the budget" for b, x in chain) + f", then {label} (demotion)"
+        family = {"name": name, "label": label, "kv_bits": bits, "kv_key_bits": key_bits, "kv_residual": residual,
+                  "points": [[f, d] for f, d in sorted(points.items())]}
+        if chain:
+            family["kv_demote"] = [list(t) for t in chain]
+        out.append(family)
     return out
 
 

@@ -37,14 +37,14 @@ def _store(config: dict) -> str:
     return keys
 
 
-def rows_of(folder: Path, full_items: list[float], shape, length: int) -> list[dict]:
-    """Every budgeted ppl row of an eval folder with its exact peak bytes and its ΔNLL against ``full_items``."""
+def rows_of(folder: Path, full_items: list[float], shape, length: int, method: str = "scissorhands") -> list[dict]:
+    """Every ppl row of ``method`` in an eval folder, with its exact peak bytes and its ΔNLL against ``full_items``."""
     from scissorhands.core.config import ScissorhandsConfig
     from scissorhands.core.memory_budget import peak_bytes, store_bytes
 
     out = []
     for r in load_results(folder / "results.jsonl"):
-        if r["task"] != "ppl" or r["method"] == "full":
+        if r["task"] != "ppl" or r["method"] != method:
             continue
         items = [float(s["nll"]) for s in r["item_scores"]]
         if len(items) != len(full_items):
@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--full", type=Path, required=True, help="the eval folder whose full-cache row is the reference")
     p.add_argument("--model", required=True, help="the model the rows were scored on (for its shape and dtype)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--method", default="scissorhands", help="the eviction method whose rows are plotted")
     p.add_argument("--out", type=Path, default=None, help="the plot (.png)")
     p.add_argument("--table", type=Path, default=None, help="the markdown table (default: stdout only)")
     args = p.parse_args(argv)
@@ -103,7 +104,8 @@ def main(argv=None) -> int:
     length = round(full["mean_length"])
     full_items = [float(s["nll"]) for s in full["item_scores"]]
     full_bytes = full["full_kv_bytes"]
-    rows = [r for folder in dict.fromkeys(args.folders) for r in rows_of(folder, full_items, shape, length)]
+    rows = [r for folder in dict.fromkeys(args.folders)
+            for r in rows_of(folder, full_items, shape, length, args.method)]
     front = {id(r) for r in pareto(rows)}
     lines = ["| kind | store, token budget | bytes held | of the full cache | ΔNLL vs full | on the front |",
              "|---|---|---|---|---|---|"]
@@ -124,27 +126,31 @@ def main(argv=None) -> int:
         import matplotlib.ticker
 
         fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        # Rows far above the rest (2-bit K/V alone, or 4-bit keys on Qwen) would flatten the chart: they are
+        # listed in a box instead.
+        tame = sorted(r["delta"] for r in rows)
+        cut = 4 * tame[len(tame) // 2] + 0.05
+        top = max(0.01, 1.25 * max((r["delta"] + r["half"] for r in rows if r["delta"] < cut), default=cut))
+        shown = [r for r in rows if r["delta"] <= top]
         for kind, name in KINDS.items():
-            mine = [r for r in rows if r["kind"] == kind]
+            mine = [r for r in shown if r["kind"] == kind]
             if mine:
                 ax.errorbar([full_bytes / r["bytes"] for r in mine], [r["delta"] for r in mine],
                             yerr=[r["half"] for r in mine], fmt="o", capsize=3, label=name)
-        line = sorted((r for r in rows if id(r) in front), key=lambda r: r["bytes"])
+        line = sorted((r for r in shown if id(r) in front), key=lambda r: r["bytes"])
         ax.plot([full_bytes / r["bytes"] for r in line], [r["delta"] for r in line], "k--", lw=0.8,
                 label="Pareto front")
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"1/{x:g}"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xticks([2, 3, 5, 10, 20, 40])
-        # Rows far above the rest (2-bit K/V alone) would flatten the chart: they are named at its top edge.
-        tame = sorted(r["delta"] + r["half"] for r in rows)
-        top = max(0.01, 1.2 * next((d for d in reversed(tame) if d < 4 * tame[len(tame) // 2] + 0.05), tame[-1]))
-        for r in rows:
-            if r["delta"] > top:
-                x = full_bytes / r["bytes"]
-                ax.annotate(f"{r['label']}: {r['delta']:+.2f}", (x, top), xytext=(x, top * 0.9), fontsize=7,
-                            ha="center", arrowprops={"arrowstyle": "->", "lw": 0.6})
-        ax.set_ylim(min(-0.005, min(r["delta"] - r["half"] for r in rows)), top)
+        off = [r for r in rows if r["delta"] > top]
+        if off:
+            text = "off the chart:\n" + "\n".join(f"1/{full_bytes / r['bytes']:.0f} {r['label']}: {r['delta']:+.2f}"
+                                                   for r in sorted(off, key=lambda r: r["bytes"], reverse=True))
+            ax.text(0.99, 0.98, text, transform=ax.transAxes, ha="right", va="top", fontsize=7,
+                    bbox={"boxstyle": "round", "fc": "white", "ec": "0.7"})
+        ax.set_ylim(min(-0.005, min(r["delta"] - r["half"] for r in shown)), top)
         ax.set_xlabel("bytes held, as a fraction of the full cache (everything stored counted)")
         ax.set_ylabel("ΔNLL vs the full cache (nats/token)")
         ax.set_title(f"{args.model} ({args.dtype}), T = {length}, {len(full_items)} windows")

@@ -14,8 +14,12 @@ the importance state and the positions. It then reads the store's measured
 keeps the store with the smallest. A target no store can meet is a one-line
 ``ValueError`` naming ``memory`` and the smallest reachable size.
 
-The frontier was measured on SmolLM2-135M, so on another model the choice
-assumes that the stores rank alike. The bytes are exact for the model at hand.
+The default frontier was measured on SmolLM2-135M; a model family with a
+frontier of its own (``data/frontier_<model_type>.json``: Qwen2, measured on
+Qwen2.5-Coder-0.5B) uses that one, because stores do not rank alike across
+families: Qwen2.5's keys carry large per-channel offsets that 4-bit per-token
+groups cannot hold (docs/results.md). On any other model the choice assumes
+the stores rank as on SmolLM2. The bytes are exact for the model at hand.
 
 Demotion before eviction (``kv_demote``) is one of the stores: 8-bit for the
 recent window and a little more, 4-bit below it, measured in float32
@@ -72,9 +76,24 @@ class Family:
         return d0 + t * (d1 - d0), outside
 
 
-def load_frontier() -> list[Family]:
-    """The shipped frontier (``scissorhands/core/data/frontier.json``)."""
-    record = json.loads(resources.files("scissorhands.core").joinpath("data/frontier.json").read_text())
+def frontier_file(model_type: str | None = None) -> str:
+    """The shipped frontier for a model family: ``data/frontier_<model_type>.json`` if there is one, else the
+    default ``data/frontier.json`` (measured on SmolLM2-135M)."""
+    data = resources.files("scissorhands.core").joinpath("data")
+    if model_type and data.joinpath(f"frontier_{model_type}.json").is_file():
+        return f"data/frontier_{model_type}.json"
+    return "data/frontier.json"
+
+
+def frontier_model(model_type: str | None = None) -> str:
+    """The model the frontier for ``model_type`` was measured on."""
+    record = json.loads(resources.files("scissorhands.core").joinpath(frontier_file(model_type)).read_text())
+    return record.get("measured_on", "SmolLM2-135M")
+
+
+def load_frontier(model_type: str | None = None) -> list[Family]:
+    """The shipped frontier for a model family (:func:`frontier_file`)."""
+    record = json.loads(resources.files("scissorhands.core").joinpath(frontier_file(model_type)).read_text())
     return [Family(f["name"], f["label"], f["kv_bits"], f["kv_key_bits"], f["kv_residual"],
                    tuple((float(a), float(b)) for a, b in f["points"]),
                    None if not f.get("kv_demote") else tuple((int(b), float(x)) for b, x in f["kv_demote"]))
@@ -123,6 +142,8 @@ class Shape:
     head_dim_k: int
     head_dim_v: int
     itemsize: int
+    #: transformers' ``model_type`` (``"qwen2"``, ``"llama"``): which measured frontier applies.
+    model_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +158,7 @@ class MemoryChoice:
     full_bytes: int
     predicted_delta_nll: float
     extrapolated: bool
+    measured_on: str = "SmolLM2-135M"
 
     def describe(self) -> str:
         """One line for the CLI and the reports."""
@@ -147,7 +169,7 @@ class MemoryChoice:
             chain = ", ".join(f"{b}-bit for {share:g} of the budget" for b, share in c.kv_demote)
             bits = f"{chain}, then {c.kv_bits}-bit (demotion before eviction)"
         residual = f", residual {c.kv_residual}" if c.quantized and c.kv_residual else ""
-        guess = "extrapolated" if self.extrapolated else "measured on SmolLM2-135M"
+        guess = "extrapolated" if self.extrapolated else f"measured on {self.measured_on}"
         return (f"memory {self.memory}: {bits}{residual}, budget {c.budget} tokens; peak {self.peak_bytes:,} of "
                 f"{self.target_bytes:,} bytes ({self.full_bytes / self.peak_bytes:.1f}x less than the full cache's "
                 f"{self.full_bytes:,}); expected ΔNLL about {self.predicted_delta_nll:+.3f} ({guess})")
@@ -158,7 +180,8 @@ class MemoryChoice:
                 "kv_demote": self.config.kv_demote,
                 "kv_residual": self.config.kv_residual, "target_bytes": self.target_bytes,
                 "peak_bytes": self.peak_bytes, "full_bytes": self.full_bytes,
-                "predicted_delta_nll": self.predicted_delta_nll, "extrapolated": self.extrapolated}
+                "predicted_delta_nll": self.predicted_delta_nll, "extrapolated": self.extrapolated,
+                "measured_on": self.measured_on}
 
 
 def peak_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -> int:
@@ -211,7 +234,8 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
     target = int(spec * full) if isinstance(spec, float) else spec
     best: MemoryChoice | None = None
     smallest = None
-    for family in frontier or load_frontier():
+    measured_on = frontier_model(shape.model_type)
+    for family in frontier or load_frontier(shape.model_type):
         try:
             settings = replace(base, kv_bits=family.kv_bits, kv_key_bits=family.kv_key_bits,
                                kv_demote=family.kv_demote, kv_residual=family.kv_residual if family.kv_bits else None)
@@ -228,7 +252,7 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
         config = ScissorhandsConfig(budget=fits, **settings.as_dict())
         delta, outside = family.predicted(fits / length)
         choice = MemoryChoice(spec, config, family.name, target, peak_bytes(config, shape), full, delta,
-                              outside)
+                              outside, measured_on)
         if best is None or (delta, choice.peak_bytes) < (best.predicted_delta_nll, best.peak_bytes):
             best = choice
     if best is None:

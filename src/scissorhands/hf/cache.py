@@ -199,7 +199,9 @@ def memory_shape(model):
 
     facts = model_facts(model)
     itemsize = next(model.parameters()).element_size()
-    return Shape(len(facts.full_layers), facts.num_kv_heads, facts.head_dim, facts.head_dim, itemsize)
+    config = getattr(model, "config", model)
+    return Shape(len(facts.full_layers), facts.num_kv_heads, facts.head_dim, facts.head_dim, itemsize,
+                 getattr(config, "model_type", None))
 
 
 class ScissorhandsCache(Cache):

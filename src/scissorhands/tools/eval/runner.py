@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from scissorhands import __version__
 from scissorhands.core.budget import resolve_budget
-from scissorhands.core.config import CacheSettings
+from scissorhands.core.config import CacheSettings, tier_caps
 from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.schedule import layer_budgets
 from scissorhands.core.stores.packed import packed_bytes_per_token_head
@@ -278,12 +278,17 @@ def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], bud
         if isinstance(spec, int) and spec <= protected:
             raise ValueError(f"budgets: a token count must be > recent + sinks ({protected}), got {spec}")
         used = tuple(min(resolve_budget(spec, i.length, protected, "budgets"), i.length) for i in items)
-        for budget in sorted({b for b, i in zip(used, items) if b < i.length}):
+        # A demoting cache is built even when the budget covers the item (its widths' shares still apply).
+        building = {b for b, i in zip(used, items) if b < i.length or base.kv_demote is not None}
+        for budget in sorted(building):
             # A setting that does not fit this budget fails now, not mid-grid (the residual against each
             # layer's recent window too).
             config = method.configure(base, budget)
             for layer_budget in config.schedule if isinstance(config.schedule, tuple) else (budget,):
                 config.check_residual(layer_budget, evicts=not method.is_full)
+                if config.kv_demote is not None:
+                    tier_caps(config.kv_demote, layer_budget, config.recent_for(layer_budget),
+                              config.drop_for(layer_budget))
         if used in seen:
             raise ValueError(
                 f"budgets: {seen[used]} and {spec} give the same budget on every {task.name} item "
