@@ -47,8 +47,13 @@ def width_table(k, v, widths, group):
         for x in (k, v):
             code, scale, zero = quantize_codes(x, top, group)
             miss = top - w
-            q = ((code.to(torch.int32) >> miss) << miss).to(torch.float32) + (2**miss - 1) / 2
+            q = ((code.to(torch.int32) >> miss) << miss).to(torch.float32)
             q = q.reshape(*q.shape[:-1], scale.shape[-1], -1)
+            # (q + (2**miss - 1) / 2) * scale + zero, evaluated in the store's float32 order: the missing
+            # bits' midpoint goes into the zero-point first (exact arithmetic gives the same either way).
+            if len([b for b in widths if b < 16]) > 1:
+                zero = torch.addcmul(zero.float(), torch.full_like(scale, (2**miss - 1) / 2, dtype=torch.float32),
+                                     scale.float())
             deq = torch.addcmul(zero.float().unsqueeze(-1), q, scale.float().unsqueeze(-1))
             out.append(deq.reshape(x.shape).to(x.dtype))
         table[w] = tuple(out)

@@ -40,6 +40,7 @@ import torch
 from transformers import DynamicCache
 
 from scissorhands.core.config import PREFILL_MODES, CacheSettings, ScissorhandsConfig
+from scissorhands.core.memory_budget import Shape, store_bytes
 from scissorhands.core.methods import get_method
 from scissorhands.core.stores.packed import packed_bytes_per_token_head
 from scissorhands.hf.cache import ScissorhandsCache
@@ -131,6 +132,12 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
     full_idx = 0
     layers = getattr(cache, "budgeted_layers", [])
     for layer_type, window in zip(facts.layer_types, facts.sliding_windows):
+        if layer_type == FULL and budgets and config is not None and getattr(config, "kv_demote", None) is not None:
+            # A demoting (tiered) store: base planes, pools at their shares, indices, residual.
+            one_layer = Shape(1, facts.num_kv_heads, facts.head_dim, facts.head_dim, elsize)
+            kv += batch * store_bytes(replace(config, budget=budgets[full_idx]), one_layer)
+            full_idx += 1
+            continue
         if layer_type == FULL and budgets:
             kv += batch * budgets[full_idx] * budgeted_per_token
             if config is not None and getattr(config, "kv_key_centers", None) is not None:

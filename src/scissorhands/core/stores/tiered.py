@@ -292,8 +292,13 @@ class TieredKVStore(KVStore):
         scale = (self.scale_k, self.scale_v)[which][:, :, start:end]
         zero = (self.zero_k, self.zero_v)[which][:, :, start:end]
         dim, group = self.dims[which], self.groups[which]
-        code = unpack(base, self.bits, dim).to(torch.int32)  # (B, H_kv, n, D)
-        missing = torch.full(code.shape[:3], self.top - self.bits, dtype=torch.int32, device=code.device)
+        # Built on the top width's scale in float32, where every code is exact: each plane above the base
+        # shifts the code left by its bits and adds them (zero where the slot no longer holds that width).
+        # The bits a slot lacks read at their midpoint, (2**m - 1) / 2 steps, folded into its zero-point:
+        # a (B, H_kv, n, groups) tensor rather than one per element.
+        q = unpack(base, self.bits, dim).to(torch.float32)  # (B, H_kv, n, D)
+        b, h, n = q.shape[:3]
+        missing = torch.zeros(b, h, n, dtype=torch.float32, device=q.device)
         dense_pool = None
         for pool in reversed(self.pools):  # from the plane just above the base upwards
             if pool.dense:
@@ -301,24 +306,36 @@ class TieredKVStore(KVStore):
                 continue
             where = pool.where[:, :, start:end]  # (B, H_kv, n)
             have = where >= 0
-            idx = where.clamp(min=0).long()[..., None].expand(-1, -1, -1, (pool.k, pool.v)[which].shape[-1])
-            plane = unpack((pool.k, pool.v)[which].gather(2, idx), pool.plane, dim).to(torch.int32)
-            code = (code << pool.plane) | torch.where(have[..., None], plane, 0)
-            missing -= have.to(torch.int32) * pool.plane
-        # ``code`` is now on the top width's scale; bits a token no longer holds sit at their midpoint.
-        q = code.to(torch.float32) + ((1 << missing) - 1).to(torch.float32)[..., None] / 2
+            plane = unpack(self._entries(pool, which, where), pool.plane, dim)  # (B, H_kv, n, D) uint8
+            q.mul_(2**pool.plane).add_(plane.mul_(have[..., None]))
+            missing.add_((~have).to(torch.float32), alpha=pool.plane)
         groups = scale.shape[-1]
-        q = q.reshape(*q.shape[:3], groups, group)
-        x = torch.addcmul(zero.float().unsqueeze(-1), q, scale.float().unsqueeze(-1)).reshape(*q.shape[:3], dim)
+        scale = scale.float().unsqueeze(-1)  # (B, H_kv, n, groups, 1)
+        zero = zero.float()
+        if self.pools:
+            zero = torch.addcmul(zero, (torch.exp2(missing) - 1).mul_(0.5)[..., None], scale[..., 0])
+        q = q.reshape(b, h, n, groups, group)
+        x = torch.addcmul(zero.unsqueeze(-1), q, scale).reshape(b, h, n, dim)
         if which == 0 and self.center is not None:
             x = x + self.center
         x = x.to(self.dtype)
         if dense_pool is not None:
             where = dense_pool.where[:, :, start:end]
-            rows = (dense_pool.k, dense_pool.v)[which]
-            exact = rows.gather(2, where.clamp(min=0).long()[..., None].expand(-1, -1, -1, dim))
+            exact = self._entries(dense_pool, which, where)
             x = torch.where((where >= 0)[..., None], exact.to(x.dtype), x)
         return x
+
+    def _entries(self, pool: _Pool, which: int, where: torch.Tensor) -> torch.Tensor:
+        """The pool rows (B, H_kv, n, W) the slots' entries ``where`` (B, H_kv, n) point at (entry 0 for none).
+
+        One ``index_select`` of whole rows over the flattened (row, head, entry) axis: cheaper than a gather
+        along the entry axis with an index expanded over the row's bytes.
+        """
+        data = (pool.k, pool.v)[which]
+        b, h, cap, width = data.shape
+        base = torch.arange(b * h, device=where.device).view(b, h, 1) * cap
+        flat = (where.clamp(min=0).long() + base).reshape(-1)
+        return data.reshape(b * h * cap, width).index_select(0, flat).view(b, h, -1, width)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._read(0, 0, length), self._read(1, 0, length)
