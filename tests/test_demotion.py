@@ -349,3 +349,39 @@ def test_a_demotion_re_packs_nothing(monkeypatch):
     assert layer.kv.compressions > 10
     # Per token: the base plane and the two pools' planes, for K and for V.
     assert len(calls) == 50 * 3 * 2
+
+
+def test_select_batch_moves_every_part_of_the_tiered_store_with_its_row():
+    """Beam search reorders rows (repeats allowed): base planes, scales, pool entries and occupancy go along,
+    so each new row reads exactly what its source row read."""
+    store = TieredKVStore(2, "16:0.3,4:0.6", group_size=8)
+    store.bind(20, 2, 2)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 2, 5, 8, generator=gen)
+    store.allocate(x, x)
+    store.resize(20)
+    store.write(0, x, x)
+    store.demote(1, torch.tensor([True, False, True, False, False]).expand(3, 2, 5))  # two slots to 2 bits
+    store.demote(0, torch.tensor([False, True, False, False, False]).expand(3, 2, 5))  # one to 4 bits
+    before = store.read(5)
+    index = torch.tensor([2, 0, 0])
+    store.select_batch(index)
+    after = store.read(5)
+    for a, b in zip(before, after):
+        assert torch.equal(a[index], b)
+    assert torch.equal(store.slot_widths(5)[0, 0], torch.tensor([2, 4, 2, 16, 16], dtype=torch.int16))
+    assert store.head_counts()[:, :, 0].eq(2).all() and store.head_counts()[:, :, 1].eq(3).all()
+
+
+def test_beam_search_runs_with_demotion():
+    model = tiny_model("llama")
+    ids, mask = left_padded([20, 14], seed=12)
+    cfg = ScissorhandsConfig(budget=12, recent=2, drop=2, kv_bits=2, kv_demote="16:0.34,4:0.67", kv_group_size=8)
+    cache = ScissorhandsCache(model, cfg)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=8, num_beams=3, do_sample=False,
+                             pad_token_id=0)
+    assert out.shape == (2, 28)
+    report = cache.memory_report()
+    assert report["peak_stored"] <= 12 and set(report["tokens_by_width"]) == {"16", "4", "2"}
+    assert report["tokens_by_width"]["2"] > 0
