@@ -99,6 +99,34 @@ def byte_tokenizer_fast():
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>")
 
 
+def batch_and_alone(model, config, lengths, seed=4, new_tokens=15):
+    """Greedy generation of a left-padded batch, then of each sequence alone, through fresh ScissorhandsCaches.
+
+    Asserts that every row's tokens and every budgeted layer's stored positions equal the sequence's alone;
+    returns the batch's cache and each row's own, for further checks.
+    """
+    from scissorhands import ScissorhandsCache
+
+    ids, mask = left_padded(lengths, seed=seed)
+
+    def greedy(i, m, cache):
+        with torch.no_grad():
+            return model.generate(i, attention_mask=m, cache=cache, max_new_tokens=new_tokens, do_sample=False,
+                                  pad_token_id=0)
+
+    batch_cache = ScissorhandsCache(model, config)
+    batch = greedy(ids, mask, batch_cache)
+    alone_caches = []
+    for row, n in enumerate(lengths):
+        alone_cache = ScissorhandsCache(model, config)
+        alone = greedy(ids[row:row + 1, -n:], mask[row:row + 1, -n:], alone_cache)
+        assert torch.equal(batch[row, -(n + new_tokens):], alone[0])
+        for lb, la in zip(batch_cache.budgeted_layers, alone_cache.budgeted_layers):
+            assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
+        alone_caches.append(alone_cache)
+    return batch_cache, alone_caches
+
+
 def save_tiny_model(folder, arch: str = "llama", max_positions: int = 1024):
     """Write a tiny random model with a byte-level tokenizer to ``folder`` (loadable by ``load_model``)."""
     tokenizer = byte_tokenizer_fast()

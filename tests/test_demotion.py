@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import left_padded, run_cli, save_tiny_model, tiny_model
+from conftest import batch_and_alone, left_padded, run_cli, save_tiny_model, tiny_model
 from reference import reference_stream
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.importance import ImportanceState
@@ -183,25 +183,13 @@ def test_a_residual_wraps_the_tiered_store():
 
 
 def test_batched_generation_with_demotion_equals_each_sequence_alone():
+    """Tokens, stored positions and every slot's width: a padded batch holds what each sequence holds alone."""
     model = tiny_model("llama", torch.float64)
-    lengths = [30, 21, 9]
-    ids, mask = left_padded(lengths, seed=4)
     cfg = ScissorhandsConfig(budget=14, recent=3, drop=2, window=8, window_buckets=4, kv_bits=2,
                              kv_demote="16:0.36,4:0.72", kv_group_size=8)
-
-    def greedy(i, m, cache):
-        with torch.no_grad():
-            return model.generate(i, attention_mask=m, cache=cache, max_new_tokens=15, do_sample=False,
-                                  pad_token_id=0)
-
-    batch_cache = ScissorhandsCache(model, cfg)
-    batch = greedy(ids, mask, batch_cache)
-    for row, n in enumerate(lengths):
-        alone_cache = ScissorhandsCache(model, cfg)
-        alone = greedy(ids[row:row + 1, -n:], mask[row:row + 1, -n:], alone_cache)
-        assert torch.equal(batch[row, -(n + 15):], alone[0])
+    batch_cache, alone_caches = batch_and_alone(model, cfg, [30, 21, 9])
+    for row, alone_cache in enumerate(alone_caches):
         for lb, la in zip(batch_cache.budgeted_layers, alone_cache.budgeted_layers):
-            assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
             wb = lb.kv.tiers.slot_widths(lb.slots.length)[row, :, : int(lb.slots.lengths[row])]
             wa = la.kv.tiers.slot_widths(la.slots.length)[0, :, : int(la.slots.lengths[0])]
             assert torch.equal(wb, wa)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import left_padded, run_cli, tiny_model
+from conftest import batch_and_alone, left_padded, run_cli, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.budgeted import BudgetedKV
 from scissorhands.core.methods import get_method
@@ -373,23 +373,8 @@ def test_batch_with_padding_equals_each_sequence_alone_quantised(name):
 
 def test_batched_generation_equals_each_sequence_alone_quantised():
     model = tiny_model("llama", torch.float64)
-    lengths = [30, 21, 9]
-    ids, mask = left_padded(lengths, seed=4)
     cfg = ScissorhandsConfig(budget=12, recent=3, drop=4, window=8, window_buckets=4, kv_bits=4, kv_group_size=8)
-
-    def greedy(i, m, cache):
-        with torch.no_grad():
-            return model.generate(i, attention_mask=m, cache=cache, max_new_tokens=15, do_sample=False,
-                                  pad_token_id=0)
-
-    batch_cache = ScissorhandsCache(model, cfg)
-    batch = greedy(ids, mask, batch_cache)
-    for row, n in enumerate(lengths):
-        alone_cache = ScissorhandsCache(model, cfg)
-        alone = greedy(ids[row:row + 1, -n:], mask[row:row + 1, -n:], alone_cache)
-        assert torch.equal(batch[row, -(n + 15):], alone[0])
-        for lb, la in zip(batch_cache.budgeted_layers, alone_cache.budgeted_layers):
-            assert torch.equal(lb.stored_positions(row), la.stored_positions(0))
+    batch_and_alone(model, cfg, [30, 21, 9])
 
 
 # -- the command line -----------------------------------------------------------------------------

@@ -114,6 +114,13 @@ def group_for(dim: int, group_size: int) -> int:
     return next(g for g in range(min(group_size, dim), 0, -1) if dim % g == 0)
 
 
+def check_key_center(center: torch.Tensor | None, heads: int, dim: int) -> None:
+    """A one-line ``ValueError`` naming ``kv_key_centers`` unless ``center`` is None or (heads, dim)."""
+    if center is not None and tuple(center.shape) != (heads, dim):
+        raise ValueError(f"kv_key_centers: centres of shape {tuple(center.shape)} do not fit {heads} KV heads of "
+                         f"{dim} channels")
+
+
 def packed_bytes_per_token_head(dim_k: int, dim_v: int, bits: int, key_bits: int | None, group_size: int) -> int:
     """Bytes one token costs per KV head in a packed store: K and V data, and an fp16 scale and zero per group."""
     total = 0
@@ -254,9 +261,7 @@ class PackedKVStore(KVStore):
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         b, h, _, dk = key.shape
         dv = value.shape[-1]
-        if self.key_center is not None and tuple(self.key_center.shape) != (h, dk):
-            raise ValueError(f"kv_key_centers: centres of shape {tuple(self.key_center.shape)} do not fit "
-                             f"{h} KV heads of {dk} channels")
+        check_key_center(self.key_center, h, dk)
         self.k = PackedTensor(self.key_bits, self._group(dk), b, h, dk, key.device, self.key_center)
         self.v = PackedTensor(self.bits, self._group(dv), b, h, dv, value.device)
         self.dtype = key.dtype

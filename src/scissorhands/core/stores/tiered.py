@@ -40,7 +40,7 @@ import torch
 
 from ..config import check_tiers, parse_tiers, tier_caps
 from .base import KVStore, gather_rows
-from .packed import group_for, pack, packed_width, quantize_codes, unpack
+from .packed import check_key_center, group_for, pack, packed_width, quantize_codes, unpack
 
 
 class _Pool:
@@ -122,9 +122,7 @@ class TieredKVStore(KVStore):
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         b, h, _, dk = key.shape
         dv = value.shape[-1]
-        if self.key_center is not None and tuple(self.key_center.shape) != (h, dk):
-            raise ValueError(f"kv_key_centers: centres of shape {tuple(self.key_center.shape)} do not fit "
-                             f"{h} KV heads of {dk} channels")
+        check_key_center(self.key_center, h, dk)
         caps = self.tier_caps
         dev = key.device
         self.dtype, self.dims = key.dtype, (dk, dv)
