@@ -114,6 +114,13 @@ def group_for(dim: int, group_size: int) -> int:
     return next(g for g in range(min(group_size, dim), 0, -1) if dim % g == 0)
 
 
+def centred(x: torch.Tensor, center: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (a block (B, H_kv, c, D) or tokens (N, H_kv, D)) less its per-channel centres (H_kv, 1, D), if any."""
+    if center is None:
+        return x
+    return x.float() - (center if x.dim() == 4 else center[:, 0])
+
+
 def check_key_center(center: torch.Tensor | None, heads: int, dim: int) -> None:
     """A one-line ``ValueError`` naming ``kv_key_centers`` unless ``center`` is None or (heads, dim)."""
     if center is not None and tuple(center.shape) != (heads, dim):
@@ -147,9 +154,7 @@ class PackedTensor:
 
     def quantized(self, x: torch.Tensor):
         """(data, scale, zero) of a block (B, H_kv, c, D) or of tokens (N, H_kv, D), around the centres if any."""
-        if self.center is not None:
-            x = x.float() - (self.center if x.dim() == 4 else self.center[:, 0])
-        return quantize(x, self.bits, self.group)
+        return quantize(centred(x, self.center), self.bits, self.group)
 
     @property
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

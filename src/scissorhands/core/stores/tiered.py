@@ -40,7 +40,7 @@ import torch
 
 from ..config import check_tiers, parse_tiers, tier_caps
 from .base import KVStore, gather_rows
-from .packed import check_key_center, group_for, pack, packed_width, quantize_codes, unpack
+from .packed import centred, check_key_center, group_for, pack, packed_width, quantize_codes, unpack
 
 
 class _Pool:
@@ -148,8 +148,13 @@ class TieredKVStore(KVStore):
             pool.used = torch.zeros(b, h, cap, dtype=torch.bool, device=dev)
             self.pools.append(pool)
 
-    def _slot_tensors(self) -> list[torch.Tensor]:
-        return [self.base, self.base_v, self.scale_k, self.zero_k, self.scale_v, self.zero_v]
+    # What every slot holds, on the slot axis: the base planes of K and V, and their scales and zero-points.
+    SLOT_PARTS = ("base", "base_v", "scale_k", "zero_k", "scale_v", "zero_v")
+
+    def _map_slots(self, fn) -> None:
+        """Replace every per-slot tensor ``t`` by ``fn(t)``."""
+        for name in self.SLOT_PARTS:
+            setattr(self, name, fn(getattr(self, name)))
 
     @property
     def capacity(self) -> int:
@@ -162,26 +167,31 @@ class TieredKVStore(KVStore):
             out[:, :, :keep] = t[:, :, :keep]
             return out
 
-        (self.base, self.base_v, self.scale_k, self.zero_k, self.scale_v,
-         self.zero_v) = (resized(t) for t in self._slot_tensors())
+        self._map_slots(resized)
         for pool in self.pools:
             pool.where = resized(pool.where, -1)
 
     # -- writing -----------------------------------------------------------------------------------
     def _codes(self, key: torch.Tensor, value: torch.Tensor):
         """(codes, scale, zero) of K and of V at the top width; ``key`` (..., H_kv, D) with centres taken off."""
-        if self.center is not None:
-            key = key.float() - (self.center if key.dim() == 4 else self.center[:, 0])
-        return (quantize_codes(key, self.top, self.groups[0]), quantize_codes(value, self.top, self.groups[1]))
+        return (quantize_codes(centred(key, self.center), self.top, self.groups[0]),
+                quantize_codes(value, self.top, self.groups[1]))
 
     def _plane(self, code: torch.Tensor, pool: _Pool) -> torch.Tensor:
         """The plane of ``pool`` cut from top-width codes: the ``pool.plane`` bits below its width's top bits."""
         return pack((code >> (self.top - pool.bits)) & (2**pool.plane - 1), pool.plane)
 
-    def _free_entries(self, pool: _Pool) -> torch.Tensor:
-        """Each (row, head)'s pool entries, free ones first in index order (B, H_kv, cap)."""
+    def _free_entries(self, pool: _Pool, count: int) -> torch.Tensor:
+        """Each (row, head)'s first ``count`` free pool entries, in index order (B, H_kv, count).
+
+        Past the free ones come indices beyond the pool (``cap`` and up), so writing into a full pool, which
+        the layer's demotion rules out, fails loudly in the index instead of overwriting a live entry.
+        """
         ar = torch.arange(pool.cap, device=pool.used.device)
-        return torch.where(pool.used, ar + pool.cap, ar).sort(dim=-1).values
+        key = torch.where(pool.used, ar + pool.cap, ar)
+        if count == 1:  # a decode step: no sort
+            return key.min(dim=-1, keepdim=True).values
+        return key.sort(dim=-1).values[:, :, :count]
 
     def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         c = key.shape[-2]
@@ -192,13 +202,7 @@ class TieredKVStore(KVStore):
         self.scale_k[:, :, start:end], self.zero_k[:, :, start:end] = sk, zk
         self.scale_v[:, :, start:end], self.zero_v[:, :, start:end] = sv, zv
         for pool in self.pools:
-            # The first c free entries of every (row, head). A full pool (which the layer's demotion rules out)
-            # yields an index past the pool, and the scatter fails loudly rather than overwrite a live entry.
-            if c == 1:
-                ar = torch.arange(pool.cap, device=pool.used.device)
-                entries = torch.where(pool.used, ar + pool.cap, ar).min(dim=-1, keepdim=True).values
-            else:
-                entries = self._free_entries(pool)[:, :, :c]
+            entries = self._free_entries(pool, c)  # (B, H_kv, c)
             pool.used.scatter_(2, entries, True)
             if pool.dense:
                 k_new, v_new = key.to(pool.k.dtype), value.to(pool.v.dtype)
@@ -220,9 +224,7 @@ class TieredKVStore(KVStore):
         rank = torch.arange(n, device=rows.device) - first[rows]  # (N,) the token's order within its row
         r, hh = rows[:, None], torch.arange(h, device=rows.device)[None, :]
         for pool in self.pools:
-            entries = self._free_entries(pool)[r, hh, rank[:, None]]  # (N, H_kv)
-            if bool((entries >= pool.cap).any()):
-                raise RuntimeError("TieredKVStore: a pool is full (the layer must demote before writing)")
+            entries = self._free_entries(pool, pool.cap)[r, hh, rank[:, None]]  # (N, H_kv): the k-th free one
             pool.used[r, hh, entries] = True
             if pool.dense:
                 pool.k[r, hh, entries], pool.v[r, hh, entries] = key.to(pool.k.dtype), value.to(pool.v.dtype)
@@ -272,14 +274,13 @@ class TieredKVStore(KVStore):
         return widths
 
     def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        for t in self._slot_tensors():
-            gather_rows(t, order, rows)
+        for name in self.SLOT_PARTS:
+            gather_rows(getattr(self, name), order, rows)
         for pool in self.pools:
             gather_rows(pool.where, order, rows)
 
     def select_batch(self, index: torch.Tensor) -> None:
-        (self.base, self.base_v, self.scale_k, self.zero_k, self.scale_v,
-         self.zero_v) = (t.index_select(0, index) for t in self._slot_tensors())
+        self._map_slots(lambda t: t.index_select(0, index))
         for pool in self.pools:
             pool.k, pool.v, pool.where, pool.used = (t.index_select(0, index) for t in pool.tensors())
 
