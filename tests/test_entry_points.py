@@ -169,3 +169,28 @@ def test_demotion_settings_are_the_same_through_every_entry_point_and_refused_by
         assert (_built(cache), chain(cache)) == want, label
     with pytest.raises(ValueError, match=r"^kv_demote: not supported by the vLLM adapter"):
         parse({"method": "scissorhands", "budget": BUDGET, "kv_demote": "4:0.5"})
+
+
+@pytest.mark.parametrize("decode", ["static", "compiled"])
+def test_static_decode_is_the_same_through_every_entry_point(decode):
+    """``decode`` through the Python API, generate's flag, the scorer, eval's flag and lm-eval's argument: every
+    budgeted layer gets the same step. vLLM runs its own step and refuses it (tests/test_static_decode.py)."""
+    model = tiny_model("llama")
+    method = get_method("scissorhands")
+    flags = [*_cli_flags(), "--decode", decode]
+    python_api = ScissorhandsCache(model, ScissorhandsConfig(budget=BUDGET, decode=decode, **FLAGS), method())
+    args = cli.build_parser().parse_args(["generate", "--budget", str(BUDGET), "--prompt", "x", *flags])
+    from_cli = ScissorhandsCache(model, cli.generate_config(args), method())
+    scorer = ScoreSetup(method, BUDGET, python_api.config.settings).make_cache(model, LENGTH)
+    eval_args = cli.build_parser().parse_args(["eval", "--methods", "scissorhands", "--budgets", str(BUDGET), *flags])
+    from_eval = ScoreSetup(method, BUDGET, cli.cache_settings(eval_args)).make_cache(model, LENGTH)
+    lm = ScissorhandsLM(model=(model, _Tokenizer()), method="scissorhands", budget=BUDGET, decode=decode, **FLAGS)
+    from_lm_eval = lm.setup_for(LENGTH).make_cache(model, LENGTH)
+
+    def steps(cache):
+        return [None if layer.kv.static is None else layer.kv.static.mode for layer in cache.budgeted_layers]
+
+    want = (_built(python_api), steps(python_api))
+    assert want[1] == [decode, decode]
+    for label, cache in [("cli", from_cli), ("scorer", scorer), ("eval", from_eval), ("lm-eval", from_lm_eval)]:
+        assert (_built(cache), steps(cache)) == want, label

@@ -22,12 +22,13 @@ def chunk_mask(valid_chunk: torch.Tensor) -> torch.Tensor:
 
 
 def run_layer(q, k, v, valid, chunks, *, budget, recent, drop, window, bucket_steps, importance, scaling,
-              query_tile=256, sinks=0, value_weighted=False, prefill_drop=None):
+              query_tile=256, sinks=0, value_weighted=False, prefill_drop=None, decode="dynamic", protect=None):
     """Feed the tensors through one ScissorhandsLayer in the given chunks."""
     n_buckets = 1 if window is None else math.ceil(window / (bucket_steps or 1))
     steps = None if window is None else (bucket_steps or 1)
     layer = ScissorhandsLayer(budget, recent, drop, ImportanceState(importance, steps, n_buckets, value_weighted),
-                              Scissorhands(), query_tile=query_tile, sinks=sinks, prefill=Streamed(prefill_drop))
+                              Scissorhands(), query_tile=query_tile, sinks=sinks, prefill=Streamed(prefill_drop),
+                              decode=decode, protect=protect)
     outs, i = [], 0
     for c in chunks:
         kwargs = {}

@@ -44,6 +44,7 @@ from .protect import Protection
 from .selection import keep_order, lowest
 from .slots import SlotTable
 from .state import TokenState
+from .static import StaticDecode
 from .stores.base import DenseKVStore, KVStore
 
 
@@ -81,12 +82,15 @@ class BudgetedKV:
         Fold evicted tokens into their nearest kept token (see :mod:`.merging`).
     prefill : scissorhands.core.prefill.Prefill, optional
         How a chunk of new tokens is taken (:mod:`.prefill`; default streamed).
+    decode : {"dynamic", "static", "compiled"}
+        How a decode step runs: compact slots planned on the host (``dynamic``), or fixed shapes with no
+        host synchronisation, eager or under ``torch.compile`` (:mod:`.static`).
     """
 
     def __init__(self, budget: int, recent: int, drop: int, method: EvictionMethod,
                  state: TokenState | None = None, layer_idx: int = 0, store: KVStore | None = None, *,
                  sinks: int = 0, merge: bool = False, prefill=None,
-                 protect: Protection | None = None):
+                 protect: Protection | None = None, decode: str = "dynamic"):
         if drop > budget - recent:
             raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
         residual = store.residual if store is not None else 0
@@ -115,11 +119,14 @@ class BudgetedKV:
             if method.is_full:
                 raise ValueError("kv_demote: the full cache scores no tokens, so it cannot demote any")
             self.tiers.bind(budget, recent, drop)
+        self.static = None if decode == "dynamic" else StaticDecode(self, decode)
         self.reset()
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Empty storage shaped after a first chunk (B, H_kv, T, D)."""
         b, h = key.shape[:2]
+        if self.static is not None:
+            self.static.active = False
         self.shields = [shield.for_batch(b) for shield in self.given_shields]
         self.store.allocate(key, value)
         self.slots = SlotTable(b, h, key.device)
@@ -130,6 +137,8 @@ class BudgetedKV:
 
     def reset(self) -> None:
         """Forget the sequence: storage, state and slots start empty (nothing allocated)."""
+        if self.static is not None:
+            self.static.active = False
         self.store.reset()
         for state in self.states:
             state.reset()
@@ -138,6 +147,11 @@ class BudgetedKV:
         self.allocated = False
         self.states_ready = False
         self.tier_counts = torch.zeros(0, 0, dtype=torch.long)  # (B, widths above the base), CPU
+
+    def settle(self) -> None:
+        """Slots back in stored order after static decode steps (see :mod:`.static`); a no-op otherwise."""
+        if self.static is not None:
+            self.static.settle()
 
     def room(self) -> torch.Tensor:
         """Tokens each row (B,) can take before its next compression event (CPU): the budget's free slots, and
@@ -323,6 +337,7 @@ class BudgetedKV:
         """Keep the rows ``index`` (beam reordering, batch expansion)."""
         if not self.allocated:
             return
+        self.settle()
         dev = index.to(self.slots.device)
         self.shields = [shield.select_batch(index) for shield in self.shields]
         for listener in self.listeners:

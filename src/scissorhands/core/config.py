@@ -23,6 +23,7 @@ from .settings import REQUIRED, declared, setting, settings_table
 IMPORTANCE_FORMS = ("sum", "count", "mean")
 SCHEDULES = ("uniform", "increasing")
 PREFILL_MODES = ("stream", "prompt-aware")
+DECODE_MODES = ("dynamic", "static", "compiled")
 KV_BITS = (2, 4, 8, 16)
 
 DEFAULT_RESIDUAL = 32
@@ -216,6 +217,11 @@ class CacheSettings:
     prefill: str = setting(
         "stream", '`"stream"` (peak = budget) or `"prompt-aware"` (hold the prompt once, score it by its last queries)',
         s.parse_text, s.one_of(PREFILL_MODES), group=_PREFILL, metavar="|".join(PREFILL_MODES))
+    decode: str = setting(
+        "dynamic", '`"dynamic"` (compact slots planned on the host), `"static"` (fixed shapes and no host '
+        'synchronisation: ready for GPUs and graph capture) or `"compiled"` (the static step under `torch.compile`); '
+        "the same tokens are kept ([below](#a-decode-step-with-fixed-shapes))", s.parse_text,
+        s.one_of(DECODE_MODES), metavar="|".join(DECODE_MODES))
     observe: int = setting(32, "prompt-aware prefill: how many of the prompt's last queries score it", s.parse_int,
                            s.integer(1), group=_PREFILL, metavar="N")
     pool: int = setting(7, "prompt-aware prefill: max-pool width over neighbouring slots (odd), so a fact spanning "
@@ -280,6 +286,12 @@ class CacheSettings:
             if self.prefill != "stream":
                 raise ValueError(f"kv_demote: needs prefill='stream' (a prompt held whole would not fit the widths' "
                                  f"pools), got prefill={self.prefill!r}")
+        if self.decode != "dynamic":
+            for name, bad in (("kv_bits", self.quantized), ("kv_store", self.kv_store not in (None, "dense")),
+                              ("merge", self.merge), ("value_weighted", self.value_weighted)):
+                if bad:
+                    raise ValueError(f"decode: {self.decode!r} needs the dense store without merge or "
+                                     f"value_weighted, got {name}={getattr(self, name)!r}")
         if self.kv_residual:
             if not self.lossy:
                 raise ValueError(f"kv_residual: needs a lossy store (kv_bits below 16, or a kv_store other than "

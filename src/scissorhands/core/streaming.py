@@ -52,6 +52,9 @@ def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.
             if not state.allocated:
                 state.allocate(b, h, kv.capacity, group=g, device=query.device, dtype=query.dtype)
         kv.states_ready = True
+    if total == 1 and kv.static is not None and kv.static.ready() and (mask is None or _real(mask)):
+        return kv.static.step(query, key, value, scaling, softcap)
+    kv.settle()
     if total == 1 and mask is None and kv.slots.uniform is not None:
         return _decode_step(kv, query, key, value, scaling, softcap)
 
@@ -68,6 +71,13 @@ def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.
     (kv.prefill or STREAMED).take(kv, q, out, key, value, valid, cum, scaling, softcap, query_tile)
     _settle(kv)
     return out.view(b, h_q, total, -1)
+
+
+def _real(mask: torch.Tensor) -> bool:
+    """Whether every row's one new token is real (it may see itself): then padding only hides stored tokens, which
+    were never stored. The one read of the mask a padded batch costs the static step."""
+    own = mask[:, 0, -1, -1]
+    return bool(own.all()) if own.dtype == torch.bool else bool((own > torch.finfo(own.dtype).min / 2).all())
 
 
 def _settle(kv: BudgetedKV) -> None:

@@ -186,6 +186,7 @@ class ScissorhandsLayer(CacheLayerMixin):
     # -- reporting -------------------------------------------------------------------------
     def stored_positions(self, row: int) -> torch.Tensor:
         """Positions stored for sequence ``row``, shape (H_kv, stored), in stored order."""
+        self.kv.settle()
         return self.kv.slots.row(row)
 
     def memory(self) -> dict:
@@ -259,6 +260,9 @@ class ScissorhandsCache(Cache):
         self.method = method or Scissorhands()
         # The method's own settings (TOVA's window of 1, H2O's sum, ...) hold whoever built the config.
         config = self.method.resolve(config)
+        if audit is not None and config.decode != "dynamic":
+            raise ValueError(f"decode: {config.decode!r} cannot tell an audit of each eviction without reading the "
+                             "device; use decode='dynamic' with an audit")
         self.config = config
         self.facts = facts
         self.protection = protection
@@ -281,7 +285,7 @@ class ScissorhandsCache(Cache):
             layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
                                       self.method.make_state(config), self.method, config.query_tile, idx,
                                       sinks=config.sinks, merge=config.merge, prefill=make_prefill(config, budget),
-                                      protect=protection,
+                                      protect=protection, decode=config.decode,
                                       store=make_store(config, centers.get(idx), residual))
             if audit is not None:
                 layer.kv.listeners.append(audit)

@@ -26,7 +26,9 @@ What the adapter fixes, and why (each given otherwise is a one-line error):
 * one budget for every layer (``schedule="uniform"``): vLLM's window is one
   number;
 * K/V stay in vLLM's blocks in the model's dtype: no ``kv_bits``,
-  ``kv_residual``, ``kv_demote``, ``kv_store`` or ``merge``.
+  ``kv_residual``, ``kv_demote``, ``kv_store`` or ``merge``;
+* ``decode`` stays ``"dynamic"``: vLLM runs its own step over its blocks
+  (the static step is the transformers adapter's).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ ENV = "SCISSORHANDS_VLLM"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
 FIXED = {"drop": 1, "prefill": "prompt-aware", "prefill_drop": None}
 _UNSUPPORTED = {"kv_bits": None, "kv_key_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_demote": None,
-                "kv_store": None, "merge": False, "schedule": "uniform"}
+                "kv_store": None, "merge": False, "schedule": "uniform", "decode": "dynamic"}
 
 
 @dataclass(frozen=True)

@@ -10,4 +10,4 @@ class Full(EvictionMethod):
     description = "full cache, no eviction"
     is_full = True
     # Demotion ranks tokens by their scores, and the full cache scores none: it keeps every token at kv_bits.
-    settings = {"kv_demote": None}
+    settings = {"kv_demote": None, "decode": "dynamic"}

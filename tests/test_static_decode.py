@@ -1,0 +1,255 @@
+"""The static decode step (``decode="static"`` / ``"compiled"``): fixed shapes, no host sync, the same tokens kept.
+
+Equality is checked in float64, against the naive reference and against the default (``dynamic``) step: the
+static step attends over the same slots in another order, so in float32 its sums round differently (by about
+1e-7), and a near-tie between two scores could then go either way. In float64 no such tie comes near.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import batch_and_alone, left_padded, run_cli, tiny_model
+from reference import reference_stream
+from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
+from scissorhands.core.audit import EvictionAudit
+from scissorhands.core.methods import get_method
+from scissorhands.core.protect import Protection
+from scissorhands.core.static import static_step
+from test_reference import kept_of, make_inputs, run_layer
+
+SYNCS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default",
+         "aten.masked_select.default", "aten.unique_consecutive.default"}
+
+
+@st.composite
+def decode_cases(draw):
+    b = draw(st.integers(1, 3))
+    h_kv = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 2, 3]))
+    t = draw(st.integers(2, 40))
+    recent = draw(st.integers(0, 5))
+    budget = draw(st.integers(recent + 1, recent + 14))
+    drop = draw(st.integers(1, budget - recent))
+    window = draw(st.one_of(st.none(), st.integers(1, 12)))
+    bucket_steps = None if window is None else draw(st.one_of(st.none(), st.integers(1, 5)))
+    importance = draw(st.sampled_from(["sum", "count", "mean"]))
+    prompt = draw(st.integers(1, t))
+    pads = [draw(st.integers(0, min(3, prompt - 1))) for _ in range(b)]
+    return dict(b=b, h_kv=h_kv, group=group, t=t, recent=recent, budget=budget, drop=drop, window=window,
+                bucket_steps=bucket_steps, importance=importance, pads=pads, chunks=[prompt] + [1] * (t - prompt),
+                tile=4, seed=draw(st.integers(0, 10_000)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_cases())
+def test_static_step_matches_the_reference(case):
+    """A prompt chunk (streamed), then static decode steps: the reference's outputs and kept positions, and the
+    layer never holds more than its budget."""
+    q, k, v, valid = make_inputs(case)
+    params = dict(budget=case["budget"], recent=case["recent"], drop=case["drop"], window=case["window"],
+                  bucket_steps=case["bucket_steps"], importance=case["importance"], scaling=0.5)
+    ref_out, ref_kept = reference_stream(q, k, v, valid, **params)
+    out, layer = run_layer(q, k, v, valid, case["chunks"], query_tile=case["tile"], decode="static", **params)
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+    assert kept_of(layer, case["b"], case["h_kv"]) == ref_kept
+
+
+@pytest.mark.parametrize("importance,window,bucket_steps", [("mean", None, None), ("sum", 8, 3), ("count", 6, None)])
+def test_static_step_with_sinks_and_protected_spans(importance, window, bucket_steps):
+    """Shields hold under the static step as under the reference; many evictions, recent tokens always kept."""
+    case = dict(b=2, h_kv=2, group=2, t=70, seed=5, pads=[0, 0])
+    q, k, v, valid = make_inputs(case)
+    params = dict(budget=14, recent=3, drop=2, window=window, bucket_steps=bucket_steps, importance=importance,
+                  scaling=0.5, sinks=2)
+    spans = [[(10, 13)], [(30, 32), (40, 41)]]
+    ref_out, ref_kept = reference_stream(q, k, v, valid, protect=spans, **params)
+    out, layer = run_layer(q, k, v, valid, [9] + [1] * 61, decode="static", protect=Protection(spans), **params)
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+    kept = kept_of(layer, 2, 2)
+    assert kept == ref_kept
+    for row, row_spans in enumerate(spans):
+        for h in range(2):
+            assert set(range(2)) | {p for s, e in row_spans for p in range(s, e)} | set(range(67, 70)) <= set(
+                kept[row][h])
+    assert layer.kv.compressions > 10
+
+
+def _count_ops(fn):
+    names: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        out = fn()
+    return out, names
+
+
+def _buffers(b=2, h=2, c=12, d=8, nb=1, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, h, c, d, generator=gen, dtype=dtype)
+    values = torch.randn(b, h, c, d, generator=gen, dtype=dtype)
+    positions = torch.arange(c, dtype=torch.int32).expand(b, h, c).clone()
+    acc = torch.rand(nb, b, h, c, generator=gen, dtype=torch.float32)
+    seen = torch.full((b,), c, dtype=torch.long)
+    return keys, values, positions, acc, seen
+
+
+def test_static_step_reads_nothing_back_and_keeps_its_shapes():
+    """No operator that synchronises with the host or makes a data-dependent shape, at an evicting step and at
+    a step that does not evict; every buffer keeps its shape and storage."""
+    keys, values, positions, acc, seen = _buffers()
+    gen = torch.Generator().manual_seed(1)
+    before = [(t.shape, t.data_ptr()) for t in (keys, values, positions, acc, seen)]
+    evicting_steps = 0
+    for step in range(6):
+        q = torch.randn(2, 4, 1, 8, generator=gen, dtype=torch.float64)
+        kv = [torch.randn(2, 2, 1, 8, generator=gen, dtype=torch.float64) for _ in range(2)]
+        full = bool(((positions >= 0).sum(-1) >= 12).all())
+        evicting_steps += full
+        _, names = _count_ops(lambda q=q, kv=kv: static_step(keys, values, positions, acc, seen, None, q, *kv,
+                                                             budget=12, recent=3, drop=4, form="mean",
+                                                             bucket_steps=None, scaling=0.5, softcap=None))
+        assert not SYNCS & set(names), step
+        assert [(t.shape, t.data_ptr()) for t in (keys, values, positions, acc, seen)] == before
+    assert evicting_steps == 2  # the full cache evicts 4, fills them over 4 steps, then evicts again
+
+
+def test_compiled_step_has_one_graph_and_no_recompile_across_evictions():
+    """``torch.compile(fullgraph=True)`` traces the step once: at least 3 eviction events later, nothing
+    recompiled, and the outputs are the eager step's (float32; compiled kernels may fuse and reorder sums, so
+    the tolerance is a float32 one)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(static_step, fullgraph=True, dynamic=False)
+    eager_bufs = _buffers(dtype=torch.float32)
+    comp_bufs = [t.clone() for t in eager_bufs]
+    gen = torch.Generator().manual_seed(2)
+    kwargs = dict(budget=12, recent=3, drop=3, form="mean", bucket_steps=None, scaling=0.5, softcap=None)
+    events = 0
+    for step in range(14):
+        q = torch.randn(2, 4, 1, 8, generator=gen)
+        k, v = torch.randn(2, 2, 1, 8, generator=gen), torch.randn(2, 2, 1, 8, generator=gen)
+        events += bool(((eager_bufs[2] >= 0).sum(-1) >= 12).all())
+        want = static_step(*eager_bufs, None, q, k, v, **kwargs)
+        if step == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            got = compiled(*comp_bufs, None, q, k, v, **kwargs)
+        finally:
+            torch.compiler.set_stance("default")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(comp_bufs[2], eager_bufs[2])  # the same slots evicted and written
+    assert events >= 3
+
+
+CASES = [("scissorhands", {}), ("scissorhands", {"window": 8, "window_buckets": 4}),
+         ("scissorhands-count", {"window": 6}), ("h2o", {}), ("tova", {}), ("scissorhands", {"sinks": 2}),
+         ("scissorhands", {"preset": "paper"})]
+
+
+@pytest.mark.parametrize("method,extra", CASES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_generate_with_static_decode_equals_dynamic(arch, method, extra):
+    """greedy ``generate`` on a left-padded batch: the same tokens, step scores and stored positions."""
+    model = tiny_model(arch, torch.float64)
+    ids, mask = left_padded([23, 17], seed=3)
+    results = []
+    for decode in ("dynamic", "static"):
+        cache = ScissorhandsCache(model, ScissorhandsConfig(budget=12, decode=decode, **extra), get_method(method)())
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=24, do_sample=False,
+                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        stored = [[layer.stored_positions(r) for r in range(2)] for layer in cache.budgeted_layers]
+        results.append((out.sequences, torch.stack(out.scores), stored, cache))
+    (seq_a, sc_a, st_a, cache_a), (seq_b, sc_b, st_b, cache_b) = results
+    assert torch.equal(seq_a, seq_b)
+    torch.testing.assert_close(sc_b, sc_a, rtol=1e-9, atol=1e-9)
+    for la, lb in zip(st_a, st_b):
+        for a, b in zip(la, lb):
+            assert torch.equal(a, b)
+    assert [layer.kv.compressions for layer in cache_b.budgeted_layers] == \
+        [layer.kv.compressions for layer in cache_a.budgeted_layers]
+    assert all(int(layer.slots.lengths.max()) <= 12 for layer in cache_b.budgeted_layers)
+
+
+def test_static_decode_batch_equals_each_sequence_alone():
+    batch_and_alone(tiny_model("llama", torch.float64), ScissorhandsConfig(budget=10, decode="static"), [21, 14, 9],
+                    seed=5)  # seed 4 meets EOS early in float64, which the helper does not allow
+
+
+def test_beam_search_with_static_decode_equals_dynamic():
+    """Beam reordering settles the layout first, then reorders rows; the result is the dynamic step's."""
+    model = tiny_model("llama", torch.float64)
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(6))
+    outs = []
+    for decode in ("dynamic", "static"):
+        cache = ScissorhandsCache(model, ScissorhandsConfig(budget=10, decode=decode))
+        with torch.no_grad():
+            outs.append(model.generate(ids, cache=cache, max_new_tokens=16, num_beams=3, do_sample=False,
+                                       pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_compiled_mode_through_generate():
+    """``decode="compiled"``: the whole generate path, with the compiled step in every layer."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (2, 18), generator=torch.Generator().manual_seed(8))
+    seqs = []
+    for decode in ("dynamic", "compiled"):
+        cache = ScissorhandsCache(model, ScissorhandsConfig(budget=10, decode=decode))
+        with torch.no_grad():
+            seqs.append(model.generate(ids, cache=cache, max_new_tokens=20, do_sample=False, pad_token_id=0))
+    assert torch.equal(seqs[0], seqs[1])
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"decode": "static", "kv_bits": 4}, r"^decode: 'static' needs the dense store.*kv_bits=4"),
+    ({"decode": "compiled", "merge": True}, r"^decode: 'compiled' needs the dense store.*merge=True"),
+    ({"decode": "fast"}, r"^decode: "),
+])
+def test_static_decode_refuses_what_it_cannot_serve(fields, match):
+    with pytest.raises(ValueError, match=match):
+        CacheSettings(**fields)
+
+
+@pytest.mark.parametrize("method", ["local", "streaming", "random"])
+def test_static_decode_refuses_methods_without_importance(method):
+    with pytest.raises(ValueError, match=r"^decode: 'static' method .* keeps no importance state"):
+        ScissorhandsCache(tiny_model("llama"), ScissorhandsConfig(budget=10, decode="static"), get_method(method)())
+
+
+def test_static_decode_refuses_an_audit():
+    with pytest.raises(ValueError, match=r"^decode: 'static' cannot tell an audit"):
+        ScissorhandsCache(tiny_model("llama"), ScissorhandsConfig(budget=10, decode="static"), audit=EvictionAudit())
+
+
+def test_the_full_cache_keeps_the_dynamic_step():
+    cache = ScissorhandsCache(tiny_model("llama"), ScissorhandsConfig(budget=10, decode="static"),
+                              get_method("full")())
+    assert cache.config.decode == "dynamic"
+
+
+def test_vllm_refuses_static_decode():
+    from scissorhands.vllm.settings import parse
+
+    with pytest.raises(ValueError, match=r"^decode: not supported by the vLLM adapter"):
+        parse({"method": "scissorhands", "budget": 16, "decode": "static"})
+
+
+def test_cli_generate_with_static_decode(capsys, tmp_path):
+    """The CLI flag reaches the cache: the same text as the default step."""
+    from conftest import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "m")
+    texts = []
+    for decode in ("dynamic", "static"):
+        code, out, err = run_cli(capsys, "generate", "--model", str(folder), "--budget", "12", "--prompt",
+                                 "hello there, world", "--max-new-tokens", "20", "--decode", decode)
+        assert code == 0, err
+        texts.append(out)
+    assert texts[0] == texts[1] and texts[0].strip()
