@@ -270,3 +270,16 @@ def test_bench_measures_memory_budgets_beside_token_budgets(tmp_path):
     assert any(v.get("reference_for") == "memory=0.2" for v in point["variants"])
     assert [r["fraction"] for r in point["ratios"]] == [0.5, "memory=0.2"]
     assert "memory=0.2" in (tmp_path / "o" / "tables.md").read_text()
+
+
+def test_bench_prefill_with_prompt_chunk_adds_the_chunked_variant():
+    """``--prompt-chunk`` (with prefill='prompt-aware' in the settings) times the chunked prefill beside the
+    streamed and the held one; the streamed variant does not take the chunk (it would be refused)."""
+    from dataclasses import replace
+
+    settings = replace(SETTINGS, prefill="prompt-aware", prompt_chunk=16)
+    result = run_bench(tiny_model("llama"), small(parts=("prefill",), settings=settings))
+    prefill = {r["variant"]: r for r in result["prefill"]}
+    assert {"scissorhands 0.25, stream", "scissorhands 0.25, prompt-aware",
+            "scissorhands 0.25, prompt-aware, chunk 16"} <= set(prefill)
+    assert all(r["seconds"] > 0 for r in prefill.values())

@@ -224,6 +224,11 @@ class CacheSettings:
         s.one_of(DECODE_MODES), metavar="|".join(DECODE_MODES))
     observe: int = setting(32, "prompt-aware prefill: how many of the prompt's last queries score it", s.parse_int,
                            s.integer(1), group=_PREFILL, metavar="N")
+    prompt_chunk: int | None = setting(
+        None, "prompt-aware prefill: take the prompt this many tokens at a time, each chunk held beside the budget "
+        "and evicted back to it by its own last queries, so the peak is budget + chunk; `None` = the whole prompt "
+        "at once (peak = the prompt)", s.parse_optional_int, s.integer(1, allow_none=True), group=_PREFILL,
+        metavar="C|none")
     pool: int = setting(7, "prompt-aware prefill: max-pool width over neighbouring slots (odd), so a fact spanning "
                         "several tokens stays whole; 1 = none", s.parse_int, _odd, group=_PREFILL, metavar="N")
     kv_bits: int | None = setting(
@@ -286,6 +291,9 @@ class CacheSettings:
             if self.prefill != "stream":
                 raise ValueError(f"kv_demote: needs prefill='stream' (a prompt held whole would not fit the widths' "
                                  f"pools), got prefill={self.prefill!r}")
+        if self.prompt_chunk is not None and self.prefill != "prompt-aware":
+            raise ValueError(f"prompt_chunk: needs prefill='prompt-aware' (a streamed prefill already holds at most "
+                             f"the budget), got prefill={self.prefill!r}")
         if self.decode != "dynamic":
             for name, bad in (("kv_bits", self.quantized), ("kv_store", self.kv_store not in (None, "dense")),
                               ("merge", self.merge), ("value_weighted", self.value_weighted)):

@@ -110,7 +110,7 @@ class Streamed(Prefill):
 
 
 class PromptAware(Prefill):
-    """Hold the whole prompt, attend over it exactly, then evict down to the budget in one step.
+    """Hold the prompt, attend over it exactly, then evict down to the budget in one step.
 
     The prompt's tokens are scored by the method (:meth:`EvictionMethod.score`)
     with the view's ``prompt_attention``: the attention the prompt's last
@@ -121,31 +121,73 @@ class PromptAware(Prefill):
     based) score the held prompt their own way. Peak memory is the prompt's
     length; from the next token on the budget holds as usual.
 
+    With ``chunk`` (``prompt_chunk``) the prompt is taken ``chunk`` tokens at a
+    time: while the stored tokens and the next chunk fit the budget, the chunk
+    streams in; after that each chunk is held beside the stored tokens, attends
+    exactly over them and itself, and its own last ``observe`` queries score
+    every stored token and evict back to the budget. The peak is the budget
+    plus one chunk. A chunk as long as the prompt is the unchunked prefill.
+
     Parameters
     ----------
     observe : int
-        The prompt's last queries that score it.
+        The prompt's (or each chunk's) last queries that score it.
     pool : int
         Odd max-pool width over neighbouring slots (1: none).
+    chunk : int, optional
+        Most prompt tokens held beside the budget at once; None: the whole prompt.
     """
 
     name = "prompt-aware"
 
-    def __init__(self, observe: int = DEFAULTS.observe, pool: int = DEFAULTS.pool):
-        self.observe, self.pool = observe, pool
+    def __init__(self, observe: int = DEFAULTS.observe, pool: int = DEFAULTS.pool, chunk: int | None = None):
+        self.observe, self.pool, self.chunk = observe, pool, chunk
         self.stream = Streamed()
 
     def take(self, kv, q, out, key, value, valid, cum, scaling, softcap, query_tile):
         if kv.slots.length != 0 or int(cum[:, -1].max()) <= kv.budget:
             return self.stream.take(kv, q, out, key, value, valid, cum, scaling, softcap, query_tile)
+        real = cum[:, -1]
+        if self.chunk is None or self.chunk >= int(real.max()):
+            self._hold(kv, q, out, key, value, valid, cum, scaling, softcap, query_tile)
+            kv.resize(kv.budget)
+            return
+        # Chunk k of a row is its real tokens k*C+1 .. (k+1)*C, wherever padding puts them, so that a row of a
+        # padded batch is cut as it would be alone.
+        c = self.chunk
+        every = valid if valid is not None else torch.ones_like(cum, dtype=torch.bool)
+        for k in range(-(-int(real.max()) // c)):
+            mine = every & (cum > k * c) & (cum <= (k + 1) * c)  # (B, T)
+            cols = mine.any(dim=0).nonzero().squeeze(1)
+            lo, hi = int(cols[0]), int(cols[-1]) + 1
+            bvalid = mine[:, lo:hi]
+            whole = bool(bvalid.all())
+            # Columns of other chunks inside the span are padding to this one: it writes them in a buffer of its
+            # own, and only its real queries are copied out.
+            part_out = out[:, :, :, lo:hi] if whole else torch.zeros_like(out[:, :, :, lo:hi])
+            part = (kv, q[:, :, :, lo:hi], part_out, key[:, :, lo:hi], value[:, :, lo:hi], None if whole else bvalid,
+                    bvalid.long().cumsum(dim=1), scaling, softcap, query_tile)
+            if int((kv.slots.lengths + part[6][:, -1]).max()) <= kv.budget:
+                self.stream.take(*part)  # it fits: nothing to evict yet
+            else:
+                self._hold(*part)
+            if not whole:
+                take = bvalid.to(out.device)[:, None, None, :, None]  # (B, 1, 1, c, 1)
+                out[:, :, :, lo:hi] = torch.where(take, part_out, out[:, :, :, lo:hi])
+        kv.resize(kv.budget)
+
+    def _hold(self, kv, q, out, key, value, valid, cum, scaling, softcap, query_tile) -> None:
+        """Store a chunk beside what is stored, attend over both exactly, and evict back to the budget by the
+        chunk's last ``observe`` queries."""
         b = q.shape[0]
-        real = cum[:, -1]  # (B,) real tokens per row
-        kv.reserve(int(real.max()), limit=int(real.max()))
+        real = cum[:, -1]  # (B,) real tokens of the chunk per row
+        base = kv.slots.lengths.clone()
+        most = int((base + real).max())
+        kv.reserve(most, limit=most)
         kv.append(key, value, valid, cum)
-        watch = (cum > (real - self.observe)[:, None]) & (valid if valid is not None else True)  # (B, T)
+        watch = (cum > (real - self.observe)[:, None]) & (valid if valid is not None else True)  # (B, c)
         snap = torch.zeros(b, key.shape[1], kv.capacity, device=q.device)  # (B, H_kv, capacity)
-        attend_block(kv, q, out, torch.zeros(b, dtype=torch.long), cum, valid, scaling, softcap, query_tile,
-                     (watch, snap))
+        attend_block(kv, q, out, base, cum, valid, scaling, softcap, query_tile, (watch, snap))
         length = kv.slots.length
         scores = kv.method.score(kv.view(prompt_attention=snap[:, :, :length]))  # (B, H_kv, L)
         if kv.state.wants_attention:
@@ -154,11 +196,11 @@ class PromptAware(Prefill):
                                                         stride=1, padding=self.pool // 2)
                 scores = pooled.view_as(scores)
             scores = scores.clone()
-            last = kv.slots.positions[:, :, :length] >= (real - self.observe).to(q.device)[:, None, None]
+            seen = kv.slots.seen.to(q.device)[:, None, None]  # (B, 1, 1): the chunk's end
+            last = kv.slots.positions[:, :, :length] >= seen - self.observe
             # Above any attention score but below the shields (recent window, protected spans), which stay inf.
             scores.masked_fill_(last, torch.finfo(scores.dtype).max)
-        kv.evict(scores, (real - kv.budget).clamp(min=0))
-        kv.resize(kv.budget)
+        kv.evict(scores, (kv.slots.lengths - kv.budget).clamp(min=0))
 
 
 PREFILLS: dict[str, type[Prefill]] = {"stream": Streamed, "prompt-aware": PromptAware}
@@ -168,7 +210,7 @@ def make_prefill(settings: CacheSettings, layer_budget: int | None = None) -> Pr
     """The strategy ``settings.prefill`` names, with its settings (``prefill_drop`` needs the layer's budget)."""
     drop = None if layer_budget is None else settings.prefill_drop_for(layer_budget)
     if settings.prefill == "prompt-aware":
-        strategy = PromptAware(settings.observe, settings.pool)
+        strategy = PromptAware(settings.observe, settings.pool, settings.prompt_chunk)
         strategy.stream = Streamed(drop)
         return strategy
     if settings.prefill == "stream":

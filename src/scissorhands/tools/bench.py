@@ -154,13 +154,18 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
     return {"kv_bytes": kv, "importance_bytes": importance}
 
 
+CHUNKED = "prompt-aware, chunked"  # the prefill part's name for prompt-aware with the settings' prompt_chunk
+
+
 def _make_cache(model, budget: int | None, settings: CacheSettings, prefill: str | None = None,
                 method: str = "scissorhands", chosen: dict | None = None):
     if budget is None:
         return DynamicCache(config=model.config)
     config = settings.with_budget(budget) if chosen is None else ScissorhandsConfig(budget=budget, **chosen)
-    if prefill is not None:
-        config = replace(config, prefill=prefill)
+    if prefill is not None:  # a mode named by the prefill part: the held prompt-aware prefill unless chunked
+        chunked = prefill == CHUNKED
+        config = replace(config, prefill="prompt-aware" if chunked else prefill,
+                         prompt_chunk=config.prompt_chunk if chunked else None)
     return ScissorhandsCache(model, config, get_method(method)())
 
 
@@ -290,6 +295,9 @@ def prefill_part(model, cfg: BenchConfig) -> list[dict]:
         for f in cfg.budgets:
             for prefill in PREFILL_MODES:
                 variants.append((f"scissorhands {f:g}, {prefill}", budget_tokens(f, context), prefill))
+            if cfg.settings.prompt_chunk is not None:
+                variants.append((f"scissorhands {f:g}, prompt-aware, chunk {cfg.settings.prompt_chunk}",
+                                 budget_tokens(f, context), CHUNKED))
         ids = _tokens(model, 1, context, cfg.seed)
         times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
         with torch.no_grad():

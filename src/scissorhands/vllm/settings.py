@@ -27,6 +27,7 @@ What the adapter fixes, and why (each given otherwise is a one-line error):
   number;
 * K/V stay in vLLM's blocks in the model's dtype: no ``kv_bits``,
   ``kv_residual``, ``kv_demote``, ``kv_store`` or ``merge``;
+* no ``prompt_chunk``: vLLM's scheduler chunks prompts itself;
 * ``decode`` stays ``"dynamic"``: vLLM runs its own step over its blocks
   (the static step is the transformers adapter's).
 """
@@ -47,7 +48,8 @@ ENV = "SCISSORHANDS_VLLM"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
 FIXED = {"drop": 1, "prefill": "prompt-aware", "prefill_drop": None}
 _UNSUPPORTED = {"kv_bits": None, "kv_key_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_demote": None,
-                "kv_store": None, "merge": False, "schedule": "uniform", "decode": "dynamic"}
+                "kv_store": None, "merge": False, "schedule": "uniform", "decode": "dynamic",
+                "prompt_chunk": None}
 
 
 @dataclass(frozen=True)
