@@ -160,3 +160,15 @@ def test_vllm_refuses_prompt_chunk():
 
     with pytest.raises(ValueError, match=r"^prompt_chunk: not supported by the vLLM adapter"):
         parse({"method": "scissorhands", "budget": 16, "prompt_chunk": "64"})
+
+
+def test_perplexity_keeps_a_chunked_prompt_aware_prefill_and_streams_a_held_one():
+    """A text scored whole: the held prompt-aware prefill would hold it all (the full cache), so ppl streams
+    it; a chunked one scores each chunk over what the chunks before it left, so it is kept."""
+    from scissorhands.tools.eval.tasks import streamed
+
+    method = get_method("scissorhands")
+    held = ScoreSetup(method, 16, CacheSettings(prefill="prompt-aware"))
+    chunked = ScoreSetup(method, 16, CacheSettings(prefill="prompt-aware", prompt_chunk=8))
+    assert streamed(held).base.prefill == "stream"
+    assert streamed(chunked).base == chunked.base

@@ -120,30 +120,37 @@ def test_static_step_reads_nothing_back_and_keeps_its_shapes():
     assert evicting_steps == 2  # the full cache evicts 4, fills them over 4 steps, then evicts again
 
 
-def test_compiled_step_has_one_graph_and_no_recompile_across_evictions():
-    """``torch.compile(fullgraph=True)`` traces the step once: at least 3 eviction events later, nothing
-    recompiled, and the outputs are the eager step's (float32; compiled kernels may fuse and reorder sums, so
-    the tolerance is a float32 one)."""
+def test_compiled_step_has_two_graphs_and_no_recompile_across_evictions():
+    """``torch.compile(fullgraph=True)`` traces the step twice, once that cannot evict and once that may (the
+    host knows which, from its lengths): after the first eviction, at least 3 more eviction events come and
+    nothing recompiles. The outputs are the eager step's (float32; compiled kernels may fuse and reorder sums,
+    so the tolerance is a float32 one), and the same slots are evicted and written."""
     torch._dynamo.reset()
     compiled = torch.compile(static_step, fullgraph=True, dynamic=False)
     eager_bufs = _buffers(dtype=torch.float32)
     comp_bufs = [t.clone() for t in eager_bufs]
+    eager_bufs[2][:, :, 9:] = -1  # 9 of 12 slots stored: the first steps cannot evict
+    comp_bufs[2][:, :, 9:] = -1
     gen = torch.Generator().manual_seed(2)
     kwargs = dict(budget=12, recent=3, drop=3, form="mean", bucket_steps=None, scaling=0.5, softcap=None)
-    events = 0
-    for step in range(14):
+    stored, events, both_compiled = 9, 0, False
+    for _ in range(18):
         q = torch.randn(2, 4, 1, 8, generator=gen)
         k, v = torch.randn(2, 2, 1, 8, generator=gen), torch.randn(2, 2, 1, 8, generator=gen)
-        events += bool(((eager_bufs[2] >= 0).sum(-1) >= 12).all())
-        want = static_step(*eager_bufs, None, q, k, v, **kwargs)
-        if step == 1:
+        evict = stored >= 12  # what the host knows, with no read of the device
+        want = static_step(*eager_bufs, None, q, k, v, evict=evict, **kwargs)
+        if both_compiled:
             torch.compiler.set_stance("fail_on_recompile")
         try:
-            got = compiled(*comp_bufs, None, q, k, v, **kwargs)
+            got = compiled(*comp_bufs, None, q, k, v, evict=evict, **kwargs)
         finally:
             torch.compiler.set_stance("default")
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert torch.equal(comp_bufs[2], eager_bufs[2])  # the same slots evicted and written
+        assert torch.equal(comp_bufs[2], eager_bufs[2])
+        events += evict and both_compiled
+        both_compiled = both_compiled or evict
+        stored = stored - 3 * evict + 1
+        assert int((eager_bufs[2] >= 0).sum(-1).max()) == stored
     assert events >= 3
 
 

@@ -13,10 +13,12 @@ This step keeps the same tokens with a different layout:
 * a slot is empty when its position is -1; no slot order is kept. An eviction
   marks its slots empty, and moves nothing;
 * a new token goes to the first empty slot of its (row, KV head);
-* every step computes the eviction, and applies it only in the rows whose
-  heads are at their budget (``torch.where``-style masks, never a branch on a
-  tensor's value);
-* the stored lengths and the steps seen live in tensors.
+* a step at which some row is at its budget computes the eviction, and
+  applies it only in the heads that are full (masks, never a branch on a
+  tensor's value). The host knows which steps those are without reading the
+  device, since a full row always evicts exactly ``drop`` tokens: so there are
+  two graphs, a step that may evict and one that cannot, each of fixed shapes;
+* the positions and the steps seen live in tensors on the device.
 
 The rule is the layer's (:mod:`.budgeted`, :func:`.selection.lowest`): drop
 the ``drop`` lowest-scoring tokens, never the ``recent`` newest ones, an empty
@@ -76,7 +78,7 @@ def check_static(kv, mode: str = "static") -> None:
 def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, acc: torch.Tensor,
                 seen: torch.Tensor, spans: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, *, budget: int, recent: int, drop: int, form: str, bucket_steps: int | None,
-                scaling: float, softcap: float | None) -> torch.Tensor:
+                scaling: float, softcap: float | None, evict: bool = True) -> torch.Tensor:
     """One decode step of a budgeted layer, in place on its buffers; returns the attention output.
 
     Parameters
@@ -100,6 +102,10 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         Steps per importance bucket (None: one bucket that never restarts).
     scaling, softcap : float
         Logit scale and soft-cap.
+    evict : bool
+        Whether any head may be at its budget. The host knows this without reading the device (a full row
+        always evicts exactly ``drop``), so a step that cannot evict skips the selection: two graphs, each with
+        fixed shapes. With True the eviction is applied only where a head is full.
 
     Returns
     -------
@@ -109,26 +115,10 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
     h_q = query.shape[1]
     nb = acc.shape[0]
     device = keys.device
-    slot = torch.arange(c, device=device)
 
     # 1. Evict where a head is at its budget: the same rule as selection.lowest, read by position.
-    stored = positions >= 0  # (B, H_kv, C)
-    full = stored.sum(dim=-1) >= budget  # (B, H_kv)
-    score = acc.sum(dim=0, dtype=torch.promote_types(acc.dtype, torch.float32))  # (B, H_kv, C)
-    if form == "mean":
-        score = score / queries_in_window(positions, seen, bucket_steps, nb)
-    pos = positions.long()
-    keep = ~stored | (pos >= (seen - recent)[:, None, None])  # empty slots and the recent window
-    if spans is not None:
-        at_pos = pos[..., None]  # (B, H_kv, C, 1)
-        keep = keep | ((at_pos >= spans[:, None, None, :, 0]) & (at_pos < spans[:, None, None, :, 1])).any(dim=-1)
-    score = score.masked_fill(keep, float("inf"))
-    by_position = torch.sort(positions, dim=-1, stable=True).indices  # (B, H_kv, C): oldest first
-    by_score = torch.sort(score.gather(2, by_position), dim=-1, stable=True).indices
-    order = by_position.gather(2, by_score)  # lowest score first, the older first among equals
-    chosen = slot < torch.where(full, drop, 0)[:, :, None]  # (B, H_kv, C): the first n of the order
-    dropped = torch.zeros_like(stored).scatter_(2, order, chosen)
-    positions.masked_fill_(dropped, -1)
+    if evict:
+        _evict(positions, acc, seen, spans, budget, recent, drop, form, bucket_steps)
 
     # 2. Write the new token into its (row, head)'s first empty slot.
     free = (positions < 0).to(torch.uint8)
@@ -161,6 +151,29 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         acc.add_(torch.where(mine[:, :, None, None], contrib[None], 0).to(acc.dtype))
     seen.add_(1)
     return out.view(b, h_q, 1, -1)
+
+
+def _evict(positions: torch.Tensor, acc: torch.Tensor, seen: torch.Tensor, spans: torch.Tensor | None, budget: int,
+           recent: int, drop: int, form: str, bucket_steps: int | None) -> None:
+    """Mark empty the ``drop`` lowest-scoring slots of every head at its budget (see :func:`static_step`)."""
+    slot = torch.arange(positions.shape[-1], device=positions.device)
+    stored = positions >= 0  # (B, H_kv, C)
+    full = stored.sum(dim=-1) >= budget  # (B, H_kv)
+    score = acc.sum(dim=0, dtype=torch.promote_types(acc.dtype, torch.float32))  # (B, H_kv, C)
+    if form == "mean":
+        score = score / queries_in_window(positions, seen, bucket_steps, acc.shape[0])
+    pos = positions.long()
+    keep = ~stored | (pos >= (seen - recent)[:, None, None])  # empty slots and the recent window
+    if spans is not None:
+        at_pos = pos[..., None]  # (B, H_kv, C, 1)
+        keep = keep | ((at_pos >= spans[:, None, None, :, 0]) & (at_pos < spans[:, None, None, :, 1])).any(dim=-1)
+    score = score.masked_fill(keep, float("inf"))
+    by_position = torch.sort(positions, dim=-1, stable=True).indices  # (B, H_kv, C): oldest first
+    by_score = torch.sort(score.gather(2, by_position), dim=-1, stable=True).indices
+    order = by_position.gather(2, by_score)  # lowest score first, the older first among equals
+    chosen = slot < torch.where(full, drop, 0)[:, :, None]  # (B, H_kv, C): the first n of the order
+    dropped = torch.zeros_like(stored).scatter_(2, order, chosen)
+    positions.masked_fill_(dropped, -1)
 
 
 _COMPILED: dict[bool, Callable] = {}
@@ -225,7 +238,7 @@ class StaticDecode:
         fn = compiled_step() if self.mode == "compiled" else static_step
         out = fn(kv.store.keys, kv.store.values, kv.slots.positions, state.acc, self.seen, self.spans,
                  query, key, value, budget=kv.budget, recent=kv.recent, drop=kv.drop, form=state.form,
-                 bucket_steps=state.bucket_steps, scaling=scaling, softcap=softcap)
+                 bucket_steps=state.bucket_steps, scaling=scaling, softcap=softcap, evict=self._may_evict())
         # The host keeps the lengths: a full row evicts exactly `drop` (the config guarantees enough candidates).
         slots = kv.slots
         if slots.uniform is not None:  # rows in step: Python integers, no tensor read back
@@ -246,6 +259,13 @@ class StaticDecode:
         slots.peak = max(slots.peak, int(slots.lengths.max()))
         slots.sync_uniform()
         return out
+
+    def _may_evict(self) -> bool:
+        """Whether some row is at its budget, from the host's lengths (never the device's)."""
+        slots = self.kv.slots
+        if slots.uniform is not None:
+            return slots.uniform[0] >= self.kv.budget
+        return bool((slots.lengths >= self.kv.budget).any())  # CPU tensors
 
     def settle(self) -> None:
         """Put every slot back in stored order (the layout every other path reads), and hand the layer back."""

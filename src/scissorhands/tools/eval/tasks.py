@@ -26,7 +26,11 @@ MC_TASKS = ("hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge", "ope
 
 def streamed(setup: ScoreSetup) -> ScoreSetup:
     """The setup with a streamed prefill: a text scored whole has no prompt to hold (a prompt-aware
-    prefill of the whole text would hold all of it and measure the full cache)."""
+    prefill of the whole text would hold all of it and measure the full cache). A chunked prompt-aware
+    prefill (``prompt_chunk``) is kept: each chunk after the first is scored over what the chunks before it
+    left, so it measures what the chunking costs."""
+    if setup.base.prefill == "prompt-aware" and setup.base.prompt_chunk is not None:
+        return setup
     return replace(setup, base=replace(setup.base, prefill="stream"))
 
 
