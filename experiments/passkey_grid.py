@@ -1,8 +1,10 @@
 """Passkey recall for methods x prefill modes x budgets, through the exact scorer.
 
 Each (method, prefill, budget) cell scores the same prompts (a 5-digit key
-planted at several depths of Shakespeare filler, lengths 1k-4k tokens); one
-JSON line per cell, resumable.
+planted at several depths of Shakespeare filler, lengths 1k-4k tokens; or, with
+``--task multikey``, several named keys with one asked); one JSON line per
+cell, resumable. A cell with ``"protect_facts": true`` scores with the planted
+facts as protected spans.
 
     python experiments/passkey_grid.py --cells experiments/configs/passkey_cells.json \
         --out docs/results/passkey/results.jsonl
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from scissorhands import CacheSettings, get_method, resolve_budget
 from scissorhands.hf.scoring import ScoreSetup
-from scissorhands.tools.eval.passkey import Passkey
+from scissorhands.tools.eval.passkey import MultiKey, Passkey
 from scissorhands.tools.models import load_model
 
 
@@ -27,6 +29,8 @@ def main():
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--task", choices=("passkey", "multikey"), default="passkey")
+    p.add_argument("--keys", type=int, default=4, help="multikey: facts per prompt (one is asked)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     cells = json.loads(Path(args.cells).read_text())
@@ -34,14 +38,18 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {r["name"] for r in map(json.loads, out.read_text().splitlines())} if out.is_file() else set()
     model, tok = load_model(args.model, dtype=args.dtype)
-    task = Passkey(lengths=tuple(int(x) for x in args.lengths.split(",")),
-                   depths=tuple(float(x) for x in args.depths.split(",")))
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    if args.task == "multikey":
+        task = MultiKey(lengths=lengths, keys=args.keys)
+    else:
+        task = Passkey(lengths=lengths, depths=tuple(float(x) for x in args.depths.split(",")))
     items = task.items(tok, None)
     for cell in cells:
         if cell["name"] in done:
             continue
         method = get_method(cell["method"])
         settings = method.resolve(CacheSettings(**cell.get("settings", {})))
+        task.protect_facts = bool(cell.get("protect_facts", False))
         start = time.perf_counter()
         scores = []
         for item in items:
@@ -49,7 +57,7 @@ def main():
             scores.append(task.score(model, item, ScoreSetup(method, budget, settings)))
         metrics = task.aggregate(scores)
         rec = {**cell, "settings": settings.as_dict(), "metrics": metrics, "item_scores": scores,
-               "dtype": args.dtype, "wall_s": time.perf_counter() - start}
+               "dtype": args.dtype, "task": args.task, "model": args.model, "wall_s": time.perf_counter() - start}
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"{cell['name']:<40} acc {metrics['acc']:.3f} by length {metrics['by_length']} "

@@ -58,3 +58,52 @@ def test_passkey_scores_through_the_cache_and_a_large_budget_equals_full(text_fi
     assert set(metrics["by_length"]) == {"400"} and set(metrics["by_depth"]) == {"0.2", "0.8"}
     assert 0.0 <= metrics["acc"] <= 1.0 and metrics["n"] == 2
     assert torch.isfinite(torch.tensor([s["logprob"] for s in small])).all()
+
+
+def test_multikey_prompts_plant_every_key_and_ask_each_in_turn(text_file):
+    from scissorhands.tools.eval.passkey import FACT, MultiKey
+
+    tok = ByteTokenizer()
+    task = MultiKey(lengths=(500,), keys=3, data=text_file, seed=2)
+    items = task.items(tok, None)
+    assert len(items) == 3 and sorted(i.data["depth"] for i in items) == pytest.approx([0.1, 0.5, 0.9])
+    for item in items:
+        ctx, cont = item.data["ctx"], item.data["cont"]
+        assert len(ctx) + len(cont) == 500
+        spans = item.data["facts"]
+        assert len(spans) == 3 and all(a < b <= c for (a, b), (c, _) in zip(spans, spans[1:]))
+        planted = [bytes(b - 3 for b in ctx[a:b]).decode() for a, b in spans]
+        key = bytes(b - 3 for b in cont).decode().strip()
+        # The asked fact is planted, under the asked name, with the answer's key.
+        assert FACT.format(name=item.data["asked"], key=key) in planted
+        assert len({p.split(" is ")[-1] for p in planted}) == 3  # three different keys
+    assert make_task("multikey").name == "multikey"
+    with pytest.raises(ValueError, match="^keys: "):
+        MultiKey(keys=1)
+
+
+@pytest.mark.parametrize("task_name", ["passkey", "multikey"])
+def test_protected_facts_survive_any_budget(text_file, task_name):
+    """With ``protect_facts`` the planted spans are never evicted, so the scores at a tiny budget see them:
+    the facts' positions are in every layer's stored set (checked through the cache the scorer builds)."""
+    from dataclasses import replace
+
+    model = tiny_model("llama")
+    task = make_task(task_name, data=text_file)
+    task.lengths = (700,)
+    item = task.items(ByteTokenizer(), 1)[0]
+    facts = item.data["facts"]
+    setup = ScoreSetup(get_method("scissorhands"), 60 + sum(b - a for a, b in facts),
+                       CacheSettings(recent=4))
+    protected = replace(setup, protect=tuple(facts))
+    cache = protected.make_cache(model, item.length)
+    with torch.no_grad():
+        model(torch.tensor([item.data["ctx"]]), cache=cache)
+    for layer in cache.budgeted_layers:
+        for head in layer.stored_positions(0).tolist():
+            assert {p for a, b in facts for p in range(a, b)} <= set(head)
+    task.protect_facts = True
+    with_facts = task.score(model, item, setup)
+    assert with_facts == task.score(model, item, protected)  # the task passes its facts as the spans
+    task.protect_facts = False
+    assert task.score(model, item, setup)["logprob"] != pytest.approx(with_facts["logprob"], abs=1e-7)

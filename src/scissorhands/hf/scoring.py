@@ -36,12 +36,16 @@ class ScoreSetup:
         Shared settings; the method's own choices override them.
     seed : int
         For methods that draw random numbers.
+    protect : tuple of (start, end), optional
+        Token spans of the scored sequence that no layer evicts (see :mod:`scissorhands.core.protect`), e.g.
+        the facts a retrieval task planted.
     """
 
     method: type[EvictionMethod]
     budget: int | None
     base: CacheSettings
     seed: int = 0
+    protect: tuple[tuple[int, int], ...] | None = None
 
     def make_cache(self, model, total_length: int):
         """A fresh cache for a sequence of ``total_length`` tokens.
@@ -51,7 +55,8 @@ class ScoreSetup:
         """
         if self.base.kv_demote is not None and not self.method.is_full and self.budget is not None:
             # With demotion a budget above the length still demotes by its widths' shares: the cache as built.
-            return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed))
+            return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed),
+                                     protect=None if self.protect is None else list(self.protect))
         if (self.method.is_full or self.budget is None or self.budget >= total_length):
             if self.base.quantized:
                 # Nothing will be evicted: the full method's packed cache, whatever method was asked for, so
@@ -59,7 +64,8 @@ class ScoreSetup:
                 full = get_method("full")
                 return ScissorhandsCache(model, full.configure(self.base, total_length), full())
             return DynamicCache(config=model.config)
-        return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed))
+        return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed),
+                                 protect=None if self.protect is None else list(self.protect))
 
 
 def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--memory", default=None,
                     help="comma list of memory budgets: fractions of the full cache's K/V bytes, or sizes per "
                     "sequence (64MiB); each row's store and token budget are chosen per item (see generate --memory)")
-    ev.add_argument("--tasks", default="ppl", help="comma list: ppl, agreement, lambada, hellaswag, piqa, "
-                    "winogrande, arc_easy, arc_challenge, openbookqa, or a .jsonl file")
+    ev.add_argument("--tasks", default="ppl", help="comma list: ppl, agreement, lambada, passkey, multikey (several "
+                    "named keys, one asked), hellaswag, piqa, winogrande, arc_easy, arc_challenge, openbookqa, or a "
+                    ".jsonl file")
     ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts)")
     ev.add_argument("--seq-len", type=int, default=2048, help="perplexity window length T")
     ev.add_argument("--num-samples", type=int, default=16,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import Task
-from .passkey import Passkey
+from .passkey import MultiKey, Passkey
 from .tasks import MC_TASKS, Agreement, Lambada, MultipleChoice, Perplexity
 
-TASKS = ("ppl", "lambada", "agreement", "passkey") + MC_TASKS
+TASKS = ("ppl", "lambada", "agreement", "passkey", "multikey") + MC_TASKS
 
 
 def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | None = None) -> Task:
@@ -20,6 +20,8 @@ def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | N
         return Agreement(data=data)
     if name == "passkey":
         return Passkey(data=data)
+    if name == "multikey":
+        return MultiKey(data=data)
     if name in MC_TASKS:
         return MultipleChoice(name)
     if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):
