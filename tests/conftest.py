@@ -127,6 +127,22 @@ def batch_and_alone(model, config, lengths, seed=4, new_tokens=15):
     return batch_cache, alone_caches
 
 
+def scored_and_decoded(model, context, cont, setup):
+    """A continuation's log-probability from the exact scorer, and from decoding it token by token after the
+    context through a fresh cache of the same setup; returns (scored, decoded, the decoding cache)."""
+    from scissorhands.hf.scoring import continuation_logprobs
+
+    (total, _), = continuation_logprobs(model, context, [cont], setup)
+    cache = setup.make_cache(model, len(context) + len(cont))
+    with torch.no_grad():
+        logits = model(torch.tensor([context]), cache=cache).logits[0, -1]
+        lp = [torch.log_softmax(logits.float(), -1)[cont[0]]]
+        for a, b in zip(cont[:-1], cont[1:]):
+            logits = model(torch.tensor([[a]]), cache=cache).logits[0, -1]
+            lp.append(torch.log_softmax(logits.float(), -1)[b])
+    return total, float(sum(lp)), cache
+
+
 def save_tiny_model(folder, arch: str = "llama", max_positions: int = 1024):
     """Write a tiny random model with a byte-level tokenizer to ``folder`` (loadable by ``load_model``)."""
     tokenizer = byte_tokenizer_fast()

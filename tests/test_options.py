@@ -12,10 +12,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import left_padded, tiny_model
+from conftest import left_padded, scored_and_decoded, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig, get_method
 from scissorhands.core.config import PRESETS
-from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
+from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 from test_reference import cases, check_case
 from test_scoring import decode_logprobs
 
@@ -85,15 +85,8 @@ def test_prompt_aware_continuations_equal_decoding_after_the_prompt(name):
     context = torch.randint(3, 256, (40,), generator=gen).tolist()
     cont = torch.randint(3, 256, (12,), generator=gen).tolist()
     setup = ScoreSetup(get_method(name), 16, PROMPT_AWARE, seed=1)
-    (total, _), = continuation_logprobs(model, context, [cont], setup)
-    cache = setup.make_cache(model, len(context) + len(cont))
-    with torch.no_grad():
-        logits = model(torch.tensor([context]), cache=cache).logits[0, -1]
-        lp = [torch.log_softmax(logits.float(), -1)[cont[0]]]
-        for a, b in zip(cont[:-1], cont[1:]):
-            logits = model(torch.tensor([[a]]), cache=cache).logits[0, -1]
-            lp.append(torch.log_softmax(logits.float(), -1)[b])
-    assert total == pytest.approx(float(sum(lp)), abs=1e-4)
+    total, decoded, cache = scored_and_decoded(model, context, cont, setup)
+    assert total == pytest.approx(decoded, abs=1e-4)
     report = cache.memory_report()
     assert report["max_stored"] <= 16 and report["peak_stored"] == len(context)  # the prompt was held once
 

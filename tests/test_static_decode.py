@@ -18,7 +18,7 @@ from scissorhands.core.audit import EvictionAudit
 from scissorhands.core.methods import get_method
 from scissorhands.core.protect import Protection
 from scissorhands.core.static import static_step
-from test_reference import kept_of, make_inputs, run_layer
+from test_reference import cases, kept_of, make_inputs, run_layer
 
 SYNCS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default",
          "aten.masked_select.default", "aten.unique_consecutive.default"}
@@ -26,21 +26,12 @@ SYNCS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.
 
 @st.composite
 def decode_cases(draw):
-    b = draw(st.integers(1, 3))
-    h_kv = draw(st.integers(1, 2))
-    group = draw(st.sampled_from([1, 2, 3]))
-    t = draw(st.integers(2, 40))
-    recent = draw(st.integers(0, 5))
-    budget = draw(st.integers(recent + 1, recent + 14))
-    drop = draw(st.integers(1, budget - recent))
-    window = draw(st.one_of(st.none(), st.integers(1, 12)))
-    bucket_steps = None if window is None else draw(st.one_of(st.none(), st.integers(1, 5)))
+    """A case of the layer's reference test, fed as a prompt chunk and then one token at a time, with every
+    importance form (the mean form included)."""
+    case = draw(cases())
+    prompt = draw(st.integers(1, case["t"]))
     importance = draw(st.sampled_from(["sum", "count", "mean"]))
-    prompt = draw(st.integers(1, t))
-    pads = [draw(st.integers(0, min(3, prompt - 1))) for _ in range(b)]
-    return dict(b=b, h_kv=h_kv, group=group, t=t, recent=recent, budget=budget, drop=drop, window=window,
-                bucket_steps=bucket_steps, importance=importance, pads=pads, chunks=[prompt] + [1] * (t - prompt),
-                tile=4, seed=draw(st.integers(0, 10_000)))
+    return dict(case, importance=importance, chunks=[prompt] + [1] * (case["t"] - prompt))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
