@@ -148,7 +148,7 @@ class BudgetedKV:
         self.states_ready = False
         self.tier_counts = torch.zeros(0, 0, dtype=torch.long)  # (B, widths above the base), CPU
 
-    def settle(self) -> None:
+    def to_stored_order(self) -> None:
         """Slots back in stored order after static decode steps (see :mod:`.static`); a no-op otherwise."""
         if self.static is not None:
             self.static.settle()
@@ -337,7 +337,7 @@ class BudgetedKV:
         """Keep the rows ``index`` (beam reordering, batch expansion)."""
         if not self.allocated:
             return
-        self.settle()
+        self.to_stored_order()
         dev = index.to(self.slots.device)
         self.shields = [shield.select_batch(index) for shield in self.shields]
         for listener in self.listeners:

@@ -54,7 +54,7 @@ def attend(kv: BudgetedKV, query: torch.Tensor, key: torch.Tensor, value: torch.
         kv.states_ready = True
     if total == 1 and kv.static is not None and kv.static.ready() and (mask is None or _real(mask)):
         return kv.static.step(query, key, value, scaling, softcap)
-    kv.settle()
+    kv.to_stored_order()
     if total == 1 and mask is None and kv.slots.uniform is not None:
         return _decode_step(kv, query, key, value, scaling, softcap)
 

@@ -186,7 +186,7 @@ class ScissorhandsLayer(CacheLayerMixin):
     # -- reporting -------------------------------------------------------------------------
     def stored_positions(self, row: int) -> torch.Tensor:
         """Positions stored for sequence ``row``, shape (H_kv, stored), in stored order."""
-        self.kv.settle()
+        self.kv.to_stored_order()
         return self.kv.slots.row(row)
 
     def memory(self) -> dict:
