@@ -1,7 +1,8 @@
 """ΔNLL at 5x and 10x against model size, on one text and protocol: does a larger model tolerate more?
 
-Each argument is ``LABEL:PARAMETERS:EVAL_DIR`` (an ``eval --out`` folder with a ``full`` row and
-``scissorhands`` rows at budgets 0.2 and 0.1 on the same windows).
+Each argument is ``LABEL:PARAMETERS:RUN``. RUN is an ``eval --out`` folder with a ``full`` row and
+``scissorhands`` rows at budgets 0.2 and 0.1 on the same windows, or a ``defaults_sweep.py`` record (a
+``.jsonl`` file with its ``.full.json`` beside it), whose ``defaults`` rows are read.
 
     python experiments/scale_plot.py smollm2-135m:135e6:docs/results/prefill_drop/pd_none \\
         qwen2.5-coder-0.5b:494e6:docs/results/qwen/q05_prose_2k \\
@@ -12,6 +13,7 @@ Each argument is ``LABEL:PARAMETERS:EVAL_DIR`` (an ``eval --out`` folder with a 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from scissorhands.tools.eval.runner import load_results
@@ -19,6 +21,10 @@ from scissorhands.tools.stats import paired_difference
 
 
 def deltas(folder: Path) -> dict:
+    if folder.suffix == ".jsonl":  # a defaults_sweep.py record
+        full = json.loads(folder.with_suffix(".full.json").read_text())["nll"]
+        rows = {r["budget"]: r for r in map(json.loads, folder.read_text().splitlines()) if r["name"] == "defaults"}
+        return {b: (*paired_difference(rows[b]["nll"], full), len(full)) for b in (0.2, 0.1)}
     rows = {(r["method"], r["budget"]): r for r in load_results(folder / "results.jsonl")}
     base = [s["nll"] for s in rows[("full", None)]["item_scores"]]
     out = {}
