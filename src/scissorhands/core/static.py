@@ -44,6 +44,7 @@ layer cannot.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -176,14 +177,10 @@ def _evict(positions: torch.Tensor, acc: torch.Tensor, seen: torch.Tensor, spans
     positions.masked_fill_(dropped, -1)
 
 
-_COMPILED: dict[bool, Callable] = {}
-
-
+@functools.cache
 def compiled_step() -> Callable:
     """:func:`static_step` under ``torch.compile(fullgraph=True)``, built once per process."""
-    if True not in _COMPILED:
-        _COMPILED[True] = torch.compile(static_step, fullgraph=True, dynamic=False)
-    return _COMPILED[True]
+    return torch.compile(static_step, fullgraph=True, dynamic=False)
 
 
 class StaticDecode:
