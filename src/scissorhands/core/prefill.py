@@ -165,9 +165,10 @@ class PromptAware(Prefill):
             # Columns of other chunks inside the span are padding to this one: it writes them in a buffer of its
             # own, and only its real queries are copied out.
             part_out = out[:, :, :, lo:hi] if whole else torch.zeros_like(out[:, :, :, lo:hi])
+            bcum = bvalid.long().cumsum(dim=1)
             part = (kv, q[:, :, :, lo:hi], part_out, key[:, :, lo:hi], value[:, :, lo:hi], None if whole else bvalid,
-                    bvalid.long().cumsum(dim=1), scaling, softcap, query_tile)
-            if int((kv.slots.lengths + part[6][:, -1]).max()) <= kv.budget:
+                    bcum, scaling, softcap, query_tile)
+            if int((kv.slots.lengths + bcum[:, -1]).max()) <= kv.budget:
                 self.stream.take(*part)  # it fits: nothing to evict yet
             else:
                 self._hold(*part)

@@ -47,6 +47,13 @@ def _check_span(span, name: str, where: str) -> tuple[int, int]:
     return int(start), int(end)
 
 
+def in_spans(positions: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """Which of ``positions`` (B, H_kv, L) fall in a span of their row: ``spans`` (R, S, 2), R = 1 or B,
+    ``[start, end)`` each. Pure tensor operations, so a compiled step can call it too."""
+    pos = positions[..., None]  # (B, H_kv, L, 1)
+    return ((pos >= spans[:, None, None, :, 0]) & (pos < spans[:, None, None, :, 1])).any(dim=-1)
+
+
 class Protection:
     """Spans never evicted, one list per sequence (or one list shared by all).
 
@@ -118,11 +125,7 @@ class Protection:
 
     def mask(self, positions: torch.Tensor) -> torch.Tensor:
         """Which slots hold a protected position: bool, shaped like ``positions`` (B, H_kv, L)."""
-        spans = self.spans.to(positions.device)
-        start = spans[:, None, None, :, 0]  # (R, 1, 1, S)
-        end = spans[:, None, None, :, 1]
-        pos = positions[..., None]  # (B, H_kv, L, 1)
-        return ((pos >= start) & (pos < end)).any(dim=-1)
+        return in_spans(positions, self.spans.to(positions.device))
 
     def select_batch(self, index: torch.Tensor) -> Protection:
         """The protection of the rows ``index`` (beam reordering, batch expansion); shared spans stay shared."""

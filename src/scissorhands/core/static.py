@@ -51,6 +51,7 @@ import torch
 
 from .importance import ImportanceState, queries_in_window
 from .kernel import attention_output, attention_probs
+from .protect import in_spans
 from .stores.base import DenseKVStore
 
 STATIC_MODES = ("dynamic", "static", "compiled")
@@ -166,8 +167,7 @@ def _evict(positions: torch.Tensor, acc: torch.Tensor, seen: torch.Tensor, spans
     pos = positions.long()
     keep = ~stored | (pos >= (seen - recent)[:, None, None])  # empty slots and the recent window
     if spans is not None:
-        at_pos = pos[..., None]  # (B, H_kv, C, 1)
-        keep = keep | ((at_pos >= spans[:, None, None, :, 0]) & (at_pos < spans[:, None, None, :, 1])).any(dim=-1)
+        keep = keep | in_spans(pos, spans)
     score = score.masked_fill(keep, float("inf"))
     by_position = torch.sort(positions, dim=-1, stable=True).indices  # (B, H_kv, C): oldest first
     by_score = torch.sort(score.gather(2, by_position), dim=-1, stable=True).indices
@@ -232,37 +232,25 @@ class StaticDecode:
         kv = self.kv
         state = kv.state
         assert isinstance(state, ImportanceState) and self.seen is not None
-        fn = compiled_step() if self.mode == "compiled" else static_step
-        out = fn(kv.store.keys, kv.store.values, kv.slots.positions, state.acc, self.seen, self.spans,
-                 query, key, value, budget=kv.budget, recent=kv.recent, drop=kv.drop, form=state.form,
-                 bucket_steps=state.bucket_steps, scaling=scaling, softcap=softcap, evict=self._may_evict())
-        # The host keeps the lengths: a full row evicts exactly `drop` (the config guarantees enough candidates).
         slots = kv.slots
-        if slots.uniform is not None:  # rows in step: Python integers, no tensor read back
-            length, seen = slots.uniform
-            full = length >= kv.budget
-            length = length - kv.drop * full + 1
-            kv.compressions += full
-            slots.lengths.fill_(length)
-            slots.seen.add_(1)
-            slots.uniform = (length, seen + 1)
-            slots.peak = max(slots.peak, length)
-            return out
-        rows_full = slots.lengths >= kv.budget  # a ragged batch: host (CPU) tensors, never the device's
-        if bool(rows_full.any()):
+        # Which rows are at their budget, from the host's lengths (never the device's): the step evicts
+        # there, exactly `drop` tokens (the config guarantees enough candidates).
+        full = None if slots.uniform is not None else slots.lengths >= kv.budget  # CPU, a ragged batch
+        evict = slots.uniform[0] >= kv.budget if full is None else bool(full.any())
+        fn = compiled_step() if self.mode == "compiled" else static_step
+        out = fn(kv.store.keys, kv.store.values, slots.positions, state.acc, self.seen, self.spans,
+                 query, key, value, budget=kv.budget, recent=kv.recent, drop=kv.drop, form=state.form,
+                 bucket_steps=state.bucket_steps, scaling=scaling, softcap=softcap, evict=evict)
+        if evict:
             kv.compressions += 1
-        slots.lengths = torch.where(rows_full, slots.lengths - kv.drop, slots.lengths) + 1
-        slots.seen = slots.seen + 1
-        slots.peak = max(slots.peak, int(slots.lengths.max()))
-        slots.sync_uniform()
+            slots.lengths -= kv.drop if full is None else torch.where(full, kv.drop, 0)
+        if full is None:  # rows in step: Python integers, no tensor read back
+            length, seen = slots.uniform_state()
+            slots.uniform = (length - kv.drop * evict, seen)
+            slots.advance_uniform()
+        else:
+            slots.advance(torch.ones_like(slots.lengths))
         return out
-
-    def _may_evict(self) -> bool:
-        """Whether some row is at its budget, from the host's lengths (never the device's)."""
-        slots = self.kv.slots
-        if slots.uniform is not None:
-            return slots.uniform[0] >= self.kv.budget
-        return bool((slots.lengths >= self.kv.budget).any())  # CPU tensors
 
     def settle(self) -> None:
         """Put every slot back in stored order (the layout every other path reads), and hand the layer back."""
