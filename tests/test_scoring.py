@@ -99,3 +99,42 @@ def test_shared_settings_reach_the_method_unless_it_defines_them():
     assert get_method("h2o").configure(base, 20).window is None
     tova = get_method("tova").configure(base, 20)
     assert (tova.window, tova.recent, tova.importance) == (1, 0, "sum")
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "gemma3", "gpt2", "opt"])
+@pytest.mark.parametrize("name", ["full", "scissorhands"])
+def test_logits_in_chunks_equal_one_forward(arch_name, name, monkeypatch):
+    """Long windows make their logits a chunk of positions at a time; the scores equal the model's own forward.
+
+    Gemma 3 is given a final softcap so the capped head is the one checked. The tolerance is float32's across two
+    matmul shapes (a chunk of rows against the whole window), not a bitwise pin.
+    """
+    import scissorhands.hf.scoring as scoring
+
+    model = tiny_model(arch_name)
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(4))
+    setup = ScoreSetup(get_method(name), 16, BASE)
+    if arch_name == "gemma3":
+        monkeypatch.setattr(model.config, "final_logit_softcapping", 3.0)
+    assert scoring._logit_head(model) is not None
+    monkeypatch.setattr(scoring, "LOGIT_CHUNK", 7)  # 39 positions: five full chunks and a ragged one
+    chunked, hits = token_logprobs(model, ids, setup)
+    with torch.no_grad():
+        logits = model(ids[None], cache=setup.make_cache(model, 40)).logits[0, :-1]
+    torch.testing.assert_close(chunked, torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0],
+                               rtol=0, atol=1e-5)
+    assert torch.equal(hits, logits.argmax(-1) == ids[1:])
+
+
+def test_a_model_that_scales_its_logits_is_scored_through_its_own_forward(monkeypatch):
+    import scissorhands.hf.scoring as scoring
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(model.config, "logit_scale", 0.5, raising=False)
+    assert scoring._logit_head(model) is None
+    ids = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(5))
+    setup = ScoreSetup(get_method("full"), None, BASE)
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0, :-1]
+    torch.testing.assert_close(token_logprobs(model, ids, setup)[0],
+                               torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0], rtol=0, atol=1e-6)

@@ -96,9 +96,42 @@ def token_logprobs(model, input_ids: torch.Tensor, setup: ScoreSetup,
     ids = input_ids.reshape(1, -1).to(model.device)
     if cache is None:
         cache = setup.make_cache(model, ids.shape[1])
-    logits = model(ids, cache=cache).logits[:, :-1]  # (1, T-1, V)
     targets = ids[:, 1:]
-    return _gather_logprobs(logits, targets)[0], (logits.argmax(-1) == targets)[0]
+    head = _logit_head(model)
+    if head is None:  # a model whose logits are made in a way not known here: the whole window at once
+        logits = model(ids, cache=cache).logits[:, :-1]  # (1, T-1, V)
+        return _gather_logprobs(logits, targets)[0], (logits.argmax(-1) == targets)[0]
+    hidden = model.get_decoder()(input_ids=ids, cache=cache).last_hidden_state[:, :-1]  # (1, T-1, H)
+    logprobs, greedy = [], []
+    for start in range(0, hidden.shape[1], LOGIT_CHUNK):
+        logits = head(hidden[:, start:start + LOGIT_CHUNK])
+        part = targets[:, start:start + LOGIT_CHUNK]
+        logprobs.append(_gather_logprobs(logits, part)[0])
+        greedy.append((logits.argmax(-1) == part)[0])
+    return torch.cat(logprobs), torch.cat(greedy)
+
+
+LOGIT_CHUNK = 1024
+"""Positions whose logits :func:`token_logprobs` makes at once. A window's logits are T x vocabulary floats
+(10 GB for 16,384 tokens of a 152k vocabulary); in chunks the peak is this many rows."""
+
+# Config fields through which some architectures scale their logits after the output projection. A model that
+# has one is scored through its own forward, logits for the whole window at once.
+_LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _logit_head(model):
+    """The output projection and softcapping as one function of hidden states, or None when unknown."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    project = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if project is None or not hasattr(model, "get_decoder") or model.get_decoder() is model:
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_SCALES):
+        return None
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is None:
+        return project
+    return lambda h: torch.tanh(project(h) / cap) * cap
 
 
 @torch.no_grad()
