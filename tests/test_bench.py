@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from conftest import run_in_process, save_tiny_model, tiny_model
 from scissorhands import CacheSettings
@@ -283,3 +284,44 @@ def test_bench_prefill_with_prompt_chunk_adds_the_chunked_variant():
     assert {"scissorhands 0.25, stream", "scissorhands 0.25, prompt-aware",
             "scissorhands 0.25, prompt-aware, chunk 16"} <= set(prefill)
     assert all(r["seconds"] > 0 for r in prefill.values())
+
+
+def test_repeat_rows_prefills_once_per_context_and_times_every_batch_on_copies(monkeypatch):
+    """--repeat-rows: one prompt per variant and context; each batch size gets copies of its caches with the row
+    repeated, so the bytes are the batch's, every row decodes the same tokens, and the prompt is fed once."""
+    import scissorhands.tools.bench as bench
+
+    model = tiny_model("llama")
+    fed = []
+    real = bench._prefill
+    monkeypatch.setattr(bench, "_prefill", lambda m, ids, cache, chunk: fed.append(ids.shape) or real(m, ids, cache,
+                                                                                                         chunk))
+    cfg = small(contexts=(64,), batches=(1, 3), parts=("decode",), repeat_rows=True)
+    result = run_bench(model, cfg)
+    variants = len(result["decode"][0]["variants"])
+    assert len(fed) == variants and all(shape[0] == 1 for shape in fed)  # one row per variant, once per context
+    one, three = result["decode"]
+    for a, b in zip(one["variants"], three["variants"]):
+        assert b["bytes_match"], b
+        assert b["prefill_rows"] == 1 and b["measured"]["kv_bytes"] == 3 * a["measured"]["kv_bytes"]
+    # The repeated rows decode as the one row did: a batch of 3 copies of the same prompt.
+    prefilled = bench.prefill_variants(model, cfg, 64, 1)
+    _, copies = bench._repeated(prefilled, 3)
+    with torch.no_grad():
+        nxt = [bench._forward(model, s["next"], s["cache"]) for s in copies]
+        alone = [bench._forward(model, s["next"], s["cache"]) for s in prefilled[1]]
+    for rows, row in zip(nxt, alone):
+        assert rows.shape == (3, 1) and torch.equal(rows, row.expand(3, 1))
+    for s in prefilled[1]:  # the originals were copied, not repeated in place
+        assert s["next"].shape[0] == 1
+
+
+def test_repeat_rows_from_the_command_line(tmp_path):
+    folder = save_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "out"
+    code = main(["bench", "--model", str(folder), "--seq-len", "48", "--batches", "1,2", "--budgets", "0.5",
+                 "--steps", "2", "--warmup", "1", "--parts", "decode", "--repeat-rows", "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["config"]["repeat_rows"] is True
+    assert [v["prefill_rows"] for p in result["decode"] for v in p["variants"]] == [1] * 6

@@ -24,6 +24,8 @@ Everything returns plain dicts (written as JSON by the CLI); nothing prints.
 
 from __future__ import annotations
 
+import copy
+
 import ctypes
 import gc
 import logging
@@ -224,8 +226,11 @@ def _variants(context: int, budgets, methods=("scissorhands",), memories=(), mod
     return out
 
 
-def decode_point(model, cfg: BenchConfig, context: int, batch: int) -> dict:
+def decode_point(model, cfg: BenchConfig, context: int, batch: int, prefilled: list[dict] | None = None) -> dict:
     """All variants of one (context, batch) point, prefilled, then timed step by step in turn.
+
+    ``prefilled`` (from :func:`prefill_variants` at batch 1) gives the rows one prompt's caches, copied and
+    repeated ``batch`` times, instead of prefilling ``batch`` prompts (``BenchConfig.repeat_rows``).
 
     Returns
     -------
@@ -235,17 +240,11 @@ def decode_point(model, cfg: BenchConfig, context: int, batch: int) -> dict:
         ``ratios``: per budget, ``vs_reference`` (our tokens/s over the full
         cache's at context = budget) and ``vs_full`` (over the full cache's at T).
     """
+    if prefilled is None:
+        variants, states = prefill_variants(model, cfg, context, batch)
+    else:
+        variants, states = _repeated(prefilled, batch)
     lead = cfg.steps + cfg.warmup
-    variants = _variants(context, cfg.budgets, cfg.methods, cfg.memories, model, cfg.settings)
-    states = []
-    for i, v in enumerate(variants):
-        ids = _tokens(model, batch, v["context"] - lead, cfg.seed + i)
-        cache = _make_cache(model, v["budget"], cfg.settings, method=v.get("method", "scissorhands"),
-                            chosen=v.get("chosen"))
-        start = time.perf_counter()
-        with torch.no_grad():
-            nxt = _prefill(model, ids, cache, cfg.prefill_chunk)
-        states.append({"cache": cache, "next": nxt, "prefill_s": time.perf_counter() - start, "times": []})
     with torch.no_grad():
         for step in range(lead):
             order = range(len(states)) if step % 2 == 0 else reversed(range(len(states)))
@@ -260,12 +259,47 @@ def decode_point(model, cfg: BenchConfig, context: int, batch: int) -> dict:
         median = statistics.median(s["times"])
         seen = v["context"]  # prompt + lead tokens fed
         row = dict(v, step_s=median, step_s_all=s["times"], tokens_per_s=batch / median, prefill_s=s["prefill_s"],
-                   measured=cache_bytes(s["cache"]), analytic=analytic_bytes(model, s["cache"], batch, seen))
+                   prefill_rows=s["prefill_rows"], measured=cache_bytes(s["cache"]),
+                   analytic=analytic_bytes(model, s["cache"], batch, seen))
         row["bytes_match"] = (row["measured"]["kv_bytes"] == row["analytic"]["kv_bytes"]
                               and row["measured"]["importance_bytes"] == row["analytic"]["importance_bytes"])
         rows.append(row)
     del states
     return {"context": context, "batch": batch, "variants": rows, "ratios": reference_ratios(rows)}
+
+
+def prefill_variants(model, cfg: BenchConfig, context: int, batch: int) -> tuple[list[dict], list[dict]]:
+    """The decode point's variants and, per variant, a cache prefilled with ``batch`` seeded prompts."""
+    lead = cfg.steps + cfg.warmup
+    variants = _variants(context, cfg.budgets, cfg.methods, cfg.memories, model, cfg.settings)
+    states = []
+    for i, v in enumerate(variants):
+        ids = _tokens(model, batch, v["context"] - lead, cfg.seed + i)
+        cache = _make_cache(model, v["budget"], cfg.settings, method=v.get("method", "scissorhands"),
+                            chosen=v.get("chosen"))
+        start = time.perf_counter()
+        with torch.no_grad():
+            nxt = _prefill(model, ids, cache, cfg.prefill_chunk)
+        states.append({"cache": cache, "next": nxt, "prefill_s": time.perf_counter() - start, "times": [],
+                       "prefill_rows": batch})
+    return variants, states
+
+
+def _repeated(prefilled: tuple[list[dict], list[dict]], batch: int) -> tuple[list[dict], list[dict]]:
+    """Copies of batch-1 prefilled states whose one row is repeated ``batch`` times.
+
+    A decode step's cost depends on the shapes it reads, not on what the rows hold, so the copies time as
+    ``batch`` distinct prompts would: every row is full, and evicts, at the same steps either way.
+    """
+    variants, states = prefilled
+    out = []
+    for s in states:
+        if s["next"].shape[0] != 1:
+            raise ValueError("repeat-rows: the prefilled states must hold one row")
+        cache = copy.deepcopy(s["cache"])
+        cache.batch_repeat_interleave(batch)
+        out.append(dict(s, cache=cache, next=s["next"].repeat_interleave(batch, dim=0), times=[]))
+    return variants, out
 
 
 def reference_ratios(rows: list[dict]) -> list[dict]:
@@ -510,9 +544,14 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] | None = 
     if "decode" in cfg.parts:
         result["decode"] = []
         for context in cfg.contexts:
+            prefilled = None
+            if cfg.repeat_rows:  # one prompt per variant and context, its caches repeated for every batch size
+                say(f"decode: context {context}, one prompt per variant")
+                prefilled = prefill_variants(model, cfg, context, 1)
             for batch in cfg.batches:
                 say(f"decode: context {context}, batch {batch}")
-                result["decode"].append(decode_point(model, cfg, context, batch))
+                result["decode"].append(decode_point(model, cfg, context, batch, prefilled))
+            del prefilled
     if "prefill" in cfg.parts:
         say("prefill")
         result["prefill"] = prefill_part(model, cfg)

@@ -40,6 +40,9 @@ def add_parser(subparsers):
     opt("--steps", WHOLE, d.steps, "decode: timed steps per variant (median reported)")
     opt("--warmup", WHOLE, d.warmup, "decode: untimed steps per variant first")
     opt("--prefill-chunk", WHOLE, d.prefill_chunk, "prompt chunk when building the decode and max-batch caches")
+    g.add_argument("--repeat-rows", action="store_true",
+                   help="decode: prefill one prompt per variant and context and repeat its caches for every batch "
+                   "size (a step costs the same; a long context's prefill is paid once)")
     opt("--prefill-seq-len", WHOLES, d.prefill_contexts, "prefill: comma list of prompt lengths")
     alias(g, "--prefill-contexts", "--prefill-seq-len", "prefill_seq_len")
     opt("--repeats", WHOLE, d.repeats, "prefill: interleaved repeats (median reported)")
@@ -90,7 +93,7 @@ def config_from_args(args, settings):
         cap_new=args.cap_new,
         cap_limit=args.cap_limit, soak_tokens=args.soak_tokens, soak_budget=args.soak_budget,
         soak_every=args.soak_every, soak_prompt=args.soak_prompt, parts=tuple(parts), settings=settings,
-        seed=args.seed, methods=args.methods,
+        seed=args.seed, methods=args.methods, repeat_rows=args.repeat_rows,
     ), args.threads
 
 

@@ -53,6 +53,12 @@ class BenchConfig:
     settings : CacheSettings
         How the budgeted cache evicts.
     seed : int
+    methods : tuple of str
+        Evicting methods measured beside the full cache.
+    repeat_rows : bool
+        Decode: prefill one prompt per variant and context, and give every batch size copies of its caches with
+        that row repeated, instead of prefilling each batch's own prompts. A step costs the same either way (the
+        shapes are equal), and a long context's prefill is paid once, not once per row and batch size.
     """
 
     contexts: tuple[int, ...] = (1024, 2048, 4096, 8192)
@@ -77,6 +83,7 @@ class BenchConfig:
     settings: CacheSettings = field(default_factory=CacheSettings)
     seed: int = 0
     methods: tuple[str, ...] = ("scissorhands",)
+    repeat_rows: bool = False
 
     def __post_init__(self):
         if not self.methods:
@@ -105,6 +112,8 @@ class BenchConfig:
                 raise ValueError(f"{name.replace('_', '-')}: must be a whole number >= {low}, got {value}")
         if self.cap_memory is not None and (not isinstance(self.cap_memory, int) or self.cap_memory <= 0):
             raise ValueError(f"cap-memory: must be a positive size such as 2GiB, got {self.cap_memory}")
+        if not isinstance(self.repeat_rows, bool):
+            raise ValueError(f"repeat-rows: must be true or false, got {self.repeat_rows!r}")
         if self.fit not in FIT_MODES:
             raise ValueError(f"fit: must be one of {', '.join(FIT_MODES)}, got {self.fit!r}")
         unknown = [p for p in self.parts if p not in PARTS]
