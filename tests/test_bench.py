@@ -325,3 +325,4 @@ def test_repeat_rows_from_the_command_line(tmp_path):
     result = json.loads((out / "bench.json").read_text())
     assert result["config"]["repeat_rows"] is True
     assert [v["prefill_rows"] for p in result["decode"] for v in p["variants"]] == [1] * 6
+    assert "one prompt's caches repeated" in (out / "tables.md").read_text()

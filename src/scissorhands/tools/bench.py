@@ -571,6 +571,8 @@ def tables(result: dict) -> str:
     """Markdown tables of a :func:`run_bench` result."""
     lines: list[str] = []
     if result.get("decode"):
+        if result.get("config", {}).get("repeat_rows"):
+            lines += ["Rows are one prompt's caches repeated (`--repeat-rows`): \"prefill s\" is that one row's.", ""]
         lines += ["| context | batch | variant | tokens held | step ms (median) | tokens/s | prefill s |",
                   "|---|---|---|---|---|---|---|"]
         for point in result["decode"]:
