@@ -5,9 +5,12 @@ Each run is an ``eval --out`` folder. Rows are matched by task, method and budge
 ``--seq-len``, ``--num-samples`` and ``--seed``. A setting that changes the items is refused.
 
     python experiments/paired_runs.py BASE_DIR OTHER_DIR [--full FULL_DIR]
+    python experiments/paired_runs.py RUN_DIR --against scissorhands
 
 This prints OTHER - BASE per row with a 95% interval. With ``--full``, it also prints each run against
-the full cache of FULL_DIR (default: BASE_DIR's own full row).
+the full cache of FULL_DIR (default: BASE_DIR's own full row). With ``--against METHOD`` and one run, it
+pairs METHOD with every other method of that run at the same budget: METHOD - peer, so negative means
+METHOD loses less.
 """
 
 from __future__ import annotations
@@ -33,9 +36,15 @@ def _rows(folder: Path) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("base", type=Path)
-    p.add_argument("other", type=Path)
+    p.add_argument("other", type=Path, nargs="?")
     p.add_argument("--full", type=Path, default=None, help="the run whose full-cache rows both are compared with")
+    p.add_argument("--against", default=None, metavar="METHOD",
+                   help="one run: METHOD against every other method of it, budget by budget")
     args = p.parse_args(argv)
+    if (args.against is None) == (args.other is None):
+        p.error("other: give a second run, or --against METHOD with one run")
+    if args.against is not None:
+        return _against(_rows(args.base), args.against)
     base, other = _rows(args.base), _rows(args.other)
     full_rows = _rows(args.full) if args.full else base
     print(f"| task | method | budget | {args.other.name} - {args.base.name} | {args.base.name} vs full | "
@@ -56,6 +65,23 @@ def main(argv=None) -> int:
             cells += [paired_difference(a, f), paired_difference(b, f)]
         text = " | ".join(f"{m:+.4f} ±{h:.4f}" for m, h in cells)
         print(f"| {task} | {method} | {budget} | {text} |")
+    return 0
+
+
+def _against(rows: dict, ours: str) -> int:
+    """METHOD - peer per (task, budget) of one run, with the 95% interval of the paired difference."""
+    mine = {(task, budget): row for (task, method, budget), row in rows.items() if method == ours}
+    if not mine:
+        print(f"against: no {ours!r} rows in this run", file=sys.stderr)
+        return 2
+    print(f"| task | budget | {ours} - peer | peer |")
+    print("|---|---|---|---|")
+    for (task, method, budget), row in sorted(rows.items(), key=str):
+        if method in ("full", ours) or (task, budget) not in mine:
+            continue
+        a, b = _values(mine[(task, budget)]), _values(row)
+        mean, half = paired_difference(a, b)
+        print(f"| {task} | {budget} | {mean:+.4f} ±{half:.4f} | {method} |")
     return 0
 
 

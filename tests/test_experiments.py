@@ -54,3 +54,24 @@ def test_script_paths_in_the_docs_exist():
     assert paths
     missing = [p for p in paths if not (ROOT / p).is_file()]
     assert not missing, missing
+
+
+def test_paired_runs_against_one_method_pairs_each_peer_window_by_window(tmp_path, capsys):
+    """``paired_runs.py RUN --against METHOD``: METHOD - peer per budget, paired over the same windows."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import paired_runs
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    ours, h2o, full = [3.0, 3.2, 3.1], [3.1, 3.5, 3.1], [2.9, 3.0, 3.0]
+    rows = [("full", None, full), ("scissorhands", 0.2, ours), ("h2o", 0.2, h2o), ("h2o", 0.1, h2o)]
+    (tmp_path / "results.jsonl").write_text("".join(
+        json.dumps({"task": "ppl", "method": m, "budget": b, "metric": "ppl", "value": 0.0,
+                    "item_scores": [{"nll": v} for v in vals]}) + "\n"
+        for m, b, vals in rows))
+    assert paired_runs.main([str(tmp_path), "--against", "scissorhands"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ppl")]
+    assert len(lines) == 1 and lines[0].startswith("| ppl | 0.2 | -0.1333 ±") and lines[0].endswith("| h2o |")
+    assert paired_runs.main([str(tmp_path), "--against", "tova"]) == 2
+    with pytest.raises(SystemExit):
+        paired_runs.main([str(tmp_path)])

@@ -25,7 +25,6 @@ Everything returns plain dicts (written as JSON by the CLI); nothing prints.
 from __future__ import annotations
 
 import copy
-
 import ctypes
 import gc
 import logging
