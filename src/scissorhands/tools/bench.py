@@ -225,7 +225,8 @@ def _variants(context: int, budgets, methods=("scissorhands",), memories=(), mod
     return out
 
 
-def decode_point(model, cfg: BenchConfig, context: int, batch: int, prefilled: list[dict] | None = None) -> dict:
+def decode_point(model, cfg: BenchConfig, context: int, batch: int,
+                 prefilled: tuple[list[dict], list[dict]] | None = None) -> dict:
     """All variants of one (context, batch) point, prefilled, then timed step by step in turn.
 
     ``prefilled`` (from :func:`prefill_variants` at batch 1) gives the rows one prompt's caches, copied and
