@@ -97,11 +97,12 @@ def token_logprobs(model, input_ids: torch.Tensor, setup: ScoreSetup,
     if cache is None:
         cache = setup.make_cache(model, ids.shape[1])
     targets = ids[:, 1:]
-    head = _logit_head(model)
-    if head is None:  # a model whose logits are made in a way not known here: the whole window at once
+    parts = _logit_head(model)
+    if parts is None:  # a model whose logits are made in a way not known here: the whole window at once
         logits = model(ids, cache=cache).logits[:, :-1]  # (1, T-1, V)
         return _gather_logprobs(logits, targets)[0], (logits.argmax(-1) == targets)[0]
-    hidden = model.get_decoder()(input_ids=ids, cache=cache).last_hidden_state[:, :-1]  # (1, T-1, H)
+    decoder, head = parts
+    hidden = decoder(input_ids=ids, cache=cache).last_hidden_state[:, :-1]  # (1, T-1, H)
     logprobs, greedy = [], []
     for start in range(0, hidden.shape[1], LOGIT_CHUNK):
         logits = head(hidden[:, start:start + LOGIT_CHUNK])
@@ -121,17 +122,19 @@ _LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def _logit_head(model):
-    """The output projection and softcapping as one function of hidden states, or None when unknown."""
+    """The model's decoder and its logits as one function of hidden states (output projection, then any final
+    softcap), or None when the logits are made in a way not known here."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     project = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if project is None or not hasattr(model, "get_decoder") or model.get_decoder() is model:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if project is None or decoder is model:
         return None
     if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_SCALES):
         return None
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is None:
-        return project
-    return lambda h: torch.tanh(project(h) / cap) * cap
+        return decoder, project
+    return decoder, lambda h: torch.tanh(project(h) / cap) * cap
 
 
 @torch.no_grad()
