@@ -3,10 +3,16 @@
 The model is loaded once and the same text windows are scored for every
 setting, so differences are paired. Each setting is a JSON object of
 ``CacheSettings`` fields; results append to a JSONL file (one line per setting
-and budget) and a setting already there is not recomputed.
+and budget) and a setting already there is not recomputed. The full cache's
+NLLs are kept beside it (``OUT.full.json``) with the model, dtype and windows
+that made them; a later run into the same file with any of these changed is
+refused, so rows of two runs are never paired.
 
     python experiments/defaults_sweep.py --settings experiments/configs/sweep_stage1.json --budgets 0.2,0.1 \
-        --seq-len 2048 --num-samples 8 --out docs/results/sweep2/stage1.jsonl
+        --seq-len 2048 --num-samples 8 --out stage1.jsonl
+
+The dtype is float32 unless ``--dtype`` says otherwise (the SmolLM2 sweeps in
+docs/results.md ran in bfloat16, and their commands say so).
 """
 
 import argparse
@@ -35,30 +41,52 @@ def window_nll(model, ids, method, budget, settings) -> tuple[float, dict | None
     return float(-lp.mean()), memory
 
 
-def main():
+RUN_FIELDS = ("model", "dtype", "seq_len", "num_samples")  # what makes the windows and the full cache's NLLs
+
+
+def check_same_run(out: Path, records: list[dict], full: dict | None, args) -> None:
+    """Refuse to add rows to ``out`` made by a different model, dtype or set of windows.
+
+    ``full`` is the ``.full.json`` (every field of :data:`RUN_FIELDS`), ``records``
+    the JSONL rows (whose ``num_samples`` counts the windows scored, so it is not
+    compared). A field an older record lacks is not checked. Raises SystemExit
+    with one line naming the option.
+    """
+    checks = [(rec, RUN_FIELDS[:-1]) for rec in records] + ([(full, RUN_FIELDS)] if full else [])
+    for rec, fields in checks:
+        for field in fields:
+            if field in rec and rec[field] != getattr(args, field):
+                flag = "--" + field.replace("_", "-")
+                raise SystemExit(f"{flag}: {out} holds a run with {field} {rec[field]!r}, not "
+                                 f"{getattr(args, field)!r}; pass {flag} {rec[field]} or choose another --out")
+
+
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--settings", required=True, help="JSON file: {name: {field: value, ...}, ...}")
     p.add_argument("--budgets", default="0.2,0.1")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--num-samples", type=int, default=8)
     p.add_argument("--method", default="scissorhands")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out", required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     grid = json.loads(Path(args.settings).read_text())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {(r["name"], r["budget"], r["method"]) for r in map(json.loads, out.read_text().splitlines())} \
-        if out.is_file() else set()
+    records = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    full_path = out.with_suffix(".full.json")
+    full_record = json.loads(full_path.read_text()) if full_path.is_file() else None
+    check_same_run(out, records, full_record, args)
+    done = {(r["name"], r["budget"], r["method"]) for r in records}
     model, tok = load_model(args.model, dtype=args.dtype)
     items = Perplexity(args.seq_len, args.num_samples).items(tok, None)
-    full_path = out.with_suffix(".full.json")
-    if full_path.is_file():
-        full = json.loads(full_path.read_text())["nll"]
+    if full_record is not None:
+        full = full_record["nll"]
     else:
         full = [window_nll(model, it.data["ids"], "full", None, CacheSettings())[0] for it in items]
-        full_path.write_text(json.dumps({"nll": full, "seq_len": args.seq_len, "num_samples": args.num_samples}))
+        full_path.write_text(json.dumps({"nll": full, **{f: getattr(args, f) for f in RUN_FIELDS}}))
     for name, fields in grid.items():
         method = fields.pop("method", args.method)
         settings = get_method(method).resolve(CacheSettings(**fields))
@@ -73,7 +101,7 @@ def main():
             rec = {"name": name, "method": method, "budget": spec, "settings": settings.as_dict(),
                    "delta_nll": delta, "delta_nll_ci95": half, "ppl": math.exp(sum(nll) / len(nll)),
                    "ppl_full": math.exp(sum(full) / len(full)), "nll": nll, "seq_len": args.seq_len,
-                   "num_samples": len(items), "dtype": args.dtype, "memory": scored[0][1],
+                   "num_samples": len(items), "model": args.model, "dtype": args.dtype, "memory": scored[0][1],
                    "wall_s": time.perf_counter() - start}
             with out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")

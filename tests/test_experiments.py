@@ -75,3 +75,33 @@ def test_paired_runs_against_one_method_pairs_each_peer_window_by_window(tmp_pat
     assert paired_runs.main([str(tmp_path), "--against", "tova"]) == 2
     with pytest.raises(SystemExit):
         paired_runs.main([str(tmp_path)])
+
+
+def test_defaults_sweep_resumes_its_own_run_and_refuses_another(tmp_path, capsys):
+    """A second run into the same file adds only new rows; a changed dtype, model or window set is refused."""
+    from conftest import save_tiny_model
+
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import defaults_sweep
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    settings = tmp_path / "s.json"
+    settings.write_text(json.dumps({"defaults": {}, "sum": {"importance": "sum"}}))
+    out = tmp_path / "sweep.jsonl"
+    base = ["--model", model, "--settings", str(settings), "--seq-len", "48", "--num-samples", "2", "--out", str(out)]
+    defaults_sweep.main([*base, "--budgets", "0.5"])
+    first = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["name"], r["budget"], r["dtype"], r["model"]) for r in first] == [
+        ("defaults", 0.5, "float32", model), ("sum", 0.5, "float32", model)]
+    assert json.loads(out.with_suffix(".full.json").read_text())["dtype"] == "float32"
+    defaults_sweep.main([*base, "--budgets", "0.5,0.25"])  # resumes: only the new budget is scored
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[:2] == first and [(r["name"], r["budget"]) for r in rows[2:]] == [("defaults", 0.25), ("sum", 0.25)]
+    for flag, value in [("--dtype", "bfloat16"), ("--num-samples", "3"), ("--seq-len", "40")]:
+        args = [*base, flag, value]  # the later option wins
+        with pytest.raises(SystemExit) as err:
+            defaults_sweep.main([*args, "--budgets", "0.5"])
+        assert str(err.value).startswith(f"{flag}: ") and "\n" not in str(err.value)
+    assert out.read_text().count("\n") == 4  # nothing was added by the refused runs
