@@ -275,6 +275,20 @@ def test_analyze_options_that_do_not_parse_are_argparse_one_line_errors(capsys, 
     assert done.value.code == 2 and len(err.splitlines()) == 1 and f"argument --{name}" in err, err
 
 
+@pytest.mark.parametrize("field, option", [("bound_windows", "bound-samples"), ("ppl_windows", "ppl-samples"),
+                                           ("windows", "num-samples")])
+def test_more_samples_than_the_text_holds_are_refused_naming_the_option(tmp_path, field, option):
+    from scissorhands.tools.analysis.pipeline import analyze
+
+    text = " ".join(f"line {i}: the quick brown fox {i % 7} jumps." for i in range(40))  # ~1,600 bytes
+    fields = {"windows": 2, "bound_windows": 1, "ppl_windows": 2, field: 1000}
+    settings = AnalysisSettings(seq_lens=(32, 64), ppl_seq_len=48, compressions=(2.0,), **fields)
+    with pytest.raises(ValueError) as err:
+        analyze(tiny_llama(), ByteTokenizer(), [("t", text)], settings, tmp_path, "tiny", progress=False)
+    assert str(err.value).startswith(f"{option}: the text holds ") and "fewer than the 1000 asked" in str(err.value)
+    assert not list(tmp_path.iterdir())  # refused before anything was measured or written
+
+
 def test_pipeline_end_to_end_on_a_tiny_model(tmp_path):
     from scissorhands.tools.analysis.pipeline import analyze
     from scissorhands.tools.analysis.report import summary, write_plots

@@ -144,6 +144,27 @@ def test_cli_summary_holds_only_the_current_run(tmp_path, tiny_folder, text_file
     assert sum(line.startswith("| scissorhands |") for line in paired.splitlines()) == 1
 
 
+@pytest.mark.parametrize("task, option, length", [("ppl", "num-samples", 512), ("agreement", "limit", 512)])
+def test_asking_for_more_windows_than_the_text_holds_is_refused(tmp_path, tiny_folder, text_file, capsys, task,
+                                                                option, length):
+    """Never fewer windows than asked without a word: one line naming the option, and nothing written.
+
+    Perplexity's windows are --seq-len tokens, counted by --num-samples; agreement's prompts are 512 tokens,
+    counted by --limit.
+    """
+    from scissorhands.tools.text import corpus_tokens, load_texts
+
+    holds = len(corpus_tokens(ByteTokenizer(), load_texts(str(text_file)))) // length
+    out = tmp_path / "out"
+    common = ["eval", "--model", str(tiny_folder), "--text", str(text_file), "--tasks", task, "--methods", "full",
+              "--seq-len", str(length), "--out", str(out)]
+    code, _, err = cli(capsys, *common, f"--{option}", str(holds + 1))
+    assert code == 2 and one_line(err).startswith(f"scissorhands: error: {option}: the text holds {holds} windows")
+    assert not (out / RESULTS_FILE).exists()
+    assert cli(capsys, *common, f"--{option}", str(holds))[0] == 0  # every window it holds is fine
+    assert load_results(out / RESULTS_FILE)[0]["n_items"] == holds
+
+
 def test_torn_last_line_is_reported_dropped_and_the_run_goes_on(tmp_path, text_file, caplog):
     out = tmp_path / "out"
     first = grid(out, text_file)

@@ -133,14 +133,23 @@ def shakespeare_tokens(tokenizer, max_tokens: int | None = None) -> list[int]:
     return corpus_tokens(tokenizer, shakespeare_texts(), max_tokens)
 
 
-def windows(ids: list[int], seq_len: int, count: int) -> list[list[int]]:
-    """``count`` non-overlapping windows of ``seq_len`` tokens, spread evenly over ``ids``."""
+def windows(ids: list[int], seq_len: int, count: int, option: str = "num-samples") -> list[list[int]]:
+    """``count`` non-overlapping windows of ``seq_len`` tokens, spread evenly over ``ids``.
+
+    Raises
+    ------
+    ValueError
+        ``"seq-len: ..."`` for a text shorter than one window, and ``"<option>: ..."``
+        when it holds fewer than ``count`` windows (never fewer silently).
+    """
     if seq_len < 2:
         raise ValueError(f"seq-len: must be >= 2, got {seq_len}")
     available = len(ids) // seq_len
     if available == 0:
         raise ValueError(f"seq-len: the text holds {len(ids)} tokens, fewer than one window of {seq_len} (give a "
                          "longer --text or a shorter --seq-len)")
-    count = min(count, available)
+    if count > available:
+        raise ValueError(f"{option}: the text holds {available} windows of {seq_len} tokens, fewer than the {count} "
+                         f"asked (ask for {available} or fewer, or give a longer --text)")
     stride = available / count
     return [ids[int(i * stride) * seq_len: (int(i * stride) + 1) * seq_len] for i in range(count)]

@@ -156,8 +156,8 @@ def analyze(model, tokenizer, texts: list[tuple[str, str]], settings: AnalysisSe
     length = settings.length
     parts = settings.parts
     calib_windows = windows(calib_ids, length, settings.windows) if "persistence" in parts else []
-    bound_windows = windows(eval_ids, length, settings.bound_windows) if "bound" in parts else []
-    ppl_windows = windows(eval_ids, settings.ppl_seq_len, settings.ppl_windows) if "ppl" in parts else []
+    bound_windows = windows(eval_ids, length, settings.bound_windows, "bound-samples") if "bound" in parts else []
+    ppl_windows = windows(eval_ids, settings.ppl_seq_len, settings.ppl_windows, "ppl-samples") if "ppl" in parts else []
     if settings.bos:
         calib_windows, bound_windows, ppl_windows = (with_bos(w, tokenizer) for w in
                                                      (calib_windows, bound_windows, ppl_windows))

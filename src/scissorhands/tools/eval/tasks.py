@@ -246,7 +246,7 @@ class Agreement(Task):
     def items(self, tokenizer, limit):
         count = min(self.n_prompts, limit) if limit else self.n_prompts
         ids = corpus_tokens(tokenizer, load_texts(self.data))
-        prompts = windows(ids, self.prompt_len, count)
+        prompts = windows(ids, self.prompt_len, count, "limit")  # its count is --limit's (16 by default)
         return [Item(f"p{i}", self.prompt_len + self.new_tokens, {"prompt": p}) for i, p in enumerate(prompts)]
 
     def _continuation(self, model, item):
