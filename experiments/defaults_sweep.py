@@ -27,6 +27,7 @@ from scissorhands import CacheSettings, ScissorhandsCache, get_method, resolve_b
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 from scissorhands.tools.eval.tasks import Perplexity
 from scissorhands.tools.models import load_model
+from scissorhands.tools.paths import check_same_run
 from scissorhands.tools.stats import paired_difference
 
 
@@ -39,26 +40,6 @@ def window_nll(model, ids, method, budget, settings) -> tuple[float, dict | None
     if isinstance(cache, ScissorhandsCache):
         memory = {k: v for k, v in cache.memory_report().items() if k not in ("layers", "stored_per_layer")}
     return float(-lp.mean()), memory
-
-
-RUN_FIELDS = ("model", "dtype", "seq_len", "num_samples")  # what makes the windows and the full cache's NLLs
-
-
-def check_same_run(out: Path, records: list[dict], full: dict | None, args) -> None:
-    """Refuse to add rows to ``out`` made by a different model, dtype or set of windows.
-
-    ``full`` is the ``.full.json`` (every field of :data:`RUN_FIELDS`), ``records``
-    the JSONL rows (whose ``num_samples`` counts the windows scored, so it is not
-    compared). A field an older record lacks is not checked. Raises SystemExit
-    with one line naming the option.
-    """
-    checks = [(rec, RUN_FIELDS[:-1]) for rec in records] + ([(full, RUN_FIELDS)] if full else [])
-    for rec, fields in checks:
-        for field in fields:
-            if field in rec and rec[field] != getattr(args, field):
-                flag = "--" + field.replace("_", "-")
-                raise SystemExit(f"{flag}: {out} holds a run with {field} {rec[field]!r}, not "
-                                 f"{getattr(args, field)!r}; pass {flag} {rec[field]} or choose another --out")
 
 
 def main(argv=None):
@@ -78,7 +59,8 @@ def main(argv=None):
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
     full_path = out.with_suffix(".full.json")
     full_record = json.loads(full_path.read_text()) if full_path.is_file() else None
-    check_same_run(out, records, full_record, args)
+    run = {"model": args.model, "dtype": args.dtype, "seq_len": args.seq_len, "num_samples": args.num_samples}
+    check_same_run(out, records + ([full_record] if full_record else []), run)
     done = {(r["name"], r["budget"], r["method"]) for r in records}
     model, tok = load_model(args.model, dtype=args.dtype)
     items = Perplexity(args.seq_len, args.num_samples).items(tok, None)
@@ -86,7 +68,7 @@ def main(argv=None):
         full = full_record["nll"]
     else:
         full = [window_nll(model, it.data["ids"], "full", None, CacheSettings())[0] for it in items]
-        full_path.write_text(json.dumps({"nll": full, **{f: getattr(args, f) for f in RUN_FIELDS}}))
+        full_path.write_text(json.dumps({"nll": full, **run}))
     for name, fields in grid.items():
         method = fields.pop("method", args.method)
         settings = get_method(method).resolve(CacheSettings(**fields))
@@ -100,8 +82,7 @@ def main(argv=None):
             delta, half = paired_difference(nll, full)
             rec = {"name": name, "method": method, "budget": spec, "settings": settings.as_dict(),
                    "delta_nll": delta, "delta_nll_ci95": half, "ppl": math.exp(sum(nll) / len(nll)),
-                   "ppl_full": math.exp(sum(full) / len(full)), "nll": nll, "seq_len": args.seq_len,
-                   "num_samples": len(items), "model": args.model, "dtype": args.dtype, "memory": scored[0][1],
+                   "ppl_full": math.exp(sum(full) / len(full)), "nll": nll, **run, "memory": scored[0][1],
                    "wall_s": time.perf_counter() - start}
             with out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -3,8 +3,9 @@
 Each (method, prefill, budget) cell scores the same prompts (a 5-digit key
 planted at several depths of Shakespeare filler, lengths 1k-4k tokens; or, with
 ``--task multikey``, several named keys with one asked); one JSON line per
-cell, resumable. A cell with ``"protect_facts": true`` scores with the planted
-facts as protected spans.
+cell, resumable. A run into a file made with another model, dtype, task,
+lengths, depths or key count is refused. A cell with ``"protect_facts": true``
+scores with the planted facts as protected spans.
 
     python experiments/passkey_grid.py --cells experiments/configs/passkey_cells.json \
         --out docs/results/passkey/results.jsonl
@@ -19,9 +20,10 @@ from scissorhands import CacheSettings, get_method, resolve_budget
 from scissorhands.hf.scoring import ScoreSetup
 from scissorhands.tools.eval.passkey import MultiKey, Passkey
 from scissorhands.tools.models import load_model
+from scissorhands.tools.paths import check_same_run
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--cells", required=True,
                    help='JSON list of {"name", "method", "budget" (fraction or null), "settings": {...}}')
@@ -32,17 +34,20 @@ def main():
     p.add_argument("--task", choices=("passkey", "multikey"), default="passkey")
     p.add_argument("--keys", type=int, default=4, help="multikey: facts per prompt (one is asked)")
     p.add_argument("--out", required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cells = json.loads(Path(args.cells).read_text())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["name"] for r in map(json.loads, out.read_text().splitlines())} if out.is_file() else set()
-    model, tok = load_model(args.model, dtype=args.dtype)
     lengths = tuple(int(x) for x in args.lengths.split(","))
-    if args.task == "multikey":
-        task = MultiKey(lengths=lengths, keys=args.keys)
-    else:
-        task = Passkey(lengths=lengths, depths=tuple(float(x) for x in args.depths.split(",")))
+    depths = tuple(float(x) for x in args.depths.split(","))
+    run: dict[str, object] = {"model": args.model, "dtype": args.dtype, "task": args.task, "lengths": lengths}
+    run.update({"keys": args.keys} if args.task == "multikey" else {"depths": depths})
+    records = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    check_same_run(out, records, run)
+    done = {r["name"] for r in records}
+    model, tok = load_model(args.model, dtype=args.dtype)
+    task = MultiKey(lengths=lengths, keys=args.keys) if args.task == "multikey" else \
+        Passkey(lengths=lengths, depths=depths)
     items = task.items(tok, None)
     for cell in cells:
         if cell["name"] in done:
@@ -57,7 +62,7 @@ def main():
             scores.append(task.score(model, item, ScoreSetup(method, budget, settings)))
         metrics = task.aggregate(scores)
         rec = {**cell, "settings": settings.as_dict(), "metrics": metrics, "item_scores": scores,
-               "dtype": args.dtype, "task": args.task, "model": args.model, "wall_s": time.perf_counter() - start}
+               **run, "wall_s": time.perf_counter() - start}
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"{cell['name']:<40} acc {metrics['acc']:.3f} by length {metrics['by_length']} "

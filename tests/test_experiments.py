@@ -105,3 +105,29 @@ def test_defaults_sweep_resumes_its_own_run_and_refuses_another(tmp_path, capsys
             defaults_sweep.main([*args, "--budgets", "0.5"])
         assert str(err.value).startswith(f"{flag}: ") and "\n" not in str(err.value)
     assert out.read_text().count("\n") == 4  # nothing was added by the refused runs
+
+
+def test_passkey_grid_resumes_its_own_run_and_refuses_other_lengths(tmp_path):
+    from conftest import save_tiny_model
+
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import passkey_grid
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    cells = tmp_path / "cells.json"
+    cells.write_text(json.dumps([{"name": "full", "method": "full", "budget": None}]))
+    out = tmp_path / "pk.jsonl"
+    base = ["--model", model, "--cells", str(cells), "--depths", "0.5", "--out", str(out)]
+    passkey_grid.main([*base, "--lengths", "300"])
+    first = out.read_text()
+    rec = json.loads(first)
+    assert (rec["lengths"], rec["depths"], rec["task"], rec["dtype"]) == ([300], [0.5], "passkey", "float32")
+    passkey_grid.main([*base, "--lengths", "300"])  # the cell is there: nothing is added
+    assert out.read_text() == first
+    for flag, value in [("--lengths", "400"), ("--depths", "0.1"), ("--task", "multikey"), ("--dtype", "bfloat16")]:
+        with pytest.raises(SystemExit) as err:
+            passkey_grid.main([*base, "--lengths", "300", flag, value])
+        assert str(err.value).startswith(f"{flag}: {out} holds a run with ") and "\n" not in str(err.value)
+    assert out.read_text() == first

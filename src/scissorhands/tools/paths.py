@@ -143,3 +143,25 @@ def exclusive(folder: Path, name: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def check_same_run(path: Path, records: list[dict], wanted: dict[str, object]) -> None:
+    """Refuse to add to ``path`` rows of a run other than the one its ``records`` came from.
+
+    ``wanted`` maps a record field (``seq_len``) to this run's value; the option
+    that sets it is the field with dashes (``--seq-len``). A field a record
+    lacks (written before it was recorded) is not compared. Lists and tuples
+    compare alike, as JSON keeps either as a list.
+
+    Raises
+    ------
+    SystemExit
+        One line: ``"--<option>: <path> holds a run with <field> X, not Y; ..."``.
+    """
+    for rec in records:
+        for field, value in wanted.items():
+            mine = list(value) if isinstance(value, tuple) else value
+            if field in rec and rec[field] != mine:
+                flag = "--" + field.replace("_", "-")
+                raise SystemExit(f"{flag}: {path} holds a run with {field} {rec[field]!r}, not {mine!r}; "
+                                 "pass the same or choose another --out")
