@@ -1,5 +1,6 @@
 """The experiments folder stays runnable: every script answers --help, its configs parse, the docs' paths exist."""
 
+import importlib
 import json
 import re
 import subprocess
@@ -56,13 +57,18 @@ def test_script_paths_in_the_docs_exist():
     assert not missing, missing
 
 
-def test_paired_runs_against_one_method_pairs_each_peer_window_by_window(tmp_path, capsys):
-    """``paired_runs.py RUN --against METHOD``: METHOD - peer per budget, paired over the same windows."""
+def script(name: str):
+    """An experiments/ script imported as a module, to call its main() in this process."""
     sys.path.insert(0, str(EXPERIMENTS))
     try:
-        import paired_runs
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(EXPERIMENTS))
+
+
+def test_paired_runs_against_one_method_pairs_each_peer_window_by_window(tmp_path, capsys):
+    """``paired_runs.py RUN --against METHOD``: METHOD - peer per budget, paired over the same windows."""
+    paired_runs = script("paired_runs")
     ours, h2o, full = [3.0, 3.2, 3.1], [3.1, 3.5, 3.1], [2.9, 3.0, 3.0]
     rows = [("full", None, full), ("scissorhands", 0.2, ours), ("h2o", 0.2, h2o), ("h2o", 0.1, h2o)]
     (tmp_path / "results.jsonl").write_text("".join(
@@ -81,11 +87,7 @@ def test_defaults_sweep_resumes_its_own_run_and_refuses_another(tmp_path, capsys
     """A second run into the same file adds only new rows; a changed dtype, model or window set is refused."""
     from conftest import save_tiny_model
 
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        import defaults_sweep
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    defaults_sweep = script("defaults_sweep")
     model = str(save_tiny_model(tmp_path / "tiny"))
     settings = tmp_path / "s.json"
     settings.write_text(json.dumps({"defaults": {}, "sum": {"importance": "sum"}}))
@@ -110,11 +112,7 @@ def test_defaults_sweep_resumes_its_own_run_and_refuses_another(tmp_path, capsys
 def test_passkey_grid_resumes_its_own_run_and_refuses_other_lengths(tmp_path):
     from conftest import save_tiny_model
 
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        import passkey_grid
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    passkey_grid = script("passkey_grid")
     model = str(save_tiny_model(tmp_path / "tiny"))
     cells = tmp_path / "cells.json"
     cells.write_text(json.dumps([{"name": "full", "method": "full", "budget": None}]))
