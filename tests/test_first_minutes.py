@@ -228,6 +228,25 @@ def test_summary_leads_with_the_paired_differences_to_the_full_cache():
     assert "| method | budget | ppl | piqa |" in rest
 
 
+def test_one_item_prints_no_interval_rather_than_nan():
+    """A single window (as at 16,384 tokens) has no interval: the tables say so instead of printing ±nan."""
+    from scissorhands.tools.eval.runner import summary_markdown
+    from scissorhands.tools.eval.tasks import Perplexity
+    from scissorhands.tools.stats import NO_INTERVAL
+
+    rows = []
+    for method, budget, nll in [("full", None, 3.0), ("scissorhands", 0.2, 3.02)]:
+        metrics = Perplexity().aggregate([{"nll": nll}])
+        rows.append({"task": "ppl", "method": method, "budget": budget, "metrics": metrics,
+                     "compression": 1.0 if budget is None else 5.0, "item_scores": [{"nll": nll}]})
+    text = summary_markdown(rows)
+    assert "nan" not in text.lower()
+    assert f"| scissorhands | 0.2 | +0.0200 {NO_INTERVAL} (5.0x) |" in text
+    assert f"| full | full | {math.exp(3.0):.2f} {NO_INTERVAL} (1.0x) |" in text
+    assert text.endswith(f"{NO_INTERVAL}: one item, so no interval.")
+    assert NO_INTERVAL not in summary_markdown(_rows())  # several items: intervals, and no note
+
+
 def test_eval_plots_carry_their_intervals(tmp_path, monkeypatch):
     from scissorhands.tools.eval.runner import plot_results
 

@@ -6,6 +6,12 @@ import math
 from collections.abc import Sequence
 
 Z95 = 1.96  # two-sided 95% normal quantile
+NO_INTERVAL = "±—"  # what tables print for the interval of a single item (a NaN half-width)
+
+
+def plus_minus(half: float, digits: int) -> str:
+    """``" ±x"`` to ``digits`` places, or ``" "`` + :data:`NO_INTERVAL` when one item leaves no interval."""
+    return f" {NO_INTERVAL}" if math.isnan(half) else f" ±{half:.{digits}f}"
 
 
 def mean_ci(values: Sequence[float]) -> tuple[float, float]:

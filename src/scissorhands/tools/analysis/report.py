@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..stats import plus_minus
 from .bound import fit_through_origin
 from .persistence import key
 
@@ -238,7 +239,7 @@ def summary(result: dict) -> str:
         lines.append(f"perplexity, {p['windows']} windows of T={p['seq_len']}: full cache {p['full']['ppl']:.3f}")
         for r in p["runs"]:
             lines.append(f"  {r['compression']:g}x (budget {r['budget']}) {r['schedule']:<11} ppl {r['ppl']:.3f}"
-                         f"  ΔNLL vs uniform {r['delta_nll']:+.4f} ±{r['delta_nll_ci95']:.4f}")
+                         f"  ΔNLL vs uniform {r['delta_nll']:+.4f}{plus_minus(r['delta_nll_ci95'], 4)}")
     if result.get("seconds"):
         lines.append("seconds: " + ", ".join(f"{k} {v}" for k, v in result["seconds"].items()))
     return "\n".join(lines)

@@ -24,7 +24,7 @@ from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup
 
 from ..paths import exclusive
-from ..stats import Z95, paired_difference
+from ..stats import NO_INTERVAL, Z95, paired_difference, plus_minus
 from .base import Task
 
 logger = logging.getLogger(__name__)
@@ -409,12 +409,12 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
 def _fmt(rec: dict) -> str:
     m = rec["metrics"]
     if rec["task"] == "ppl":
-        return f"{m['ppl']:.2f} ±{(m['ppl_ci95'][1] - m['ppl_ci95'][0]) / 2:.2f}"
+        return f"{m['ppl']:.2f}{plus_minus((m['ppl_ci95'][1] - m['ppl_ci95'][0]) / 2, 2)}"
     if rec["task"] == "agreement":
-        return f"{m['first_divergence']:.1f} ±{m['first_divergence_ci95']:.1f}"
+        return f"{m['first_divergence']:.1f}{plus_minus(m['first_divergence_ci95'], 1)}"
     if "acc_norm" in m:
-        return f"{m['acc']:.3f} / {m['acc_norm']:.3f} ±{m['acc_stderr']:.3f}"
-    return f"{m['acc']:.3f} ±{m['acc_stderr']:.3f}"
+        return f"{m['acc']:.3f} / {m['acc_norm']:.3f}{plus_minus(m['acc_stderr'], 3)}"
+    return f"{m['acc']:.3f}{plus_minus(m['acc_stderr'], 3)}"
 
 
 def summary_table(results: list[dict]) -> str:
@@ -478,12 +478,15 @@ def summary_markdown(results: list[dict]) -> str:
                 if p is None:
                     cells.append("")
                 elif t == "ppl":
-                    cells.append(f"{p[name]:+.4f} ±{p[name + '_ci95']:.4f} ({p['compression']:.1f}x)")
+                    cells.append(f"{p[name]:+.4f}{plus_minus(p[name + '_ci95'], 4)} ({p['compression']:.1f}x)")
                 else:
-                    cells.append(f"{100 * p[name]:+.1f} ±{100 * p[name + '_ci95']:.1f} pts ({p['compression']:.1f}x)")
+                    pts = plus_minus(100 * p[name + "_ci95"], 1)
+                    cells.append(f"{100 * p[name]:+.1f}{pts} pts ({p['compression']:.1f}x)")
             lines.append(f"| {method} | {budget} | " + " | ".join(cells) + " |")
         lines += ["", "## Every result", ""]
     lines.append(summary_table(results))
+    if any(NO_INTERVAL in line for line in lines):
+        lines += ["", f"{NO_INTERVAL}: one item, so no interval."]
     return "\n".join(lines)
 
 
