@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from scissorhands.tools.eval.runner import load_results
-from scissorhands.tools.stats import paired_difference
+from scissorhands.tools.stats import paired_difference, plus_minus
 
 
 def _values(row: dict) -> list[float]:
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         if full is not None:
             f = _values(full)
             cells += [paired_difference(a, f), paired_difference(b, f)]
-        text = " | ".join(f"{m:+.4f} ±{h:.4f}" for m, h in cells)
+        text = " | ".join(f"{m:+.4f}{plus_minus(h, 4)}" for m, h in cells)
         print(f"| {task} | {method} | {budget} | {text} |")
     return 0
 
@@ -81,7 +81,7 @@ def _against(rows: dict, ours: str) -> int:
             continue
         a, b = _values(mine[(task, budget)]), _values(row)
         mean, half = paired_difference(a, b)
-        print(f"| {task} | {budget} | {mean:+.4f} ±{half:.4f} | {method} |")
+        print(f"| {task} | {budget} | {mean:+.4f}{plus_minus(half, 4)} | {method} |")
     return 0
 
 

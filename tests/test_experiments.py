@@ -129,3 +129,32 @@ def test_passkey_grid_resumes_its_own_run_and_refuses_other_lengths(tmp_path):
             passkey_grid.main([*base, "--lengths", "300", flag, value])
         assert str(err.value).startswith(f"{flag}: {out} holds a run with ") and "\n" not in str(err.value)
     assert out.read_text() == first
+
+
+def test_peer_table_pairs_each_row_with_its_groups_full_cache(tmp_path, capsys):
+    """Rows from two folders of one group (a peers run, a --preset paper run) are paired with the one full row."""
+    from scissorhands.core.config import DEFAULTS, PRESETS
+
+    peer_table = script("peer_table")
+    paper = {**DEFAULTS.as_dict(), **PRESETS["paper"]}
+    full, ours, h2o, pap = [3.0, 3.2], [3.1, 3.3], [3.2, 3.3], [3.3, 3.5]
+
+    def write(folder, rows):
+        folder.mkdir()
+        (folder / "results.jsonl").write_text("".join(json.dumps(
+            {"task": "ppl", "method": m, "budget": b, "metric": "ppl", "value": 20.0, "config": c,
+             "item_scores": [{"nll": v} for v in vals],
+             "metrics": {"n": len(vals), "ppl": 20.0}}) + "\n" for m, b, c, vals in rows))
+
+    d = DEFAULTS.as_dict()
+    write(tmp_path / "peers", [("full", None, d, full), ("scissorhands", 0.2, d, ours), ("h2o", 0.2, d, h2o),
+                               ("h2o", 0.1, d, h2o)])
+    write(tmp_path / "paper", [("scissorhands", 0.2, paper, pap)])
+    assert peer_table.main([f"tiny={tmp_path / 'peers'},{tmp_path / 'paper'}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| model, text, T | windows | full-cache ppl | method | 5x | 10x |"
+    assert lines[2].startswith("| tiny | 2 | 20.00 | defaults | **+0.1000 ±0.0000** | — |")
+    assert lines[3] == "| | | | paper | +0.3000 ±0.0000 | — |"
+    assert lines[4] == "| | | | h2o | +0.1500 ±0.0980 | **+0.1500 ±0.0980** |"
+    assert peer_table.main([f"tiny={tmp_path / 'paper'}"]) == 2  # no full row in the group
+    assert "no full-cache row" in capsys.readouterr().err
