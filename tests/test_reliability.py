@@ -3,6 +3,7 @@ model cache, a cache used with the wrong model or for a second prompt, and input
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -116,6 +117,32 @@ def test_interrupted_grid_resumes_then_changed_settings_never_reuse(tmp_path, te
     # the first setting is still there, and still reused
     again = grid(out, text_file)
     assert [r["wall_s"] for r in again] == [r["wall_s"] for r in resumed] and len(rows(out)) == count
+
+
+def test_a_record_from_before_a_setting_existed_is_reused_at_its_default(tmp_path, text_file):
+    """Rows written before ``decode`` existed resume a grid at the default ``decode``, not at another value.
+
+    The old rows are made by deleting the setting from each written key (and its digest recomputed), as a
+    version without the setting wrote them.
+    """
+    from scissorhands.tools.eval.runner import key_id
+
+    out = tmp_path / "out"
+    first = grid(out, text_file)
+    old = []
+    for r in rows(out):
+        del r["key"]["settings"]["decode"]
+        old.append({**r, "key_id": key_id(r["key"])})
+    (out / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in old))
+    again = grid(out, text_file)
+    assert [r["wall_s"] for r in again] == [r["wall_s"] for r in first]  # reused, not recomputed
+    assert len(rows(out)) == len(old)
+    grid(out, text_file, base=dataclasses.replace(BASE, decode="static"))  # the full row is shared, the rest new
+    assert [r["key"]["settings"]["decode"] for r in rows(out)[len(old):]] == ["static", "static"]
+    renamed = [{**r, "key": {**r["key"], "version": "0.0.1"}} for r in old]  # another version: never reused
+    (out / RESULTS_FILE).write_text("".join(json.dumps({**r, "key_id": key_id(r["key"])}) + "\n" for r in renamed))
+    grid(out, text_file)
+    assert len(rows(out)) == 2 * len(old)
 
 
 def test_a_changed_data_file_is_not_reused(tmp_path, text_file):

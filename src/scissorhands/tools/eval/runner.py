@@ -174,6 +174,21 @@ def key_id(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def with_new_defaults(key: dict) -> dict:
+    """An older record's key as a run today would write it: settings added since then take their defaults.
+
+    A setting is added with a default that keeps the behaviour from before it existed, so a cell scored
+    before the setting existed is the cell scored at its default (the rows of a grid from before
+    ``decode`` and ``kv_demote`` existed, scored again, are equal to every bit). Only absent settings are
+    filled; any other difference (version, model, task, a setting's value) still makes a new cell.
+    """
+    settings = key.get("settings")
+    if not isinstance(settings, dict):
+        return key
+    missing = {k: v for k, v in _jsonable(CacheSettings().as_dict()).items() if k not in settings}
+    return {**key, "settings": {**settings, **missing}} if missing else key
+
+
 def _read_records(path: Path, name: str = "out") -> tuple[list[dict], int | None, int | None]:
     """Records of a results file, the byte offset of a torn last line (or None) and its line number.
 
@@ -309,7 +324,9 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
     and its digest ``key_id``. With ``resume``, a cell whose key is already in
     ``out_dir/results.jsonl`` is reused, so an interrupted grid continues where
     it stopped; records of other settings stay in the file untouched and are
-    never reused: the new results are appended beside them. A torn last line
+    never reused: the new results are appended beside them. A record from
+    before a cache setting existed matches at that setting's default
+    (:func:`with_new_defaults`). A torn last line
     (an interrupted write) is reported and cut off; a file that is not a
     results file is refused.
 
@@ -352,7 +369,13 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
     out_dir.mkdir(parents=True, exist_ok=True)
     with exclusive(out_dir, "out"):  # two runs into one folder at once would both write every row
         existing = _open_for_append(path, "out")
-        done = {r["key_id"]: r for r in existing if "key_id" in r} if resume else {}
+        done: dict[str, dict] = {}
+        if resume:
+            for r in existing:
+                if isinstance(r.get("key"), dict):
+                    done.setdefault(key_id(with_new_defaults(r["key"])), r)
+                if "key_id" in r:
+                    done[r["key_id"]] = r
         results = []
         for task, items in zip(tasks, all_items):
             task_id = task_identity(task)
