@@ -162,11 +162,21 @@ def task_identity(task: Task) -> dict:
 
 def run_key(model_id: dict, task_id: dict, method: type[EvictionMethod], spec, base: CacheSettings,
             limit: int | None, seed: int) -> dict:
-    """Everything that determines one grid cell's result; two cells with equal keys give equal results."""
-    settings = method.resolve(base).as_dict()
+    """Everything that determines one grid cell's result; two cells with equal keys give equal results.
+
+    A full cache that is not packed is transformers' own cache (:meth:`ScoreSetup.make_cache`), which no
+    cache setting changes, so its key holds none: one full row serves every setting of a sweep.
+    """
+    resolved = method.resolve(base)
+    settings = {} if _exact_full(method.name, resolved.kv_bits) else resolved.as_dict()
     return {"version": __version__, "model": model_id, "task": task_id, "method": method.name,
             "budget": _jsonable(spec), "settings": _jsonable(settings), "files": _settings_files(settings),
             "limit": limit, "seed": seed}
+
+
+def _exact_full(method: str, kv_bits) -> bool:
+    """Whether a cell is the full cache stored exactly (not packed), whatever its other settings."""
+    return method == "full" and (kv_bits is None or kv_bits >= 16)
 
 
 def key_id(key: dict) -> str:
@@ -174,17 +184,22 @@ def key_id(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def with_new_defaults(key: dict) -> dict:
-    """An older record's key as a run today would write it: settings added since then take their defaults.
+def as_keyed_today(key: dict) -> dict:
+    """An older record's key as a run today would write it.
 
-    A setting is added with a default that keeps the behaviour from before it existed, so a cell scored
-    before the setting existed is the cell scored at its default (the rows of a grid from before
-    ``decode`` and ``kv_demote`` existed, scored again, are equal to every bit). Only absent settings are
-    filled; any other difference (version, model, task, a setting's value) still makes a new cell.
+    - Settings added since it was written take their defaults. A setting is added with a default that
+      keeps the behaviour from before it existed, so a cell scored before the setting existed is the cell
+      scored at its default (the rows of a grid from before ``decode`` and ``kv_demote`` existed, scored
+      again, are equal to every bit).
+    - An exact full cache's settings are dropped, as :func:`run_key` now keys it by none.
+
+    Any other difference (version, model, task, a setting's value) still makes a new cell.
     """
     settings = key.get("settings")
-    if not isinstance(settings, dict):
+    if not isinstance(settings, dict) or not settings:
         return key
+    if _exact_full(key.get("method", ""), settings.get("kv_bits")):
+        return {**key, "settings": {}, "files": {}}
     missing = {k: v for k, v in _jsonable(CacheSettings().as_dict()).items() if k not in settings}
     return {**key, "settings": {**settings, **missing}} if missing else key
 
@@ -326,7 +341,7 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
     it stopped; records of other settings stay in the file untouched and are
     never reused: the new results are appended beside them. A record from
     before a cache setting existed matches at that setting's default
-    (:func:`with_new_defaults`). A torn last line
+    (:func:`as_keyed_today`), and one full row serves every setting. A torn last line
     (an interrupted write) is reported and cut off; a file that is not a
     results file is refused.
 
@@ -373,7 +388,7 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
         if resume:
             for r in existing:
                 if isinstance(r.get("key"), dict):
-                    done.setdefault(key_id(with_new_defaults(r["key"])), r)
+                    done.setdefault(key_id(as_keyed_today(r["key"])), r)
                 if "key_id" in r:
                     done[r["key_id"]] = r
         results = []
