@@ -23,6 +23,21 @@ from scissorhands.tools.models import load_model
 from scissorhands.tools.paths import check_same_run
 
 
+def check_same_cell(out: Path, record: dict, cell: dict) -> None:
+    """Refuse a cell whose name is in ``out`` with another method, budget, protection or setting.
+
+    Only the settings the record holds are compared (an older record lacks the newer ones).
+    """
+    settings = json.loads(json.dumps(get_method(cell["method"]).resolve(
+        CacheSettings(**cell.get("settings", {}))).as_dict()))
+    same = (record.get("method") == cell["method"] and record.get("budget") == cell["budget"]
+            and bool(record.get("protect_facts", False)) == bool(cell.get("protect_facts", False))
+            and all(settings.get(k) == v for k, v in record.get("settings", {}).items() if k in settings))
+    if not same:
+        raise SystemExit(f"--cells: cell {cell['name']!r} is in {out} with other settings; rename the cell or "
+                         "choose another --out")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--cells", required=True,
@@ -44,7 +59,10 @@ def main(argv=None):
     run.update({"keys": args.keys} if args.task == "multikey" else {"depths": depths})
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
     check_same_run(out, records, run)
-    done = {r["name"] for r in records}
+    done = {r["name"]: r for r in records}
+    for cell in cells:  # a cell renamed in place would be skipped as done: refuse it before any work
+        if cell["name"] in done:
+            check_same_cell(out, done[cell["name"]], cell)
     model, tok = load_model(args.model, dtype=args.dtype)
     task = MultiKey(lengths=lengths, keys=args.keys) if args.task == "multikey" else \
         Passkey(lengths=lengths, depths=depths)

@@ -128,6 +128,10 @@ def test_passkey_grid_resumes_its_own_run_and_refuses_other_lengths(tmp_path):
         with pytest.raises(SystemExit) as err:
             passkey_grid.main([*base, "--lengths", "300", flag, value])
         assert str(err.value).startswith(f"{flag}: {out} holds a run with ") and "\n" not in str(err.value)
+    cells.write_text(json.dumps([{"name": "full", "method": "scissorhands", "budget": 0.2}]))  # renamed in place
+    with pytest.raises(SystemExit) as err:
+        passkey_grid.main([*base, "--lengths", "300"])
+    assert str(err.value).startswith("--cells: cell 'full' is in ")
     assert out.read_text() == first
 
 
