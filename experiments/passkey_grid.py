@@ -4,8 +4,9 @@ Each (method, prefill, budget) cell scores the same prompts (a 5-digit key
 planted at several depths of Shakespeare filler, lengths 1k-4k tokens; or, with
 ``--task multikey``, several named keys with one asked); one JSON line per
 cell, resumable. A run into a file made with another model, dtype, task,
-lengths, depths or key count is refused. A cell with ``"protect_facts": true``
-scores with the planted facts as protected spans.
+lengths, depths or key count is refused, and so is a cell whose name is there
+with other settings. A cell with ``"protect_facts": true`` scores with the
+planted facts as protected spans.
 
     python experiments/passkey_grid.py --cells experiments/configs/passkey_cells.json \
         --out docs/results/passkey/results.jsonl
