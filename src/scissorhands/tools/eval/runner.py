@@ -168,15 +168,10 @@ def run_key(model_id: dict, task_id: dict, method: type[EvictionMethod], spec, b
     cache setting changes, so its key holds none: one full row serves every setting of a sweep.
     """
     resolved = method.resolve(base)
-    settings = {} if _exact_full(method.name, resolved.kv_bits) else resolved.as_dict()
+    settings = {} if method.is_full and not resolved.quantized else resolved.as_dict()
     return {"version": __version__, "model": model_id, "task": task_id, "method": method.name,
             "budget": _jsonable(spec), "settings": _jsonable(settings), "files": _settings_files(settings),
             "limit": limit, "seed": seed}
-
-
-def _exact_full(method: str, kv_bits) -> bool:
-    """Whether a cell is the full cache stored exactly (not packed), whatever its other settings."""
-    return method == "full" and (kv_bits is None or kv_bits >= 16)
 
 
 def key_id(key: dict) -> str:
@@ -198,7 +193,7 @@ def as_keyed_today(key: dict) -> dict:
     settings = key.get("settings")
     if not isinstance(settings, dict) or not settings:
         return key
-    if _exact_full(key.get("method", ""), settings.get("kv_bits")):
+    if key.get("method") == "full" and not CacheSettings(kv_bits=settings.get("kv_bits")).quantized:
         return {**key, "settings": {}, "files": {}}
     missing = {k: v for k, v in _jsonable(CacheSettings().as_dict()).items() if k not in settings}
     return {**key, "settings": {**settings, **missing}} if missing else key
