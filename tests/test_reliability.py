@@ -160,7 +160,7 @@ def test_a_changed_data_file_is_not_reused(tmp_path, text_file):
     assert {r["key_id"] for r in first}.isdisjoint({r["key_id"] for r in second})
 
 
-def test_cli_summary_holds_only_the_current_run(tmp_path, tiny_folder, text_file, capsys):
+def test_cli_summary_leaves_out_rows_measured_another_way(tmp_path, tiny_folder, text_file, capsys):
     out = tmp_path / "out"
     common = ["eval", "--model", str(tiny_folder), "--text", str(text_file), "--methods", "full,scissorhands",
               "--budgets", "0.5", "--num-samples", "1", "--out", str(out), "--recent", "4"]
@@ -177,6 +177,45 @@ def test_cli_summary_holds_only_the_current_run(tmp_path, tiny_folder, text_file
     # the old run's rows are not in it
     paired = summary.split("## Every result")[0]
     assert sum(line.startswith("| scissorhands |") for line in paired.splitlines()) == 1
+
+
+def test_cli_summary_shows_earlier_runs_on_the_same_windows_each_row_named(tmp_path, tiny_folder, text_file,
+                                                                            capsys):
+    """Two settings of one method into one folder: summary.md shows both rows, named by the setting that
+    differs, and the full cache (keyed by no setting) once; before, the second run's summary hid the first."""
+    out = tmp_path / "out"
+    common = ["eval", "--model", str(tiny_folder), "--text", str(text_file), "--methods", "full,scissorhands",
+              "--budgets", "0.5", "--num-samples", "2", "--seq-len", "64", "--out", str(out)]
+    assert cli(capsys, *common, "--recent", "4")[0] == 0
+    code, _, err = cli(capsys, *common, "--recent", "8")
+    assert code == 0 and "also shows 1 rows of earlier runs" in err
+    records = load_results(out / RESULTS_FILE)
+    assert [r["method"] for r in records] == ["full", "scissorhands", "scissorhands"]
+    summary = (out / "summary.md").read_text()
+    paired, table = summary.split("## Every result")
+    for recent, rec in zip((4, 8), records[1:]):
+        nll = [s["nll"] for s in rec["item_scores"]]
+        base = [s["nll"] for s in records[0]["item_scores"]]
+        delta = sum(a - b for a, b in zip(nll, base)) / len(nll)
+        assert f"| scissorhands (recent={recent}) | 0.5 | {delta:+.4f}" in paired
+        assert f"| scissorhands (recent={recent}) | 0.5 |" in table
+    assert sum(line.startswith("| full |") for line in table.splitlines()) == 1
+
+
+def test_row_labels_name_what_sets_rows_apart():
+    from scissorhands.tools.eval.runner import row_labels
+
+    def rec(method, **settings):
+        return {"method": method, "key": {"method": method, "settings": settings}}
+
+    exact = rec("full")
+    packed = rec("full", **{**dataclasses.asdict(BASE), "kv_bits": 4})
+    a = rec("scissorhands", **{**dataclasses.asdict(BASE), "prefill": "stream"})
+    b = rec("scissorhands", **{**dataclasses.asdict(BASE), "prefill": "prompt-aware"})
+    assert row_labels([exact, a]) == ["full", "scissorhands"]  # one setting each: plain names
+    labels = row_labels([exact, packed, a, b])
+    assert labels[0] == "full" and "kv_bits=4" in labels[1] and "prefill" not in labels[1]
+    assert labels[2:] == ["scissorhands (prefill=stream)", "scissorhands (prefill=prompt-aware)"]
 
 
 @pytest.mark.parametrize("task, option, length", [("ppl", "num-samples", 512), ("agreement", "limit", 512)])

@@ -526,7 +526,7 @@ def _eval_budgets(args, base: CacheSettings, methods) -> list[float | int]:
 
 def _run_eval(args) -> int:
     from .eval import make_task, plot_results, run_grid
-    from .eval.runner import RESULTS_FILE, check_results_file, summary_markdown
+    from .eval.runner import RESULTS_FILE, check_results_file, folder_results, summary_markdown
     from .models import load_model
     from .paths import check_output_folder
     from .text import load_texts
@@ -568,10 +568,14 @@ def _run_eval(args) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     results = run_grid(model, tokenizer, model_name=args.model, tasks=tasks, methods=methods, budgets=budgets,
                        base=base, out_dir=out, limit=args.limit, seed=args.seed, resume=not args.no_resume)
-    summary = summary_markdown(results)
+    shown = folder_results(out / RESULTS_FILE, results)
+    if len(shown) > len(results):
+        print(f"summary: also shows {len(shown) - len(results)} rows of earlier runs into {out} measured the same way",
+              file=sys.stderr)
+    summary = summary_markdown(shown)
     print(summary)
     (out / "summary.md").write_text(summary + "\n")
-    for path in plot_results(results, out):
+    for path in plot_results(shown, out):
         print(f"plot: {path}", file=sys.stderr)
     print(f"results: {out / RESULTS_FILE}", file=sys.stderr)
     return 0

@@ -450,20 +450,81 @@ def _fmt(rec: dict) -> str:
     return f"{m['acc']:.3f}{plus_minus(m['acc_stderr'], 3)}"
 
 
+def _row_settings(rec: dict) -> dict:
+    """The settings a row was scored with, as a run today keys them (an exact full cache: none)."""
+    key = rec.get("key")
+    if isinstance(key, dict) and isinstance(key.get("settings"), dict):
+        return as_keyed_today(key)["settings"]
+    config = rec.get("config")
+    return {**_jsonable(CacheSettings().as_dict()), **config} if isinstance(config, dict) else {}
+
+
+def _setting_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def row_labels(results: list[dict]) -> list[str]:
+    """A name for each row: its method, and where one method's rows were scored with different settings
+    (two runs into one folder, ``--prefill stream`` then ``prompt-aware``), the settings that tell them apart,
+    so that no row hides another in a table or a plot."""
+    settings = [_row_settings(r) for r in results]
+    defaults = _jsonable(CacheSettings().as_dict())
+    differ: dict[str, list[str]] = {}
+    for method in dict.fromkeys(r["method"] for r in results):
+        mine = [s for r, s in zip(results, settings) if r["method"] == method]
+        keyed = [s for s in mine if s]
+        names = list(dict.fromkeys(k for s in keyed for k in s))
+        seen = [{json.dumps(s.get(k), sort_keys=True) for s in keyed} for k in names]
+        if len(keyed) < len(mine):  # beside an exact full cache (keyed by no settings): what sets the others apart
+            seen = [v | {json.dumps(defaults.get(k), sort_keys=True)} for k, v in zip(names, seen)]
+        differ[method] = [k for k, v in zip(names, seen) if len(v) > 1]
+    labels = []
+    for r, s in zip(results, settings):
+        parts = [f"{k}={_setting_text(s.get(k))}" for k in differ[r["method"]]] if s else []
+        labels.append(f"{r['method']} ({', '.join(parts)})" if parts else r["method"])
+    return labels
+
+
 def summary_table(results: list[dict]) -> str:
-    """Markdown: one row per (method, budget), one column per task."""
+    """Markdown: one row per method (and settings, see :func:`row_labels`) and budget, one column per task."""
     tasks = list(dict.fromkeys(r["task"] for r in results))
-    rows = list(dict.fromkeys((r["method"], r["budget"]) for r in results))
-    by = {(r["method"], r["budget"], r["task"]): r for r in results}
+    labels = row_labels(results)
+    rows = list(dict.fromkeys((name, r["budget"]) for name, r in zip(labels, results)))
+    by = {(name, r["budget"], r["task"]): r for name, r in zip(labels, results)}
     head = "| method | budget | " + " | ".join(tasks) + " |"
     lines = [head, "|" + "---|" * (len(tasks) + 2)]
-    for method, budget in rows:
+    for name, budget in rows:
         cells = []
         for t in tasks:
-            r = by.get((method, budget, t))
+            r = by.get((name, budget, t))
             cells.append("" if r is None else f"{_fmt(r)} ({r['compression']:.1f}x)")
-        lines.append(f"| {method} | {'full' if budget is None else budget} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {'full' if budget is None else budget} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def folder_results(path: Path, results: list[dict]) -> list[dict]:
+    """The rows of ``results`` and every row of earlier runs in the results file at ``path`` that was measured
+    the same way (version, model, task windows, limit, seed): what the folder's summary.md and plots show.
+
+    Each cell appears once (the last row written for it); rows measured another way are left out, as are rows
+    without a key (written before keys existed).
+    """
+    def ident(rec: dict):
+        key = rec.get("key")
+        if not isinstance(key, dict):
+            return None
+        return json.dumps({k: v for k, v in key.items() if k not in ("method", "budget", "settings", "files")},
+                          sort_keys=True)
+
+    wanted = {ident(r) for r in results} - {None}
+    cells: dict[str, dict] = {}
+    for rec in load_results(path):
+        if ident(rec) in wanted:
+            cells[key_id(as_keyed_today(rec["key"]))] = rec
+    for rec in results:
+        key = rec.get("key")
+        cells[key_id(as_keyed_today(key)) if isinstance(key, dict) else str(id(rec))] = rec
+    return list(cells.values())
 
 
 def paired_vs_full(results: list[dict], task: str = "ppl") -> list[dict]:
@@ -473,21 +534,22 @@ def paired_vs_full(results: list[dict], task: str = "ppl") -> list[dict]:
     are right or wrong (multiple choice, LAMBADA, passkey) the accuracy
     (``delta_acc``, in points of a share, e.g. -0.05 = five points lower).
     """
-    full = next((r for r in results if r["task"] == task and r["method"] == "full"), None)
-    if full is None:
+    fulls = [r for r in results if r["task"] == task and r["method"] == "full"]
+    if not fulls:
         return []
+    full = next((r for r in fulls if not _row_settings(r)), fulls[0])  # the exact full cache, where there is one
     key = "nll" if task == "ppl" else "correct"
     if not full["item_scores"] or key not in full["item_scores"][0]:
         return []
     base = [float(s[key]) for s in full["item_scores"]]
     out = []
-    for r in results:
-        if r["task"] != task or r["method"] == "full" or len(r["item_scores"]) != len(base):
+    for r, label in zip(results, row_labels(results)):
+        if r["task"] != task or r is full or len(r["item_scores"]) != len(base):
             continue
         mean, half = paired_difference([float(s[key]) for s in r["item_scores"]], base)
         name = "delta_nll" if task == "ppl" else "delta_acc"
-        out.append({"task": task, "method": r["method"], "budget": r["budget"], "compression": r["compression"],
-                    name: mean, f"{name}_ci95": half})
+        out.append({"task": task, "method": r["method"], "label": label, "budget": r["budget"],
+                    "compression": r["compression"], name: mean, f"{name}_ci95": half})
     return out
 
 
@@ -495,7 +557,7 @@ def summary_markdown(results: list[dict]) -> str:
     """summary.md: first the paired differences to the full cache (the numbers that matter), then every result."""
     lines = []
     tasks = list(dict.fromkeys(r["task"] for r in results))
-    paired = {t: {(p["method"], p["budget"]): p for p in paired_vs_full(results, t)} for t in tasks}
+    paired = {t: {(p["label"], p["budget"]): p for p in paired_vs_full(results, t)} for t in tasks}
     shown = [t for t in tasks if paired[t]]
     if shown:
         lines += ["## Against the full cache", "",
@@ -503,10 +565,10 @@ def summary_markdown(results: list[dict]) -> str:
                   "better; perplexity ratio = exp ΔNLL), Δacc in points of accuracy (higher is better).", "",
                   "| method | budget | " + " | ".join(f"{t} {'ΔNLL' if t == 'ppl' else 'Δacc'}" for t in shown) + " |",
                   "|" + "---|" * (len(shown) + 2)]
-        for method, budget in dict.fromkeys(k for t in shown for k in paired[t]):
+        for label, budget in dict.fromkeys(k for t in shown for k in paired[t]):
             cells = []
             for t in shown:
-                p = paired[t].get((method, budget))
+                p = paired[t].get((label, budget))
                 name = "delta_nll" if t == "ppl" else "delta_acc"
                 if p is None:
                     cells.append("")
@@ -515,7 +577,7 @@ def summary_markdown(results: list[dict]) -> str:
                 else:
                     pts = plus_minus(100 * p[name + "_ci95"], 1)
                     cells.append(f"{100 * p[name]:+.1f}{pts} pts ({p['compression']:.1f}x)")
-            lines.append(f"| {method} | {budget} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label} | {budget} | " + " | ".join(cells) + " |")
         lines += ["", "## Every result", ""]
     lines.append(summary_table(results))
     if any(NO_INTERVAL in line for line in lines):
@@ -539,7 +601,7 @@ def _interval(rec: dict) -> tuple[float, float] | None:
 
 
 def plot_results(results: list[dict], out_dir: Path) -> list[Path]:
-    """One PNG per task: the main metric against compression, one line per method, with 95% intervals."""
+    """One PNG per task: the main metric against compression, one line per method (and settings), with 95% intervals."""
     import matplotlib
     import matplotlib.ticker
 
@@ -550,8 +612,9 @@ def plot_results(results: list[dict], out_dir: Path) -> list[Path]:
     for task in dict.fromkeys(r["task"] for r in results):
         recs = [r for r in results if r["task"] == task]
         fig, ax = plt.subplots(figsize=(6, 4))
-        for method in dict.fromkeys(r["method"] for r in recs):
-            mine = sorted((r for r in recs if r["method"] == method), key=lambda r: r["compression"])
+        labels = row_labels(recs)
+        for method in dict.fromkeys(labels):
+            mine = sorted((r for r, name in zip(recs, labels) if name == method), key=lambda r: r["compression"])
             spans = [_interval(r) for r in mine]
             if method == "full":
                 line = ax.axhline(mine[0]["value"], color="black", linestyle="--", label="full (95% band)")
