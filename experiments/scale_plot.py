@@ -8,6 +8,11 @@ Each argument is ``LABEL:PARAMETERS:RUN``. RUN is an ``eval --out`` folder with 
         qwen2.5-coder-0.5b:494e6:docs/results/qwen/q05_prose_2k \\
         qwen2.5-coder-1.5b:1.54e9:docs/results/qwen/q15_prose_2k \\
         --out docs/analysis/scale.png
+
+Two models that share a tokenizer score the very same windows, so their losses can be paired window by
+window: ``--same-windows qwen2.5-coder-0.5b,qwen2.5-coder-1.5b`` prints the second's ΔNLL minus the first's
+at each budget, with a 95% interval (negative: the second model loses less). Runs with different window
+counts are refused; that the tokenizers agree is the caller's claim.
 """
 
 from __future__ import annotations
@@ -20,25 +25,43 @@ from scissorhands.tools.eval.runner import load_results
 from scissorhands.tools.stats import paired_difference
 
 
-def deltas(folder: Path) -> dict:
+def window_deltas(folder: Path) -> dict[float, list[float]]:
+    """Per window, the defaults' NLL minus the full cache's, at budgets 0.2 and 0.1."""
     if folder.suffix == ".jsonl":  # a defaults_sweep.py record
         full = json.loads(folder.with_suffix(".full.json").read_text())["nll"]
         rows = {r["budget"]: r for r in map(json.loads, folder.read_text().splitlines()) if r["name"] == "defaults"}
-        return {b: (*paired_difference(rows[b]["nll"], full), len(full)) for b in (0.2, 0.1)}
+        return {b: [a - f for a, f in zip(rows[b]["nll"], full)] for b in (0.2, 0.1)}
     rows = {(r["method"], r["budget"]): r for r in load_results(folder / "results.jsonl")}
     base = [s["nll"] for s in rows[("full", None)]["item_scores"]]
-    out = {}
-    for budget in (0.2, 0.1):
-        mine = [s["nll"] for s in rows[("scissorhands", budget)]["item_scores"]]
-        out[budget] = (*paired_difference(mine, base), len(mine))
-    return out
+    return {b: [s["nll"] - f for s, f in zip(rows[("scissorhands", b)]["item_scores"], base)] for b in (0.2, 0.1)}
+
+
+def deltas(folder: Path) -> dict:
+    """Mean ΔNLL, its 95% interval and the window count at budgets 0.2 and 0.1."""
+    return {budget: (*paired_difference(values, [0.0] * len(values)), len(values))
+            for budget, values in window_deltas(folder).items()}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="LABEL:PARAMETERS:EVAL_DIR")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--same-windows", action="append", default=[], metavar="LABEL_A,LABEL_B",
+                   help="two runs on the same windows (models sharing a tokenizer): print B's ΔNLL minus A's, "
+                        "paired window by window; may be given more than once")
     args = p.parse_args(argv)
+    folders = {}
+    for run in args.runs:
+        parts = run.split(":", 2)
+        if len(parts) != 3:
+            p.error(f"runs: {run!r} is not LABEL:PARAMETERS:RUN")
+        folders[parts[0]] = Path(parts[2])
+    pairs = []
+    for pair in args.same_windows:
+        names = pair.split(",")
+        if len(names) != 2 or any(n not in folders for n in names):
+            p.error(f"same-windows: {pair!r} is not two of the run labels {', '.join(folders)} joined by a comma")
+        pairs.append(names)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,6 +76,13 @@ def main(argv=None) -> int:
     for label, params, d in points:
         print(f"| {label} | {params / 1e6:.0f}M | {d[0.2][2]} | {d[0.2][0]:+.4f} ±{d[0.2][1]:.4f} | "
               f"{d[0.1][0]:+.4f} ±{d[0.1][1]:.4f} |")
+    for a, b in pairs:
+        da, db = window_deltas(folders[a]), window_deltas(folders[b])
+        for budget, name in ((0.2, "5x"), (0.1, "10x")):
+            if len(da[budget]) != len(db[budget]):
+                p.error(f"same-windows: {a} has {len(da[budget])} windows and {b} {len(db[budget])}")
+            mean, half = paired_difference(db[budget], da[budget])
+            print(f"{b} - {a}, {name}, paired over {len(da[budget])} windows: {mean:+.4f} ±{half:.4f}")
     fig, ax = plt.subplots(figsize=(6, 4))
     for budget, name in ((0.2, "5x"), (0.1, "10x")):
         xs = [p for _, p, _ in points]

@@ -162,3 +162,33 @@ def test_peer_table_pairs_each_row_with_its_groups_full_cache(tmp_path, capsys):
     assert lines[4] == "| | | | h2o | +0.1500 ±0.0980 | **+0.1500 ±0.0980** |"
     assert peer_table.main([f"tiny={tmp_path / 'paper'}"]) == 2  # no full row in the group
     assert "no full-cache row" in capsys.readouterr().err
+
+
+def test_scale_plot_pairs_two_models_on_the_same_windows(tmp_path, capsys):
+    """``--same-windows A,B``: B's ΔNLL minus A's, window by window; unequal window counts are refused."""
+    scale_plot = script("scale_plot")
+
+    def write(name, full, five, ten):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [("full", None, full), ("scissorhands", 0.2, five), ("scissorhands", 0.1, ten)]
+        (folder / "results.jsonl").write_text("".join(
+            json.dumps({"task": "ppl", "method": m, "budget": b, "metric": "ppl", "value": 0.0,
+                        "item_scores": [{"nll": v} for v in vals]}) + "\n" for m, b, vals in rows))
+        return folder
+
+    small = write("small", [3.0, 3.2, 3.1], [3.1, 3.4, 3.2], [3.3, 3.6, 3.4])  # ΔNLL 0.1, 0.2, 0.1 / 0.3, 0.4, 0.3
+    large = write("large", [2.0, 2.2, 2.1], [2.05, 2.3, 2.1], [2.1, 2.4, 2.2])  # 0.05, 0.1, 0.0 / 0.1, 0.2, 0.1
+    runs = [f"a:1e8:{small}", f"b:1e9:{large}"]
+    assert scale_plot.main([*runs, "--out", str(tmp_path / "s.png"), "--same-windows", "a,b"]) == 0
+    out = capsys.readouterr().out
+    assert "b - a, 5x, paired over 3 windows: -0.0833 ±" in out
+    assert "b - a, 10x, paired over 3 windows: -0.2000 ±0.0000" in out
+    assert (tmp_path / "s.png").is_file()
+    short = write("short", [2.0], [2.1], [2.2])
+    with pytest.raises(SystemExit):
+        scale_plot.main([f"a:1e8:{small}", f"c:1e9:{short}", "--out", str(tmp_path / "t.png"), "--same-windows", "a,c"])
+    assert "same-windows: a has 3 windows and c 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        scale_plot.main([*runs, "--out", str(tmp_path / "t.png"), "--same-windows", "a,z"])
+    assert "same-windows:" in capsys.readouterr().err
