@@ -188,7 +188,7 @@ def test_cli_summary_shows_earlier_runs_on_the_same_windows_each_row_named(tmp_p
               "--budgets", "0.5", "--num-samples", "2", "--seq-len", "64", "--out", str(out)]
     assert cli(capsys, *common, "--recent", "4")[0] == 0
     code, _, err = cli(capsys, *common, "--recent", "8")
-    assert code == 0 and "also shows 1 rows of earlier runs" in err
+    assert code == 0 and "also shows 1 row of earlier runs" in err
     records = load_results(out / RESULTS_FILE)
     assert [r["method"] for r in records] == ["full", "scissorhands", "scissorhands"]
     summary = (out / "summary.md").read_text()

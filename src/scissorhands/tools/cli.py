@@ -570,8 +570,9 @@ def _run_eval(args) -> int:
                        base=base, out_dir=out, limit=args.limit, seed=args.seed, resume=not args.no_resume)
     shown = folder_results(out / RESULTS_FILE, results)
     if len(shown) > len(results):
-        print(f"summary: also shows {len(shown) - len(results)} rows of earlier runs into {out} measured the same way",
-              file=sys.stderr)
+        extra = len(shown) - len(results)
+        print(f"summary: also shows {extra} {'row' if extra == 1 else 'rows'} of earlier runs into {out} "
+              "measured the same way", file=sys.stderr)
     summary = summary_markdown(shown)
     print(summary)
     (out / "summary.md").write_text(summary + "\n")
