@@ -218,6 +218,22 @@ def test_row_labels_name_what_sets_rows_apart():
     assert labels[2:] == ["scissorhands (prefill=stream)", "scissorhands (prefill=prompt-aware)"]
 
 
+def test_summary_rows_sit_beside_their_method_whatever_order_runs_wrote_them():
+    """A later run's 2x rows are listed with their method, before its 5x rows, and the full cache first."""
+    from scissorhands.tools.eval.runner import summary_table
+    from scissorhands.tools.eval.tasks import Perplexity
+
+    def rec(method, budget, compression):
+        return {"task": "ppl", "method": method, "budget": budget, "compression": compression,
+                "metrics": Perplexity().aggregate([{"nll": 3.0}, {"nll": 3.1}]), "item_scores": []}
+
+    written = [rec("scissorhands", 0.2, 5.0), rec("full", None, 1.0), rec("h2o", 0.2, 5.0),
+               rec("h2o", 0.5, 2.0), rec("scissorhands", 0.5, 2.0)]
+    rows = [line.split("|")[1:3] for line in summary_table(written).splitlines()[2:]]
+    assert [(m.strip(), b.strip()) for m, b in rows] == [("full", "full"), ("scissorhands", "0.5"),
+                                                         ("scissorhands", "0.2"), ("h2o", "0.5"), ("h2o", "0.2")]
+
+
 @pytest.mark.parametrize("task, option, length", [("ppl", "num-samples", 512), ("agreement", "limit", 512)])
 def test_asking_for_more_windows_than_the_text_holds_is_refused(tmp_path, tiny_folder, text_file, capsys, task,
                                                                 option, length):

@@ -485,8 +485,16 @@ def row_labels(results: list[dict]) -> list[str]:
     return labels
 
 
+def _in_order(results: list[dict]) -> list[dict]:
+    """Rows for a table: the full cache first, then each method in the order it first appears, from the least
+    compression to the most (rows appended by later runs land beside their method, not at the end)."""
+    first = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in results))}
+    return sorted(results, key=lambda r: (r["method"] != "full", first[r["method"]], r.get("compression") or 0.0))
+
+
 def summary_table(results: list[dict]) -> str:
     """Markdown: one row per method (and settings, see :func:`row_labels`) and budget, one column per task."""
+    results = _in_order(results)
     tasks = list(dict.fromkeys(r["task"] for r in results))
     labels = row_labels(results)
     rows = list(dict.fromkeys((name, r["budget"]) for name, r in zip(labels, results)))
@@ -556,6 +564,7 @@ def paired_vs_full(results: list[dict], task: str = "ppl") -> list[dict]:
 def summary_markdown(results: list[dict]) -> str:
     """summary.md: first the paired differences to the full cache (the numbers that matter), then every result."""
     lines = []
+    results = _in_order(results)
     tasks = list(dict.fromkeys(r["task"] for r in results))
     paired = {t: {(p["label"], p["budget"]): p for p in paired_vs_full(results, t)} for t in tasks}
     shown = [t for t in tasks if paired[t]]
