@@ -63,6 +63,7 @@ def main(argv=None) -> int:
             p.error(f"same-windows: {pair!r} is not two of the run labels {', '.join(folders)} joined by a comma")
         pairs.append(names)
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -91,6 +92,10 @@ def main(argv=None) -> int:
     for label, params, d in points:
         ax.annotate(label, (params, d[0.1][0]), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xscale("log")
+    sizes = sorted({params for _, params, _ in points})
+    ax.set_xticks(sizes, [f"{x / 1e9:g}B" if x >= 1e9 else f"{x / 1e6:.0f}M" for x in sizes])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlim(sizes[0] / 1.3, sizes[-1] * 2.2)  # room for the last label
     ax.set_xlabel("parameters")
     ax.set_ylabel("ΔNLL against the full cache (nats/token)")
     ax.set_title("Shakespeare, T = 2,048, shipped defaults")
