@@ -1,5 +1,7 @@
 """Tiny random models built from configs, offline and seeded."""
 
+import signal
+
 import pytest
 import torch
 from transformers import (
@@ -175,3 +177,13 @@ def run_in_process(capsys, *args):
     code, _, err = run_cli(capsys, *args)
     return code, err
 collect_ignore = ["on_vllm"]  # run by tests/on_vllm/run, in vLLM's own environment
+
+
+def sigint_as_in_a_terminal() -> None:
+    """``preexec_fn`` for a child that a test interrupts: SIGINT back to its default action.
+
+    A shell starts background jobs with SIGINT ignored, and Python then installs no KeyboardInterrupt handler,
+    so without this a Ctrl-C test run under ``cmd &`` (or a CI runner that does the same) would send a signal
+    the child never sees.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

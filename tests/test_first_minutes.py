@@ -57,12 +57,13 @@ def test_ctrl_c_in_the_first_seconds_is_one_line(tmp_path, delay):
     import signal
     import time
 
-    from conftest import save_tiny_model
+    from conftest import save_tiny_model, sigint_as_in_a_terminal
 
     folder = save_tiny_model(tmp_path / "tiny")
     proc = subprocess.Popen([sys.executable, "-m", "scissorhands.tools.cli", "generate", "--model", str(folder),
                              "--budget", "40", "--prompt", "hello", "--max-new-tokens", "500"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),
+                            preexec_fn=sigint_as_in_a_terminal)
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=120)[1]

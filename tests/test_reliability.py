@@ -20,7 +20,15 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import scissorhands
-from conftest import ByteTokenizer, left_padded, run_cli, save_tiny_model, tiny_config, tiny_model
+from conftest import (
+    ByteTokenizer,
+    left_padded,
+    run_cli,
+    save_tiny_model,
+    sigint_as_in_a_terminal,
+    tiny_config,
+    tiny_model,
+)
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.methods import get_method
 from scissorhands.core.schedule import load_schedule
@@ -374,7 +382,7 @@ def test_ctrl_c_in_a_real_process(tmp_path, tiny_folder, text_file):
     proc = subprocess.Popen([sys.executable, "-m", "scissorhands.tools.cli", "-v", "eval", "--model", str(tiny_folder),
                              "--text", str(text_file), "--seq-len", "32", "--num-samples", "64", "--out",
                              str(tmp_path / "out")], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=env)
+                            env=env, preexec_fn=sigint_as_in_a_terminal)
     seen = []
     try:
         for line in proc.stderr:  # wait until the model is loaded: we are inside main
