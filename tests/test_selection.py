@@ -48,3 +48,36 @@ def test_keep_order_is_a_permutation_that_keeps_exactly_the_rest(b, h, length, r
             assert all(s < n for s in kept + dropped) and all(s < n - recent for s in dropped)
             worst_kept = min((scores[row, head, s].item() for s in kept if s < n - recent), default=float("inf"))
             assert all(scores[row, head, s].item() <= worst_kept for s in dropped)
+
+
+def _sorted_reference(scores, lengths, recent, n, shield=None):
+    """The selection by two stable sorts, as every drop amount takes it: (dropped mask, keep order)."""
+    length = scores.shape[-1]
+    slot = torch.arange(length)
+    score = scores.clone()
+    score.masked_fill_((slot[None, :] >= (lengths - recent)[:, None])[:, None, :], float("inf"))
+    if shield is not None:
+        score.masked_fill_(shield, float("inf"))
+    order = torch.sort(score, dim=-1, stable=True).indices
+    ranked = slot[None, None, :] < (n[:, None, None] if n.dim() == 1 else n[:, :, None])
+    dropped = torch.zeros_like(score, dtype=torch.bool).scatter_(2, order, ranked.expand_as(order).contiguous())
+    return dropped, torch.sort(dropped.to(torch.uint8), dim=-1, stable=True).indices
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 12), st.integers(0, 5), st.booleans(), st.booleans(),
+       st.integers(0, 2**16))
+def test_dropping_one_slot_at_most_equals_the_sorted_selection(b, h, length, recent, per_head, shielded, seed):
+    """Decode steps that drop one token (drop=1, the vLLM adapter) take argmin instead of two sorts: the same slots,
+    ties (few distinct scores), empty slots, shields and rows that drop nothing included."""
+    from scissorhands.core.selection import lowest
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, length + 1, (b,), generator=gen)
+    n = torch.randint(0, 2, (b, h) if per_head else (b,), generator=gen)
+    scores = torch.randint(0, 3, (b, h, length), generator=gen).float()
+    shield = torch.rand(b, h, length, generator=gen) < 0.3 if shielded else None
+    want_dropped, want_order = _sorted_reference(scores, lengths, recent, n, shield)
+    assert torch.equal(lowest(scores, lengths, recent, n, shield), want_dropped)
+    if not per_head:
+        assert torch.equal(keep_order(scores, lengths, recent, n, shield), want_order)

@@ -38,8 +38,21 @@ def keep_order(
         Slot indices: the kept slots in stored order, then the dropped ones.
     """
     dropped = lowest(scores, lengths, recent, n_drop, shield)
+    if _one_at_most(n_drop):
+        # One slot d per row and head: the others keep their order and d goes last (what the sort below gives).
+        length = scores.shape[-1]
+        slot = torch.arange(length, device=dropped.device)
+        d = torch.where(dropped.any(-1), dropped.to(torch.uint8).argmax(-1), length - 1)[..., None]  # (B, H_kv, 1)
+        order = slot + (slot >= d).long()  # (B, H_kv, L): every slot after d moves up one
+        order[..., -1:] = d
+        return order
     # Kept slots first, in stored order; dropped ones after.
     return torch.sort(dropped.to(torch.uint8), dim=-1, stable=True).indices  # (B, H_kv, L)
+
+
+def _one_at_most(n: torch.Tensor) -> bool:
+    """Whether no row drops more than one slot (a decode step with ``drop=1``, as in the vLLM adapter)."""
+    return n.numel() == 0 or int(n.max()) <= 1
 
 
 def lowest(
@@ -64,6 +77,11 @@ def lowest(
     score.masked_fill_(shielded[:, None, :], float("inf"))
     if shield is not None:
         score.masked_fill_(shield, float("inf"))
+    if length and _one_at_most(n):
+        # One slot at most: the first minimum is the older of equal scores, as in the stable sort below.
+        pick = score.argmin(dim=-1, keepdim=True)  # (B, H_kv, 1)
+        wanted = (n[:, None] if n.dim() == 1 else n).to(device).bool()[..., None]  # (B, 1 or H_kv, 1)
+        return torch.zeros_like(score, dtype=torch.bool).scatter_(2, pick, wanted.expand_as(pick))
     # Stable ascending sort: among equal scores the older slot comes first and goes first.
     order = torch.sort(score, dim=-1, stable=True).indices  # (B, H_kv, L)
     n = n.to(device)

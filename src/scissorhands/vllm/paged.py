@@ -47,11 +47,16 @@ def block_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat[:, :, 0].view(nb, h, d2 // 2, n), flat[:, :, 1].view(nb, h, n, d2 // 2)
 
 
+def gather_keys(keys_t: torch.Tensor, where: torch.Tensor, block: int) -> torch.Tensor:
+    """K at physical slots ``where`` (R, H_kv, L): (R, H_kv, L, D)."""
+    heads = torch.arange(where.shape[1], device=where.device)[None, :, None]  # (1, H_kv, 1)
+    return keys_t[where // block, heads, :, where % block]
+
+
 def gather_kv(keys_t: torch.Tensor, values: torch.Tensor, where: torch.Tensor, block: int):
     """K and V at physical slots ``where`` (R, H_kv, L): each (R, H_kv, L, D)."""
     heads = torch.arange(where.shape[1], device=where.device)[None, :, None]  # (1, H_kv, 1)
-    blk, off = where // block, where % block
-    return keys_t[blk, heads, :, off], values[blk, heads, off, :]
+    return gather_keys(keys_t, where, block), values[where // block, heads, where % block, :]
 
 
 def copy_slots(keys_t: torch.Tensor, values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
@@ -258,8 +263,8 @@ class PagedLayer:
         ids[rows] = slot_mapping[tokens].long()[:, None, None, None]  # (D, 1, 1, 1): same slot, every KV head
         self.kv.append(ids, ids, valid, valid.long().cumsum(1))
         length = int(self.kv.slots.lengths[rows].max())
-        keys_t, values, block = self.store.cache  # type: ignore[misc]
-        k, _ = gather_kv(keys_t, values, self.store.where[rows, :, :length], block)  # (D, H_kv, L, Dh)
+        keys_t, _, block = self.store.cache  # type: ignore[misc]
+        k = gather_keys(keys_t, self.store.where[rows, :, :length], block)  # (D, H_kv, L, Dh)
         q = query[tokens].float().view(len(decode), self.kv_heads, self.group, -1)  # (D, H_kv, g, Dh)
         logits = torch.einsum("rhgd,rhld->rhgl", q, k.float()) * self.scale
         if self.softcap:
