@@ -38,9 +38,9 @@ def keep_order(
         Slot indices: the kept slots in stored order, then the dropped ones.
     """
     dropped = lowest(scores, lengths, recent, n_drop, shield)
-    if _one_at_most(n_drop):
+    length = scores.shape[-1]
+    if length and _one_at_most(n_drop):
         # One slot d per row and head: the others keep their order and d goes last (what the sort below gives).
-        length = scores.shape[-1]
         slot = torch.arange(length, device=dropped.device)
         d = torch.where(dropped.any(-1), dropped.to(torch.uint8).argmax(-1), length - 1)[..., None]  # (B, H_kv, 1)
         order = slot + (slot >= d).long()  # (B, H_kv, L): every slot after d moves up one
