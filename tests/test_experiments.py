@@ -22,12 +22,41 @@ def test_the_folder_has_scripts_and_configs():
     assert not list(EXPERIMENTS.glob("*.json")), "sweep configs go in experiments/configs/"
 
 
+# Runs each script as ``python SCRIPT --help`` does (``runpy`` as ``__main__``, its folder first on the path), all in
+# one interpreter, so that torch and transformers are imported once rather than once per script.
+_HELP_RUNNER = r"""
+import contextlib, io, json, runpy, sys, traceback
+sys.path.insert(0, sys.argv[1])
+answers = {}
+for path in sys.argv[2:]:
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = [path, "--help"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        code = 1
+        err.write(traceback.format_exc())
+    answers[path] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+print(json.dumps(answers))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_answers():
+    proc = subprocess.run([sys.executable, "-c", _HELP_RUNNER, str(EXPERIMENTS), *map(str, SCRIPTS)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_script_answers_help(script):
-    proc = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage:"), proc.stdout[:200] + proc.stderr[-2000:]
+def test_script_answers_help(script, help_answers):
+    answer = help_answers[str(script)]
+    assert answer["code"] == 0, answer["stderr"][-2000:]
+    assert answer["stdout"].startswith("usage:"), answer["stdout"][:200] + answer["stderr"][-2000:]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
