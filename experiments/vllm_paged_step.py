@@ -33,10 +33,11 @@ BLOCK = 128  # vLLM's CPU block size
 class Harness:
     """One layer, R requests, the blocks they use and the steps vLLM would run."""
 
-    def __init__(self, requests: int, prompt: int, budget: int, steps: int, method: str, seed: int = 0):
+    def __init__(self, requests: int, prompt: int, budget: int, steps: int, method: str, rows: int | None = None,
+                 seed: int = 0):
         self.requests, self.prompt, self.steps = requests, prompt, steps
         self.layer = PagedLayer(parse({"budget": budget, "method": method}), 0, HEADS, KV_HEADS, HEAD,
-                                HEAD ** -0.5, None, rows=requests)
+                                HEAD ** -0.5, None, rows=rows or requests)
         per = math.ceil((prompt + steps + 1) / BLOCK)
         self.table = torch.arange(requests * per, dtype=torch.int32).view(requests, per)  # (R, blocks)
         self.cache = torch.zeros(requests * per, KV_HEADS, BLOCK, 2 * HEAD)  # (num_blocks, H_kv, N, 2D)
@@ -84,11 +85,13 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--method", default="scissorhands")
+    ap.add_argument("--rows", type=int,
+                    help="vLLM's max_num_seqs: the most rows the layer may hold (default: --requests)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    h = Harness(args.requests, args.prompt, args.budget, args.steps + args.warmup, args.method)
+    h = Harness(args.requests, args.prompt, args.budget, args.steps + args.warmup, args.method, args.rows)
     t0 = time.perf_counter()
     h.prefill()
     prefill_s = time.perf_counter() - t0
@@ -99,6 +102,8 @@ def main(argv=None) -> None:
         if s >= args.warmup:
             times.append(time.perf_counter() - t0)
     record = {"config": vars(args) | {"out": str(args.out)}, "prefill_s": prefill_s,
+              "pool_rows": int(h.layer.kv.slots.lengths.shape[0]), "state_bytes": sum(
+                  s.nbytes() for s in h.layer.kv.states),
               "decode_step_ms_median": 1e3 * statistics.median(times),
               "decode_step_ms_min": 1e3 * min(times), "decode_step_ms_max": 1e3 * max(times)}
     print(json.dumps(record, indent=1))

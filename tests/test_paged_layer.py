@@ -125,3 +125,33 @@ def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(plugin
             assert len(mine[0]) <= budget
         for rid in running:
             blocks.free_behind(rows[rid], seen[rid] - 1, budget)
+
+
+def test_the_row_pool_follows_the_sequences_that_run_not_max_num_seqs():
+    """Rows cost importance state and per-step work: the pool starts at one row, doubles when a prompt finds none
+    free, stops at ``rows`` (vLLM's max_num_seqs), and a released row is reused before the pool grows."""
+    gen = torch.Generator().manual_seed(1)
+    settings = parse({"budget": 12, "preset": "paper"})  # an exact 400-step window: 400 floats per slot and head
+    layer = PagedLayer(settings, 0, HQ, HKV, D, SCALE, None, rows=6)
+    blocks = Blocks(8, 40, gen)
+    per_row = sum(s.nbytes() for s in layer.kv.states)
+    sizes = []
+    for i in range(6):
+        q, k, v = (torch.randn(20, h, D, generator=gen) for h in (HQ, HKV, HKV))
+        slots = blocks.slots(i, torch.arange(20))
+        blocks.write(slots, k, v)
+        layer.step([f"r{i}"], q, k, v, blocks.cache, torch.tensor([0, 20], dtype=torch.int32),
+                   torch.tensor([20], dtype=torch.int32), blocks.table[[i]], slots, torch.zeros(20, HQ, D))
+        sizes.append(layer.kv.slots.lengths.shape[0])
+    assert sizes == [1, 2, 4, 4, 6, 6]
+    assert sum(s.nbytes() for s in layer.kv.states) == 6 * per_row
+    layer.release(["r2"])
+    q, k, v = (torch.randn(20, h, D, generator=gen) for h in (HQ, HKV, HKV))
+    slots = blocks.slots(6, torch.arange(20))
+    blocks.write(slots, k, v)
+    layer.step(["r6"], q, k, v, blocks.cache, torch.tensor([0, 20], dtype=torch.int32),
+               torch.tensor([20], dtype=torch.int32), blocks.table[[6]], slots, torch.zeros(20, HQ, D))
+    assert layer.row_of["r6"] == 2 and layer.kv.slots.lengths.shape[0] == 6
+    with pytest.raises(RuntimeError, match="max_num_seqs"):
+        layer.step(["r7"], q, k, v, blocks.cache, torch.tensor([0, 20], dtype=torch.int32),
+                   torch.tensor([20], dtype=torch.int32), blocks.table[[7]], slots, torch.zeros(20, HQ, D))

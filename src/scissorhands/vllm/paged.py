@@ -138,6 +138,12 @@ class PagedLayer:
     softcap : float or None
     rows : int
         Most sequences at once (vLLM's ``max_num_seqs``).
+
+    Notes
+    -----
+    The row pool starts with one row and doubles when a new sequence finds none free, up to ``rows``. Every row
+    costs importance state (``n_buckets`` floats per slot and KV head) and takes part in each step's scoring,
+    so the pool follows the most sequences that ran at once, not the most vLLM would allow (256 by default).
     """
 
     def __init__(self, settings: PluginSettings, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int,
@@ -151,15 +157,16 @@ class PagedLayer:
         self.group = num_heads // num_kv_heads
         self.method = settings.method()
         self.kv = self._budgeted(PagedSlots())
-        template = torch.zeros(rows, num_kv_heads, 0, 1, dtype=torch.long)
+        template = torch.zeros(1, num_kv_heads, 0, 1, dtype=torch.long)
         self.kv.allocate(template, template)
         self.kv.resize(self.budget)
         for state in self.kv.states:
-            state.allocate(rows, num_kv_heads, self.budget, group=self.group, device="cpu", dtype=torch.float32)
+            state.allocate(1, num_kv_heads, self.budget, group=self.group, device="cpu", dtype=torch.float32)
         self.kv.states_ready = True
         self.store: PagedSlots = self.kv.store  # type: ignore[assignment]
+        self.most_rows = rows
         self.row_of: dict[str, int] = {}
-        self.free_rows = list(range(rows - 1, -1, -1))
+        self.free_rows = [0]
         self.restarts = 0  # sequences begun again (a preempted request is recomputed from its first token)
 
     def _budgeted(self, store: KVStore, prefill=None) -> BudgetedKV:
@@ -182,9 +189,19 @@ class PagedLayer:
             self.restarts += 1
         else:
             if not self.free_rows:
-                raise RuntimeError("scissorhands: more running sequences than rows (max_num_seqs)")
+                self._grow()
             row = self.row_of[rid] = self.free_rows.pop()
         return row
+
+    def _grow(self) -> None:
+        """Double the row pool, up to ``most_rows``. A new row holds a copy of row 0 until a prompt loads it, as a
+        released row keeps its last sequence's state: nothing a row holds while no sequence runs in it is used."""
+        n = self.kv.slots.lengths.shape[0]
+        grown = min(2 * n, self.most_rows)
+        if grown == n:
+            raise RuntimeError("scissorhands: more running sequences than rows (max_num_seqs)")
+        self.kv.select_batch(torch.cat([torch.arange(n), torch.zeros(grown - n, dtype=torch.long)]))
+        self.free_rows.extend(range(grown - 1, n - 1, -1))
 
     # -- one engine step -----------------------------------------------------------------------------------
     @torch.no_grad()
