@@ -143,7 +143,8 @@ class PagedLayer:
     -----
     The row pool starts with one row and doubles when a new sequence finds none free, up to ``rows``. Every row
     costs importance state (``n_buckets`` floats per slot and KV head) and takes part in each step's scoring,
-    so the pool follows the most sequences that ran at once, not the most vLLM would allow (256 by default).
+    so the pool follows the most sequences that ran at once, not the most vLLM would allow (by default 256 for
+    ``LLM`` and 128 for the server on CPUs, up to 1,024 on large GPUs).
     """
 
     def __init__(self, settings: PluginSettings, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int,
