@@ -135,23 +135,22 @@ def test_the_row_pool_follows_the_sequences_that_run_not_max_num_seqs():
     layer = PagedLayer(settings, 0, HQ, HKV, D, SCALE, None, rows=6)
     blocks = Blocks(8, 40, gen)
     per_row = sum(s.nbytes() for s in layer.kv.states)
+
+    def prompt(rid: str, row: int) -> None:  # one 20-token prompt in a step of its own
+        q, k, v = (torch.randn(20, h, D, generator=gen) for h in (HQ, HKV, HKV))
+        slots = blocks.slots(row, torch.arange(20))
+        blocks.write(slots, k, v)
+        layer.step([rid], q, k, v, blocks.cache, torch.tensor([0, 20], dtype=torch.int32),
+                   torch.tensor([20], dtype=torch.int32), blocks.table[[row]], slots, torch.zeros(20, HQ, D))
+
     sizes = []
     for i in range(6):
-        q, k, v = (torch.randn(20, h, D, generator=gen) for h in (HQ, HKV, HKV))
-        slots = blocks.slots(i, torch.arange(20))
-        blocks.write(slots, k, v)
-        layer.step([f"r{i}"], q, k, v, blocks.cache, torch.tensor([0, 20], dtype=torch.int32),
-                   torch.tensor([20], dtype=torch.int32), blocks.table[[i]], slots, torch.zeros(20, HQ, D))
+        prompt(f"r{i}", i)
         sizes.append(layer.kv.slots.lengths.shape[0])
     assert sizes == [1, 2, 4, 4, 6, 6]
     assert sum(s.nbytes() for s in layer.kv.states) == 6 * per_row
     layer.release(["r2"])
-    q, k, v = (torch.randn(20, h, D, generator=gen) for h in (HQ, HKV, HKV))
-    slots = blocks.slots(6, torch.arange(20))
-    blocks.write(slots, k, v)
-    layer.step(["r6"], q, k, v, blocks.cache, torch.tensor([0, 20], dtype=torch.int32),
-               torch.tensor([20], dtype=torch.int32), blocks.table[[6]], slots, torch.zeros(20, HQ, D))
+    prompt("r6", 6)
     assert layer.row_of["r6"] == 2 and layer.kv.slots.lengths.shape[0] == 6
     with pytest.raises(RuntimeError, match="max_num_seqs"):
-        layer.step(["r7"], q, k, v, blocks.cache, torch.tensor([0, 20], dtype=torch.int32),
-                   torch.tensor([20], dtype=torch.int32), blocks.table[[7]], slots, torch.zeros(20, HQ, D))
+        prompt("r7", 7)
