@@ -67,7 +67,7 @@ def pinned(position: int, sinks: int, spans) -> bool:
 
 def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_steps, importance, scaling,
                      sinks=0, value_weighted=False, protect=None, events=None, prefill=0, prefill_drop=None,
-                     tiers=None, base_bits=None, group=32, widths_out=None):
+                     tiers=None, base_bits=None, group=32, widths_out=None, rounds=False):
     """Stream a whole sequence batch through a budgeted cache, token by token.
 
     Parameters
@@ -89,6 +89,9 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
     prefill, prefill_drop : int
         The first ``prefill`` columns are one chunk (a prompt): an eviction made while taking them
         drops ``prefill_drop`` tokens (the ``prefill_drop`` setting) instead of ``drop``.
+    rounds : bool
+        Eviction in rounds: a full sequence with no victim pending chooses ``drop`` victims by the same rule,
+        and each new token evicts the oldest pending one (so it stays at the budget).
     events : list, optional
         If given, every eviction is appended as ``(b, h, step, position, score)``,
         ``step`` being the number of real tokens seen when it was made.
@@ -121,6 +124,7 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
             stored = []  # list of [position, column in the input, width], in append order
             history = {}  # key position -> list of (query step, importance added)
             pos = 0  # real tokens seen by this sequence
+            pending = []  # rounds: positions of the victims still stored, oldest first
             for t in range(t_len):
                 if not ok[b][t]:
                     continue  # padding: never stored, never a query
@@ -139,7 +143,10 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
                         if value_weighted:
                             score *= math.sqrt(sum(x * x for x in vl[b][h][col]))
                         scores[p] = score
-                    if len(stored) + 1 > budget:
+                    if rounds and len(stored) + 1 > budget and pending:
+                        leaving = pending.pop(0)
+                        stored = [item for item in stored if item[0] != leaving]
+                    elif len(stored) + 1 > budget:
                         n_drop = max(amount, len(stored) + 1 - budget)
                         scored = []
                         for idx, (p, _, w) in enumerate(stored):
@@ -156,6 +163,10 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
                         if events is not None:
                             events.extend((b, h, pos, stored[idx][0], scores[stored[idx][0]] if score >= BIG
                                            else score) for score, idx in scored[:n_drop])
+                        if rounds:  # the chosen stay until their turn; the oldest leaves now
+                            pending = sorted(stored[idx][0] for idx in gone)
+                            leaving = pending.pop(0)
+                            gone = {i for i, item in enumerate(stored) if item[0] == leaving}
                         stored = [item for idx, item in enumerate(stored) if idx not in gone]
                     for level in reversed(range(len(tiers or ()))):
                         w, cap = tiers[level]

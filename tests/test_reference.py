@@ -22,13 +22,14 @@ def chunk_mask(valid_chunk: torch.Tensor) -> torch.Tensor:
 
 
 def run_layer(q, k, v, valid, chunks, *, budget, recent, drop, window, bucket_steps, importance, scaling,
-              query_tile=256, sinks=0, value_weighted=False, prefill_drop=None, decode="dynamic", protect=None):
+              query_tile=256, sinks=0, value_weighted=False, prefill_drop=None, decode="dynamic", protect=None,
+              rounds=False):
     """Feed the tensors through one ScissorhandsLayer in the given chunks."""
     n_buckets = 1 if window is None else math.ceil(window / (bucket_steps or 1))
     steps = None if window is None else (bucket_steps or 1)
     layer = ScissorhandsLayer(budget, recent, drop, ImportanceState(importance, steps, n_buckets, value_weighted),
                               Scissorhands(), query_tile=query_tile, sinks=sinks, prefill=Streamed(prefill_drop),
-                              decode=decode, protect=protect)
+                              decode=decode, protect=protect, rounds=rounds)
     outs, i = [], 0
     for c in chunks:
         kwargs = {}
@@ -85,7 +86,8 @@ def check_case(case):
     q, k, v, valid = make_inputs(case)
     params = dict(budget=case["budget"], recent=case["recent"], drop=case["drop"], window=case["window"],
                   bucket_steps=case["bucket_steps"], importance=case["importance"], scaling=0.5,
-                  sinks=case.get("sinks", 0), value_weighted=case.get("value_weighted", False))
+                  sinks=case.get("sinks", 0), value_weighted=case.get("value_weighted", False),
+                  rounds=case.get("rounds", False))
     ref_out, ref_kept = reference_stream(q, k, v, valid, **params)
     out, layer = run_layer(q, k, v, valid, case["chunks"], query_tile=case["tile"], **params)
     assert kept_of(layer, case["b"], case["h_kv"]) == ref_kept
@@ -99,6 +101,47 @@ def check_case(case):
 @given(cases())
 def test_layer_matches_reference(case):
     check_case(case)
+
+
+@st.composite
+def round_cases(draw):
+    case = draw(cases())
+    case["rounds"] = True
+    return case
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(round_cases())
+def test_rounds_match_the_reference(case):
+    """Eviction in rounds (``rounds=True``): victims chosen ``drop`` at a time leave one per new token, oldest
+    first, and are attended until they leave; outputs and kept positions equal the reference's rounds."""
+    check_case(case)
+
+
+def test_rounds_hold_the_budget_and_score_once_per_round():
+    """A full layer in rounds stays at its budget, and evicts the same tokens the per-step semantics would only
+    when a round is one token (drop 1)."""
+    case = dict(b=1, h_kv=2, group=2, t=70, recent=3, budget=16, drop=5, window=None, bucket_steps=None,
+                importance="sum", pads=[0], tile=8, seed=9)
+    q, k, v, valid = make_inputs(case)
+    params = dict(window=None, bucket_steps=None, importance="sum", scaling=0.5, budget=16, recent=3)
+    calls = []
+    _, rounds = run_layer(q, k, v, valid, [1] * 70, drop=5, rounds=True, **params)
+    assert rounds.slots.lengths.tolist() == [16]
+    assert rounds.kv.compressions == 70 - 16  # one token leaves per step once full
+    orig = rounds.kv.method.score
+    rounds.kv.method.score = lambda view: calls.append(1) or orig(view)
+    for t in range(10):  # ten more steps: two rounds of five
+        layer = rounds
+        kwargs = {}
+        x = torch.randn(1, 2, 1, 4, dtype=torch.float64)
+        layer.update(x, x, kwargs=kwargs)
+        layer.attend(torch.randn(1, 4, 1, 4, dtype=torch.float64), x, x, None, 0.5)
+    assert len(calls) == 2
+    one_a = run_layer(q, k, v, valid, [1] * 70, drop=1, rounds=True, **params)
+    one_b = run_layer(q, k, v, valid, [1] * 70, drop=1, **params)
+    torch.testing.assert_close(one_a[0], one_b[0], rtol=0, atol=0)
+    assert kept_of(one_a[1], 1, 2) == kept_of(one_b[1], 1, 2)
 
 
 @pytest.mark.parametrize("importance", ["sum", "count"])

@@ -41,6 +41,7 @@ import torch
 from .merging import MergeState
 from .methods.base import EvictionMethod, LayerView
 from .protect import Protection
+from .rounds import RoundState
 from .selection import keep_order, lowest
 from .slots import SlotTable
 from .state import TokenState
@@ -85,12 +86,15 @@ class BudgetedKV:
     decode : {"dynamic", "static", "compiled"}
         How a decode step runs: compact slots planned on the host (``dynamic``), or fixed shapes with no
         host synchronisation, eager or under ``torch.compile`` (:mod:`.static`).
+    rounds : bool
+        Evict in rounds (:mod:`.rounds`): a full row chooses ``drop`` victims at once, and each new token
+        evicts the oldest of them.
     """
 
     def __init__(self, budget: int, recent: int, drop: int, method: EvictionMethod,
                  state: TokenState | None = None, layer_idx: int = 0, store: KVStore | None = None, *,
                  sinks: int = 0, merge: bool = False, prefill=None,
-                 protect: Protection | None = None, decode: str = "dynamic"):
+                 protect: Protection | None = None, decode: str = "dynamic", rounds: bool = False):
         if drop > budget - recent:
             raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
         residual = store.residual if store is not None else 0
@@ -120,6 +124,12 @@ class BudgetedKV:
                 raise ValueError("kv_demote: the full cache scores no tokens, so it cannot demote any")
             self.tiers.bind(budget, recent, drop)
         self.static = None if decode == "dynamic" else StaticDecode(self, decode)
+        self.rounds: RoundState | None = None
+        if rounds:
+            if self.merge is not None or self.tiers is not None or self.static is not None:
+                raise ValueError("rounds: cannot be combined with merge, kv_demote or a static decode")
+            self.rounds = RoundState()
+            self.states.append(self.rounds)
         self.reset()
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -241,6 +251,9 @@ class BudgetedKV:
         With tiers, a row evicts only if it is at its budget, and demotes at every width whose cap it reached.
         """
         amount = self.drop if drop is None else drop
+        if self.rounds is not None:
+            self._round(rows, amount)
+            return
         if self.tiers is None:
             self.evict(self.method.score(self.view()), torch.where(rows, amount, 0))
             return
@@ -250,6 +263,17 @@ class BudgetedKV:
             order = self.evict(scores, n_drop)
             scores = scores.gather(2, order.to(scores.device))[:, :, : self.slots.length]
         self._demote(scores, rows, amount)
+
+    def _round(self, rows: torch.Tensor, amount: int) -> None:
+        """Rows ``rows`` with no victim pending choose ``amount``; then each of ``rows`` drops its oldest victim."""
+        assert self.rounds is not None
+        lengths = self.slots.lengths
+        start = rows & (self.rounds.pending(lengths) == 0)
+        if bool(start.any()):
+            scores = self.method.score(self.view())
+            shield = self._shield(self.slots.positions[:, :, : self.slots.length])
+            self.rounds.choose(lowest(scores, lengths, self.recent, torch.where(start, amount, 0), shield))
+        self.evict(self.rounds.next_out(lengths), torch.where(rows, 1, 0))
 
     def _demote(self, scores: torch.Tensor, rows: torch.Tensor, amount: int) -> None:
         """At each width whose cap a row of ``rows`` reached, demote its ``amount`` lowest ``scores`` a width down."""

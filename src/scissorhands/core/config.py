@@ -193,6 +193,10 @@ class CacheSettings:
     drop: float | int = setting(
         0.05, "drop amount *m*: fraction of the layer budget (float) or token count (int)",
         s.parse_count_or_fraction, s.fraction_or_count(1, fraction_closed_low=False), metavar="M")
+    rounds: bool = setting(
+        False, "evict in rounds: a full layer chooses its `drop` lowest-scoring tokens at once, and they leave one "
+        "per new token, oldest first (the layer stays at its budget, and scoring runs once per `drop` steps: the "
+        "vLLM adapter's eviction, [below](#eviction-in-rounds))", s.parse_bool, s.boolean, switch=True)
     prefill_drop: float | int | None = setting(
         None, "streamed prefill: tokens evicted at each compression event of a chunk of several tokens (a "
         "fraction of the layer budget, or a count); `None` = `drop`, which makes a chunk exactly token-by-token "
@@ -300,6 +304,11 @@ class CacheSettings:
                 if bad:
                     raise ValueError(f"decode: {self.decode!r} needs the dense store without merge or "
                                      f"value_weighted, got {name}={getattr(self, name)!r}")
+        if self.rounds:
+            for name, bad in (("merge", self.merge), ("kv_demote", self.kv_demote is not None),
+                              ("decode", self.decode != "dynamic")):
+                if bad:
+                    raise ValueError(f"rounds: cannot be combined with {name}={getattr(self, name)!r}")
         if self.kv_residual:
             if not self.lossy:
                 raise ValueError(f"kv_residual: needs a lossy store (kv_bits below 16, or a kv_store other than "

@@ -285,7 +285,7 @@ class ScissorhandsCache(Cache):
             layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
                                       self.method.make_state(config), self.method, config.query_tile, idx,
                                       sinks=config.sinks, merge=config.merge, prefill=make_prefill(config, budget),
-                                      protect=protection, decode=config.decode,
+                                      protect=protection, decode=config.decode, rounds=config.rounds,
                                       store=make_store(config, centers.get(idx), residual))
             if audit is not None:
                 layer.kv.listeners.append(audit)
