@@ -15,7 +15,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from . import worker
-from .paged import PagedLayer
+from .paged import PagedLayer, Planner
 from .settings import PluginSettings, from_vllm
 
 logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
@@ -37,7 +37,6 @@ class ScissorhandsImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.settings = _settings()
-        self.rows = get_current_vllm_config().scheduler_config.max_num_seqs
         self.paged: PagedLayer | None = None
         if self.settings is not None and self.sliding_window in (-1, None):
             self.sliding_window = self.settings.budget  # the window the kernel attends: the stored slots
@@ -57,15 +56,17 @@ class ScissorhandsImpl(CPUAttentionBackendImpl):
         if self.paged is None:
             match = re.search(r"layers\.(\d+)\.", getattr(layer, "layer_name", ""))
             self.paged = PagedLayer(self.settings, int(match.group(1)) if match else 0, self.num_heads,
-                                    self.num_kv_heads, self.head_size, self.scale, self.logits_soft_cap or None,
-                                    self.rows)
+                                    self.num_kv_heads, self.head_size, self.scale, self.logits_soft_cap or None)
             worker.LAYERS.append(self.paged)
+            if "planner" not in worker.PLANNER:
+                worker.PLANNER["planner"] = Planner(self.settings)
         n = attn_metadata.num_actual_tokens
         md = attn_metadata
-        self.paged.step(request_ids[: md.seq_lens.shape[0]], query[:n].view(n, self.num_heads, -1),
-                        key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1), kv_cache,
-                        md.query_start_loc, md.seq_lens, md.block_table, md.slot_mapping,
-                        out[:n].view(n, self.num_heads, -1))
+        plan = worker.PLANNER["planner"].for_step(worker.step_id(), request_ids[: md.seq_lens.shape[0]],
+                                                  md.query_start_loc, md.seq_lens, md.block_table,
+                                                  md.slot_mapping, kv_cache.shape[2])
+        self.paged.step(plan, query[:n].view(n, self.num_heads, -1), key[:n].view(n, self.num_kv_heads, -1),
+                        value[:n].view(n, self.num_kv_heads, -1), kv_cache, out[:n].view(n, self.num_heads, -1))
         return out
 
 

@@ -1,28 +1,43 @@
-"""One attention layer's eviction state for every sequence vLLM runs, over vLLM's paged K/V blocks.
+"""Eviction in rounds over vLLM's paged K/V blocks: one plan per engine step, a few operators per layer.
 
 vLLM keeps each layer's K/V in blocks of ``N`` tokens,
 ``kv_cache[num_blocks, H_kv, N, 2 * D]``; within a (block, KV head) the first
 half is K transposed (``[D, N]``) and the second V (``[N, D]``), on the CPU
 kernels this adapter supports (:func:`block_views`). The plugin presents a
 budgeted layer to vLLM as a sliding window of ``B`` slots (the budget), so
-vLLM's own block manager frees every block that falls behind the window and the
-kernel attends the ``B`` logical slots ``(p - B, p]`` of a query at position
-``p``. What this module adds is *which tokens live in those slots*:
+vLLM's own block manager frees every block that falls behind the window, and
+its kernel attends the ``B`` logical slots ``(p - B, p]`` of a query at
+position ``p``. What this module adds is *which tokens live in those slots*,
+with the core's semantics of eviction in rounds (:mod:`scissorhands.core.rounds`):
 
-* each sequence is a row of one :class:`~scissorhands.core.budgeted.BudgetedKV`
-  (the core's selection, method, importance state and protection, unchanged);
-  its store is :class:`PagedSlots`, which records where in vLLM's blocks each
-  stored token's K/V is (vLLM has already written the bytes);
-* a new sequence's prompt is attended exactly by the core
-  (:func:`scissorhands.core.streaming.attend`, the prompt-aware prefill) in a
-  one-row layer, which gives its output, its importance and the ``B`` kept
-  tokens; those are moved into the window's slots and the row joins the batch;
-* after each decode step, a full row drops its least important token (the
-  core's ``compress``) and, if the token in the slot that leaves the window next
-  is kept, its K/V are copied over the dropped token's slot. The window then
-  holds the ``B - 1`` kept tokens and room for the next one: exactly what the
-  transformers cache stores, because keys are stored after rotary embedding and
-  a token's position goes with it, not with its slot.
+* **A round.** When a request's window is full and no victim is pending, the
+  layer scores the window's tokens with the method (the core's
+  :class:`~scissorhands.core.methods.base.LayerView` over them, in position
+  order), picks the ``drop`` lowest with the core's
+  :func:`~scissorhands.core.selection.lowest` (recent window and protected
+  spans shielded, older first among equals), and swaps them into the ``drop``
+  slots that leave the window next, oldest victim first. The window then
+  drops one victim per step with no move, and whole blocks leave it: vLLM
+  frees them with no patch to its scheduler. A round moves at most
+  ``2 * drop`` slots per KV head.
+* **A decode step** adds each request's new query probabilities over its
+  window to an importance accumulator kept per *physical* slot (one compiled
+  operator per layer for every request, :mod:`.kernels`), and records the new
+  token's position. Nothing else runs unless a request starts a round.
+* **A prompt** (a request's first chunk) is attended exactly by the core's
+  prompt-aware prefill in a one-row layer: the same code and numbers as the
+  transformers cache. That gives its outputs (which replace the kernel's
+  windowed ones), its importance and the ``B`` tokens it keeps; kept tokens
+  that lie before the window are copied into the slots of the window's evicted
+  ones.
+* **One plan per step** (:class:`Planner`): which rows are prompts, decode
+  steps and rounds, as index tensors, computed once on the host from vLLM's
+  metadata and shared by every layer; a layer's step reads no value back from a
+  tensor.
+
+Keys are stored after rotary embedding and each slot's true position is kept
+beside it (``pos``), so a token means its own position whatever slot it is in.
+The transformers cache with ``rounds=True`` keeps the same positions (tested).
 
 Nothing here imports vLLM: it is torch on vLLM's tensors, and is tested on
 tensors of the same layout without an engine.
@@ -30,13 +45,20 @@ tensors of the same layout without an engine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from scissorhands.core.budgeted import BudgetedKV
+from scissorhands.core.importance import ImportanceState
+from scissorhands.core.methods.base import LayerView
 from scissorhands.core.prefill import make_prefill
-from scissorhands.core.stores.base import DenseKVStore, KVStore, gather_rows
+from scissorhands.core.protect import Protection
+from scissorhands.core.selection import lowest
+from scissorhands.core.stores.base import DenseKVStore
 from scissorhands.core.streaming import attend
 
+from . import kernels
 from .settings import PluginSettings
 
 
@@ -47,86 +69,113 @@ def block_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat[:, :, 0].view(nb, h, d2 // 2, n), flat[:, :, 1].view(nb, h, n, d2 // 2)
 
 
-def gather_keys(keys_t: torch.Tensor, where: torch.Tensor, block: int) -> torch.Tensor:
-    """K at physical slots ``where`` (R, H_kv, L): (R, H_kv, L, D)."""
-    heads = torch.arange(where.shape[1], device=where.device)[None, :, None]  # (1, H_kv, 1)
-    return keys_t[where // block, heads, :, where % block]
-
-
-def gather_kv(keys_t: torch.Tensor, values: torch.Tensor, where: torch.Tensor, block: int):
-    """K and V at physical slots ``where`` (R, H_kv, L): each (R, H_kv, L, D)."""
-    heads = torch.arange(where.shape[1], device=where.device)[None, :, None]  # (1, H_kv, 1)
-    return gather_keys(keys_t, where, block), values[where // block, heads, where % block, :]
-
-
 def copy_slots(keys_t: torch.Tensor, values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                heads: torch.Tensor, block: int) -> None:
-    """Copy K/V of KV head ``heads[i]`` from physical slot ``src[i]`` to ``dst[i]`` (all (M,))."""
+    """Copy K/V of KV head ``heads[i]`` from physical slot ``src[i]`` to ``dst[i]`` (all (M,)); reads come first."""
     sb, so, db, do = src // block, src % block, dst // block, dst % block
-    keys_t[db, heads, :, do] = keys_t[sb, heads, :, so]
-    values[db, heads, do, :] = values[sb, heads, so, :]
+    k, v = keys_t[sb, heads, :, so], values[sb, heads, so, :]
+    keys_t[db, heads, :, do] = k
+    values[db, heads, do, :] = v
 
 
-class PagedSlots(KVStore):
-    """Where each stored token's K/V lives in vLLM's blocks: physical slot ids (R, H_kv, capacity), int64.
+@dataclass
+class StepPlan:
+    """What one engine step asks of every budgeted layer (index tensors, CPU)."""
 
-    vLLM writes the bytes; the layer "writes" a token here by handing its slot id in place of its key (shaped
-    like a key with one channel), and an eviction permutes the ids with the same index as everything else.
-    Reads gather the K/V from the blocks of the current step (:attr:`cache`).
+    prefills: list[tuple[int, int, int]]  # (batch row, first token, end token) of each prompt
+    block_table: torch.Tensor  # (R, blocks) int32
+    dec_tok: torch.Tensor | None = None  # (Dn,) each decode row's token index in the step
+    dec_last: torch.Tensor | None = None  # (Dn,) its position p
+    dec_tables: torch.Tensor | None = None  # (Dn, blocks) int32
+    dec_slots: torch.Tensor | None = None  # (Dn,) physical slot of its new token
+    dec_bucket: torch.Tensor | None = None  # (Dn,) ring slot its step adds to
+    dec_restart: torch.Tensor | None = None  # (Dn,) bool: that ring slot starts a new bucket
+    round_window: torch.Tensor | None = None  # (Rr, B) physical slots of each rounding row's window, oldest first
+    round_seen: torch.Tensor | None = None  # (Rr,) tokens each rounding row has seen
+
+
+class Planner:
+    """Plans each step once for every layer, and remembers each request's round phase.
+
+    A request's rounds come every ``drop`` tokens from ``max(prompt, B)`` on (the first token that finds its
+    window full), as the core's rounds give: at the end of a step whose sequence length ``L`` satisfies
+    ``L >= start`` and ``(L - start) % drop == 0``.
     """
 
-    name = "paged"
+    def __init__(self, settings: PluginSettings):
+        config = settings.config
+        self.budget = config.budget
+        self.drop = config.drop_for(self.budget)
+        self.bucket_steps = config.bucket_steps()
+        self.n_buckets = config.n_buckets()
+        self.start: dict[str, int] = {}
+        self.restarts = 0  # sequences begun again (a preempted request is recomputed from its first token)
+        self._cached: tuple | None = None
 
-    def __init__(self):
-        self.where = torch.zeros(0, 0, 0, dtype=torch.long)
-        self.cache: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (K^T, V, block size) of this step
+    def release(self, request_ids) -> None:
+        """Finished (or aborted) requests."""
+        for rid in request_ids:
+            self.start.pop(rid, None)
 
-    @property
-    def capacity(self) -> int:
-        return self.where.shape[-1]
+    def for_step(self, step_id, request_ids, query_start, seq_lens, block_table, slot_mapping, block: int) -> StepPlan:
+        """The plan of step ``step_id``, made by its first layer and reused by the others."""
+        if self._cached is not None and self._cached[0] == step_id:
+            return self._cached[1]
+        plan = self.plan(request_ids, query_start, seq_lens, block_table, slot_mapping, block)
+        self._cached = (step_id, plan)
+        return plan
 
-    def allocate(self, key, value) -> None:
-        self.where = torch.zeros(key.shape[0], key.shape[1], 0, dtype=torch.long, device=key.device)
+    def plan(self, request_ids, query_start, seq_lens, block_table, slot_mapping, block: int) -> StepPlan:
+        starts, lengths = query_start.tolist(), seq_lens.tolist()
+        prefills, decode, rounds = [], [], []
+        b_, m = self.budget, self.drop
+        for i, rid in enumerate(request_ids):
+            a, b, total = starts[i], starts[i + 1], lengths[i]
+            if b == a:
+                continue
+            if b - a == total:  # the sequence's first chunk: a new request, or a preempted one again
+                if rid in self.start:
+                    self.restarts += 1
+                self.start[rid] = max(total, b_)
+                prefills.append((i, a, b))
+            elif b - a == 1 and rid in self.start:
+                decode.append((i, a, total - 1))
+            else:
+                raise RuntimeError("scissorhands: a prompt came in chunks; the plugin turns chunked prefill off")
+            if total >= self.start[rid] and (total - self.start[rid]) % m == 0:
+                rounds.append((i, total))
+        plan = StepPlan(prefills, block_table)
+        if decode:
+            rows = torch.tensor([d[0] for d in decode])
+            plan.dec_tok = torch.tensor([d[1] for d in decode])
+            last = plan.dec_last = torch.tensor([d[2] for d in decode])
+            plan.dec_tables = block_table[rows].to(torch.int32).contiguous()
+            plan.dec_slots = slot_mapping[plan.dec_tok].long()
+            if self.bucket_steps is None:
+                plan.dec_bucket = torch.zeros_like(last)
+                plan.dec_restart = torch.zeros(len(decode), dtype=torch.bool)
+            else:
+                plan.dec_bucket = (last // self.bucket_steps) % self.n_buckets
+                plan.dec_restart = last % self.bucket_steps == 0
+        if rounds:
+            rows = torch.tensor([r[0] for r in rounds])
+            seen = plan.round_seen = torch.tensor([r[1] for r in rounds])
+            positions = seen[:, None] - b_ + torch.arange(b_)[None, :]  # (Rr, B), oldest first
+            tables = block_table[rows].long()
+            plan.round_window = tables.gather(1, positions // block) * block + positions % block
+        return plan
 
-    def reset(self) -> None:
-        self.where = torch.zeros(0, 0, 0, dtype=torch.long)
 
-    def resize(self, capacity: int) -> None:
-        out = self.where.new_zeros(*self.where.shape[:2], capacity)
-        keep = min(capacity, self.capacity)
-        out[:, :, :keep] = self.where[:, :, :keep]
-        self.where = out
+class _Slots:
+    """The slot table a method's view reads: the window's tokens of the rounding rows, in position order."""
 
-    def write(self, start: int, key, value) -> None:
-        self.where[:, :, start : start + key.shape[2]] = key[..., 0]
-
-    def write_at(self, rows, slots, key, value) -> None:
-        self.where[rows, :, slots] = key[..., 0]  # key: (N, H_kv, 1) slot ids
-
-    def reorder(self, order, rows=None) -> None:
-        gather_rows(self.where, order, rows)
-
-    def read(self, length: int):
-        if self.cache is None:
-            raise RuntimeError("PagedSlots: read outside an engine step")
-        keys_t, values, block = self.cache
-        return gather_kv(keys_t, values, self.where[:, :, :length], block)
-
-    def select_batch(self, index) -> None:
-        self.where = self.where.index_select(0, index)
-
-    def nbytes(self) -> int:
-        return 0  # the K/V are vLLM's blocks; the ids are bookkeeping (positions_bytes-like)
-
-    def bytes_per_token_head(self) -> int:
-        return 0 if self.cache is None else 2 * self.cache[1].shape[-1] * self.cache[1].element_size()
-
-    def dense_bytes_per_token_head(self, dtype=None) -> int:
-        return self.bytes_per_token_head()
+    def __init__(self, positions: torch.Tensor, seen: torch.Tensor):
+        self.positions, self.seen = positions, seen
+        self.lengths = torch.full((positions.shape[0],), positions.shape[-1], dtype=torch.long)
 
 
 class PagedLayer:
-    """One layer's eviction state for up to ``rows`` sequences at once, each a row of one ``BudgetedKV``.
+    """One layer's eviction state for every request vLLM runs, kept per physical slot of vLLM's cache.
 
     Parameters
     ----------
@@ -136,113 +185,83 @@ class PagedLayer:
     scale : float
         Logit scale.
     softcap : float or None
-    rows : int
-        Most sequences at once (vLLM's ``max_num_seqs``).
+    compiled : bool
+        The decode step's importance update runs the compiled operator (:mod:`.kernels`); False runs its torch
+        reference (tests).
 
     Notes
     -----
-    The row pool starts with one row and doubles when a new sequence finds none free, up to ``rows``. Every row
-    costs importance state (``n_buckets`` floats per slot and KV head) and takes part in each step's scoring,
-    so the pool follows the most sequences that ran at once, not the most vLLM would allow (by default 256 for
-    ``LLM`` and 128 for the server on CPUs, up to 1,024 on large GPUs).
+    Per physical slot and KV head the layer keeps the token's position (int32) and, for methods that score by
+    attention, ``n_buckets`` float32 accumulators: 4 bytes for the defaults' one bucket against 2 * D * 4 bytes
+    of float32 K/V (under 1% at D = 64), allocated once beside vLLM's cache at the first step.
     """
 
     def __init__(self, settings: PluginSettings, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int,
-                 scale: float, softcap: float | None, rows: int):
+                 scale: float, softcap: float | None, compiled: bool = True):
         self.settings = settings
         config = settings.config
         self.budget = config.budget
         self.recent = config.recent_for(self.budget)
+        self.drop = config.drop_for(self.budget)
         self.layer_idx, self.scale, self.softcap = layer_idx, scale, softcap
         self.heads, self.kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.group = num_heads // num_kv_heads
         self.method = settings.method()
-        self.kv = self._budgeted(PagedSlots())
-        template = torch.zeros(1, num_kv_heads, 0, 1, dtype=torch.long)
-        self.kv.allocate(template, template)
-        self.kv.resize(self.budget)
-        for state in self.kv.states:
-            state.allocate(1, num_kv_heads, self.budget, group=self.group, device="cpu", dtype=torch.float32)
-        self.kv.states_ready = True
-        self.store: PagedSlots = self.kv.store  # type: ignore[assignment]
-        self.most_rows = rows
-        self.row_of: dict[str, int] = {}
-        self.free_rows = [0]
-        self.restarts = 0  # sequences begun again (a preempted request is recomputed from its first token)
+        template = self.method.make_state(config)
+        self.importance = template if isinstance(template, ImportanceState) else None
+        self.shields: list[Protection] = [Protection.prefix(config.sinks)] if config.sinks else []
+        if settings.protection() is not None:
+            self.shields.append(settings.protection())  # type: ignore[arg-type]
+        self.observe = kernels.observe if compiled else kernels.observe_reference
+        self.acc: torch.Tensor | None = None  # (NB, num_blocks, H_kv, N) float32
+        self.pos: torch.Tensor | None = None  # (num_blocks * N, H_kv) int32: each slot's token position
+        self.rounds = 0
+        self.block = 0  # vLLM's block size, known at the first step
 
-    def _budgeted(self, store: KVStore, prefill=None) -> BudgetedKV:
+    def _budgeted(self, store, prefill=None, rounds: bool = False) -> BudgetedKV:
+        """A one-row core layer at these settings (a prompt's, or the transformers cache's in tests)."""
         c = self.settings.config
-        return BudgetedKV(self.budget, self.recent, c.drop_for(self.budget), self.method, self.method.make_state(c),
-                          self.layer_idx, store, sinks=c.sinks, prefill=prefill,
-                          protect=self.settings.protection())
+        return BudgetedKV(self.budget, self.recent, self.drop, self.method, self.method.make_state(c),
+                          self.layer_idx, store, sinks=c.sinks, prefill=prefill, protect=self.settings.protection(),
+                          rounds=rounds)
 
-    # -- rows ----------------------------------------------------------------------------------------------
-    def release(self, request_ids) -> None:
-        """Finished (or aborted) requests give their rows back."""
-        for rid in request_ids:
-            row = self.row_of.pop(rid, None)
-            if row is not None:
-                self.free_rows.append(row)
+    def nbytes(self) -> int:
+        """Bytes of the per-slot state (positions and importance)."""
+        return sum(t.numel() * t.element_size() for t in (self.acc, self.pos) if t is not None)
 
-    def _new_row(self, rid: str) -> int:
-        row = self.row_of.get(rid)  # a preempted request starts again from its first token
-        if row is not None:
-            self.restarts += 1
-        else:
-            if not self.free_rows:
-                self._grow()
-            row = self.row_of[rid] = self.free_rows.pop()
-        return row
-
-    def _grow(self) -> None:
-        """Double the row pool, up to ``most_rows``. A new row holds a copy of row 0 until a prompt loads it, as a
-        released row keeps its last sequence's state: nothing a row holds while no sequence runs in it is used."""
-        n = self.kv.slots.lengths.shape[0]
-        grown = min(2 * n, self.most_rows)
-        if grown == n:
-            raise RuntimeError("scissorhands: more running sequences than rows (max_num_seqs)")
-        self.kv.select_batch(torch.cat([torch.arange(n), torch.zeros(grown - n, dtype=torch.long)]))
-        self.free_rows.extend(range(grown - 1, n - 1, -1))
+    def _allocate(self, kv_cache: torch.Tensor) -> None:
+        nb, h, n, _ = kv_cache.shape
+        self.pos = torch.full((nb * n, h), -1, dtype=torch.int32, device=kv_cache.device)
+        if self.importance is not None:
+            self.acc = torch.zeros(self.importance.n_buckets, nb, h, n, dtype=torch.float32, device=kv_cache.device)
 
     # -- one engine step -----------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, request_ids: list[str], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             kv_cache: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-             slot_mapping: torch.Tensor, output: torch.Tensor) -> None:
+    def step(self, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             kv_cache: torch.Tensor, output: torch.Tensor) -> None:
         """Account for one step of this layer, after vLLM's kernel wrote ``output``; fix the prompts' outputs.
 
-        query (T, H_q, D), key/value (T, H_kv, D) of the step's tokens, rows in ``request_ids`` order;
-        ``query_start`` (R + 1,), ``seq_lens`` (R,), ``block_table`` (R, blocks), ``slot_mapping`` (T,).
+        query (T, H_q, D), key/value (T, H_kv, D) of the step's tokens, rows in the plan's order.
         """
+        if self.pos is None:
+            self._allocate(kv_cache)
+        assert self.pos is not None
         keys_t, values = block_views(kv_cache)
-        block = kv_cache.shape[2]
-        self.store.cache = (keys_t, values, block)
-        starts = query_start.tolist()
-        lengths = seq_lens.tolist()
-        decode: list[tuple[int, int]] = []  # (pool row, token index)
-        full: list[tuple[int, int]] = []  # (batch row, pool row): rows at their budget after this step
-        for i, rid in enumerate(request_ids):
-            a, b, total = starts[i], starts[i + 1], lengths[i]
-            if b == a:
-                continue
-            if b - a == total:  # the sequence's first chunk: a new request, or a preempted one again
-                row = self._new_row(rid)
-                self._prefill(row, i, query[a:b], key[a:b], value[a:b], block_table, block, output[a:b])
-            elif b - a == 1 and rid in self.row_of:
-                row = self.row_of[rid]
-                decode.append((row, a))
-            else:
-                raise RuntimeError("scissorhands: a prompt came in chunks; the plugin turns chunked prefill off")
-            if total >= self.budget:
-                full.append((i, row))
-        if decode:
-            self._decode(decode, query, slot_mapping)
-        if full:
-            self._prepare_next(full, block_table, block)
-        self.store.cache = None
+        block = self.block = kv_cache.shape[2]
+        for i, a, b in plan.prefills:
+            self._prefill(plan.block_table[i], query[a:b], key[a:b], value[a:b], keys_t, values, block, output[a:b])
+        if plan.dec_tok is not None:
+            self.pos[plan.dec_slots] = plan.dec_last.to(torch.int32)[:, None]
+            if self.acc is not None:
+                self.observe(query, kv_cache, plan.dec_tok, plan.dec_last, plan.dec_tables, plan.dec_bucket,
+                             plan.dec_restart, self.acc, self.budget, self.scale, self.softcap,
+                             self.importance.form == "count")  # type: ignore[union-attr]
+        if plan.round_window is not None:
+            self._round(plan.round_window, plan.round_seen, keys_t, values, block)
 
-    def _prefill(self, row: int, i: int, q, k, v, block_table, block: int, out) -> None:
+    def _prefill(self, table_row, q, k, v, keys_t, values, block: int, out) -> None:
         """Attend a prompt exactly, evict it to the budget, and move the kept tokens into the window."""
+        assert self.pos is not None
         t = q.shape[0]
         one = self._budgeted(DenseKVStore(), make_prefill(self.settings.config))
         k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
@@ -252,83 +271,83 @@ class PagedLayer:
         out.copy_(ctx[0].transpose(0, 1).reshape(out.shape).to(out.dtype))
         length = int(one.slots.lengths[0])
         kept = one.slots.positions[0, :, :length].long()  # (H_kv, L), ascending
-        where = self._phys(block_table[i], kept, block)
+        where = self._phys(table_row, kept, block)
         if length < t:  # kept tokens before the window move into the slots of the window's evicted ones
-            keys_t, values, _ = self.store.cache  # type: ignore[misc]
             window = torch.arange(t - length, t)
             for h in range(self.kv_heads):
                 outside = kept[h] < t - length
                 if not bool(outside.any()):
                     continue
                 holes = window[~torch.isin(window, kept[h])]  # (n,) ascending, as many as tokens outside
-                dst = self._phys(block_table[i], holes, block)
+                dst = self._phys(table_row, holes, block)
                 copy_slots(keys_t, values, where[h, outside], dst, torch.full_like(dst, h), block)
                 where[h, outside] = dst
-        self.kv.slots.load_row(row, kept, t)
-        for mine, theirs in zip(self.kv.states, one.states):
-            mine.load_row(row, theirs, 0, length)
-        self.store.where[row] = 0
-        self.store.where[row, :, :length] = where
+        heads = torch.arange(self.kv_heads)[:, None].expand_as(where)
+        self.pos[where, heads] = kept.to(torch.int32)
+        if self.acc is not None:
+            state = one.state
+            assert isinstance(state, ImportanceState)
+            self.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
 
-    def _decode(self, decode, query, slot_mapping) -> None:
-        """Store each decode row's new token and let the state observe its query's attention."""
-        rows_n = self.kv.slots.lengths.shape[0]
-        rows = torch.tensor([d[0] for d in decode])
-        tokens = torch.tensor([d[1] for d in decode])
-        valid = torch.zeros(rows_n, 1, dtype=torch.bool)
-        valid[rows] = True
-        ids = torch.zeros(rows_n, self.kv_heads, 1, 1, dtype=torch.long)
-        ids[rows] = slot_mapping[tokens].long()[:, None, None, None]  # (D, 1, 1, 1): same slot, every KV head
-        self.kv.append(ids, ids, valid, valid.long().cumsum(1))
-        length = int(self.kv.slots.lengths[rows].max())
-        keys_t, _, block = self.store.cache  # type: ignore[misc]
-        k = gather_keys(keys_t, self.store.where[rows, :, :length], block)  # (D, H_kv, L, Dh)
-        q = query[tokens].float().view(len(decode), self.kv_heads, self.group, -1)  # (D, H_kv, g, Dh)
-        logits = torch.einsum("rhgd,rhld->rhgl", q, k.float()) * self.scale
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        stored = self.kv.slots.lengths[rows]
-        beyond = torch.arange(length)[None, :] >= stored[:, None]  # (D, L)
-        probs = logits.masked_fill(beyond[:, None, None, :], float("-inf")).softmax(-1)
-        pooled = torch.zeros(rows_n, self.kv_heads, self.group, 1, length)
-        pooled[rows] = probs[:, :, :, None, :]
-        attended = torch.ones(rows_n, 1, 1, 1, 1)
-        attended[rows, 0, 0, 0, 0] = stored.float()
-        steps = (self.kv.slots.seen - 1).clamp(min=0)[:, None]  # (R, 1) each query's step
-        for state in self.kv.states:
-            if state.wants_attention:
-                state.observe(pooled, attended, steps, valid)
+    def _round(self, window: torch.Tensor, seen: torch.Tensor, keys_t, values, block: int) -> None:
+        """Each rounding row picks ``drop`` victims per KV head and swaps them into its window's leaving slots."""
+        assert self.pos is not None
+        rr, b_ = window.shape
+        m, h = self.drop, self.kv_heads
+        pos = self.pos[window].permute(0, 2, 1).long()  # (Rr, H_kv, B) each logical slot's token position
+        order = pos.argsort(dim=-1)  # position order: the core's stored order
+        positions = pos.gather(-1, order)
+        blk, off = window // block, window % block  # (Rr, B)
+        state = None
+        if self.acc is not None:
+            assert self.importance is not None
+            state = ImportanceState(self.importance.form, self.importance.bucket_steps, self.importance.n_buckets,
+                                    self.importance.value_weighted)
+            acc = self.acc[:, blk, :, off].permute(2, 0, 3, 1)  # (Rr, B, NB, H_kv) -> (NB, Rr, H_kv, B)
+            state.acc = acc.gather(-1, order[None].expand_as(acc))
+            state._allocated = True
 
-    def _prepare_next(self, full, block_table, block: int) -> None:
-        """Each full row drops one token; the token in the slot that leaves the window next takes its slot."""
-        rows_n = self.kv.slots.lengths.shape[0]
-        batch = torch.tensor([f[0] for f in full])
-        rows = torch.tensor([f[1] for f in full])
-        which = torch.zeros(rows_n, dtype=torch.bool)
-        which[rows] = True
-        last = self.kv.slots.seen[rows] - 1  # (F,) newest position
-        leaving = self._phys_rows(block_table[batch], last - self.budget + 1, block)  # (F,)
-        self.kv.compress(which)
-        kept = self.budget - 1
-        where = self.store.where[rows]  # (F, H_kv, B): kept first, the dropped token's slot last
-        freed = where[:, :, kept]  # (F, H_kv)
-        match = where[:, :, :kept] == leaving[:, None, None]  # (F, H_kv, B - 1)
-        moved = match.any(dim=-1)  # (F, H_kv)
-        if not bool(moved.any()):
-            return
-        f_idx, h_idx = moved.nonzero(as_tuple=True)
-        slot = match[f_idx, h_idx].float().argmax(dim=-1)
-        keys_t, values, _ = self.store.cache  # type: ignore[misc]
-        copy_slots(keys_t, values, leaving[f_idx], freed[f_idx, h_idx], h_idx, block)
-        self.store.where[rows[f_idx], h_idx, slot] = freed[f_idx, h_idx]
+        def read(length: int):
+            heads = torch.arange(h)[None, :, None]
+            slots = window[:, None, :].expand(rr, h, b_).gather(-1, order)
+            return keys_t[slots // block, heads, :, slots % block], values[slots // block, heads, slots % block, :]
+
+        view = LayerView(self.layer_idx, b_, self.rounds, state, _Slots(positions, seen), read)
+        scores = self.method.score(view)  # (Rr, H_kv, B)
+        shield = None
+        for part in self.shields:
+            mask = part.mask(positions)
+            shield = mask if shield is None else shield | mask
+        full = torch.full((rr,), b_, dtype=torch.long)
+        victims = lowest(scores, full, self.recent, torch.full((rr,), m, dtype=torch.long), shield)
+        chosen = torch.sort((~victims).to(torch.uint8), dim=-1, stable=True).indices[..., :m]  # oldest first
+        vlog = order.gather(-1, chosen)  # (Rr, H_kv, m): the victims' logical slots
+        idx = torch.arange(b_)
+        isv = torch.zeros(rr, h, b_, dtype=torch.bool).scatter_(-1, vlog, True)
+        displaced = ~isv & (idx < m)  # kept tokens in the leaving slots
+        free = isv & (idx >= m)  # victims' slots outside them
+        d_list = torch.sort(torch.where(displaced, idx, b_ + idx), dim=-1).indices[..., :m]
+        f_list = torch.sort(torch.where(free, idx, b_ + idx), dim=-1).indices[..., :m]
+        valid = torch.arange(m) < displaced.sum(-1, keepdim=True)
+        dst = torch.cat([idx[:m].expand(rr, h, m), torch.where(valid, f_list, 0)], dim=-1)  # (Rr, H_kv, 2m)
+        src = torch.cat([vlog, torch.where(valid, d_list, vlog[..., :1])], dim=-1)  # padding repeats pair 0
+        wide = window[:, None, :].expand(rr, h, b_)
+        pd, ps = wide.gather(-1, dst), wide.gather(-1, src)
+        heads = torch.arange(h)[None, :, None].expand_as(pd)
+        copy_slots(keys_t, values, ps, pd, heads, block)
+        self.pos[pd, heads] = self.pos[ps, heads]
+        if self.acc is not None:
+            self.acc[:, pd // block, heads, pd % block] = self.acc[:, ps // block, heads, ps % block]
+        self.rounds += 1
+
+    def stored_positions(self, table_row: torch.Tensor, seen: int) -> torch.Tensor:
+        """The positions a request's window holds per KV head, ascending (H_kv, L): tests and audits."""
+        assert self.pos is not None
+        n = min(seen, self.budget)
+        positions = torch.arange(seen - n, seen)
+        return self.pos[self._phys(table_row, positions, self.block)].T.long().sort(dim=-1).values
 
     @staticmethod
     def _phys(table_row: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
         """Physical slots of logical ``positions`` (any shape) through one request's block table."""
         return table_row.long()[positions // block] * block + positions % block
-
-    @staticmethod
-    def _phys_rows(tables: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
-        """One logical position per request (F,) through its block-table row (F, blocks)."""
-        blocks = tables.long().gather(1, (positions // block)[:, None])[:, 0]
-        return blocks * block + positions % block

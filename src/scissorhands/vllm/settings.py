@@ -15,10 +15,12 @@ method and settings give the same configuration here as through
 
 What the adapter fixes, and why (each given otherwise is a one-line error):
 
-* ``drop`` is 1: the layer is presented to vLLM as a sliding window of
-  ``budget`` slots, which frees each block as soon as it is behind the window;
-  a slot inside the window is always attended, so the layer must hold exactly
-  ``budget`` tokens once full, and it evicts one token per new token;
+* ``rounds`` is on (:mod:`scissorhands.core.rounds`): the layer is presented
+  to vLLM as a sliding window of ``budget`` slots, which frees each block as
+  soon as it is behind the window; a slot inside the window is always attended,
+  so a full layer holds exactly ``budget`` tokens, and every ``drop`` steps it
+  chooses ``drop`` victims and swaps them into the slots that leave the window
+  next (``drop`` is the library's, 5% of the budget by default);
 * ``prefill`` is ``"prompt-aware"``: vLLM holds the whole prompt's blocks while
   it is prefilled whatever the mode, so streaming it would cost one eviction
   per prompt token and buy no memory; the held prompt is attended exactly and
@@ -39,6 +41,7 @@ import os
 from dataclasses import dataclass, replace
 
 from scissorhands.core.config import CacheSettings, ScissorhandsConfig
+from scissorhands.core.importance import ImportanceState
 from scissorhands.core.methods import EvictionMethod, get_method
 from scissorhands.core.protect import Protection, check_room
 from scissorhands.core.settings import from_strings
@@ -46,7 +49,7 @@ from scissorhands.core.settings import from_strings
 KEY = "scissorhands"
 ENV = "SCISSORHANDS_VLLM"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
-FIXED = {"drop": 1, "prefill": "prompt-aware", "prefill_drop": None}
+FIXED = {"rounds": True, "prefill": "prompt-aware", "prefill_drop": None}
 _UNSUPPORTED = {"kv_bits": None, "kv_key_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_demote": None,
                 "kv_store": None, "merge": False, "schedule": "uniform", "decode": "dynamic",
                 "prompt_chunk": None}
@@ -108,6 +111,10 @@ def parse(given: dict) -> PluginSettings:
         if getattr(config, key) != value:
             raise ValueError(f"method: {name!r} needs {key}={getattr(config, key)!r}; the vLLM adapter runs with "
                              f"{key}={value!r}")
+    state = method().make_state(config)
+    if state is not None and not isinstance(state, ImportanceState):
+        raise ValueError(f"method: {name!r} keeps per-token state of its own ({type(state).__name__}); the vLLM "
+                         f"adapter holds the importance ring or nothing per slot")
     protection = Protection.prefix(prefix) if prefix else None
     check_room(protection, [(budget, config.recent_for(budget), config.drop_for(budget))], name="protect_prefix")
     return PluginSettings(method, config, prefix)

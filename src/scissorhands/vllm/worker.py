@@ -1,17 +1,19 @@
-"""The worker side's view of a step: which request each batch row is, and which requests finished.
+"""The worker side's view of a step: which request each batch row is, which step this is, what finished.
 
 vLLM's attention metadata carries no request ids; the plugin's worker (a
-``CPUWorker`` whose only change is to publish them) records the model runner
-and the step's finished requests, and the layers read them here.
+``CPUWorker`` whose only change is to publish them) records the model runner,
+numbers the steps (every budgeted layer reuses its step's one plan), and hands
+finished requests to the planner.
 """
 
 from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-#: Every budgeted layer of this process (they release finished requests' rows).
+#: Every budgeted layer of this process, and the one planner they share.
 LAYERS: list = []
-_STEP: dict = {}
+PLANNER: dict = {}
+_STEP: dict = {"id": 0}
 
 
 def request_ids() -> list[str] | None:
@@ -20,18 +22,25 @@ def request_ids() -> list[str] | None:
     return None if runner is None else list(runner.input_batch.req_ids)
 
 
+def step_id() -> int:
+    """A number that changes with every engine step (the plan's key)."""
+    return _STEP["id"]
+
+
 class ScissorhandsWorker(CPUWorker):
     """``CPUWorker``, publishing each step's request ids and finished requests to the budgeted layers."""
 
     def __init__(self, *args, **kwargs):
         LAYERS.clear()  # a new engine in this process: the layers it builds replace any earlier engine's
+        PLANNER.clear()
         super().__init__(*args, **kwargs)
 
     def execute_model(self, scheduler_output):
         _STEP["runner"] = self.model_runner
+        _STEP["id"] += 1
         finished = getattr(scheduler_output, "finished_req_ids", None) or ()
-        for layer in LAYERS:
-            layer.release(finished)
+        if "planner" in PLANNER:
+            PLANNER["planner"].release(finished)
         try:
             return super().execute_model(scheduler_output)
         finally:
