@@ -55,24 +55,45 @@ def make_requests(tokenizer, text: str, n: int, prompt: tuple[int, int], new: tu
     return out
 
 
-def run_variant(folder: str, requests, plugin: dict | None, kv_blocks: int | None, max_seqs: int,
-                max_len: int) -> dict:
+#: The variants a run can alternate. "same flags": both run with chunked prefill and prefix caching off (the plugin
+#: holds each prompt whole); "vllm-defaults" is vLLM as it ships (chunked prefill, prefix caching).
+VARIANTS = ("vllm", "scissorhands", "vllm-defaults")
+
+
+def engine_args(name: str, folder: str, kv_blocks: int | None, max_seqs: int, max_len: int, eager: bool,
+                block_size: int | None, plugin: dict | None) -> dict:
+    args = dict(model=folder, dtype="float32", enforce_eager=eager, max_model_len=max_len, max_num_seqs=max_seqs,
+                seed=0)
+    if name != "vllm-defaults":
+        args.update(enable_prefix_caching=False, enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(max_len, 8192))
+    if kv_blocks is not None:
+        args["num_gpu_blocks_override"] = kv_blocks
+    if block_size is not None:
+        args["block_size"] = block_size
+    if name == "scissorhands":
+        args["additional_config"] = {"scissorhands": plugin}
+    return args
+
+
+def run_variant(args: dict, requests) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    args = dict(model=folder, dtype="float32", enforce_eager=True, max_model_len=max_len, max_num_seqs=max_seqs,
-                seed=0, enable_prefix_caching=False, enable_chunked_prefill=False,
-                max_num_batched_tokens=max(max_len, 8192))
-    if kv_blocks is not None:
-        args["num_gpu_blocks_override"] = kv_blocks
-    if plugin is not None:
-        args["additional_config"] = {"scissorhands": plugin}
     llm = LLM(**args)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
     total_blocks = pool.get_num_free_blocks()
     block_size = core.vllm_config.cache_config.block_size
+    preempted = [0]
+    preempt = core.scheduler._preempt_request
+
+    def counting(*a, **k):  # vLLM's recompute preemption: a request's blocks go back, its prompt runs again
+        preempted[0] += 1
+        return preempt(*a, **k)
+
+    core.scheduler._preempt_request = counting
     start = time.perf_counter()
     arrival = {}
     for i, (ids, new) in enumerate(requests):
@@ -80,31 +101,50 @@ def run_variant(folder: str, requests, plugin: dict | None, kv_blocks: int | Non
                            SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
         arrival[str(i)] = time.perf_counter()
     first, done, running, held, generated = {}, {}, [], [], 0
+    count: dict[str, int] = {}
+    decode_tokens, decode_time = 0, 0.0
+    before = time.perf_counter()
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
         running.append(len(core.scheduler.running))
         held.append(total_blocks - pool.get_num_free_blocks())
+        made, prefilled = 0, False
         for o in outs:
-            if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            if n and o.request_id not in first:
                 first[o.request_id] = now - arrival[o.request_id]
+                prefilled = True
+            made += max(0, n - count.get(o.request_id, 0))
+            count[o.request_id] = n
             if o.finished:
                 done[o.request_id] = now
-                generated += len(o.outputs[0].token_ids)
+                generated += n
+        if made and not prefilled:  # a step of decode tokens only: no prompt was attended in it
+            decode_tokens += made
+            decode_time += now - before
+        before = now
     drain = time.perf_counter() - start
     kv_spec = core.vllm_config.model_config.hf_config
     layers, kv_heads = kv_spec.num_hidden_layers, kv_spec.num_key_value_heads
     head = getattr(kv_spec, "head_dim", None) or kv_spec.hidden_size // kv_spec.num_attention_heads
     block_bytes = layers * 2 * kv_heads * head * block_size * 4  # float32, K and V, every layer
     ttft = sorted(first.values())
+    tpot = sorted((done[r] - arrival[r] - first[r]) / max(1, count[r] - 1) for r in done)
     tail = [(h, r) for h, r in zip(held, running) if r][-max(1, len(held) // 4):]  # the last quarter: decoding
     per_request_blocks = statistics.mean(h / r for h, r in tail)
     result = {"requests": len(requests), "max_running": max(running), "drain_s": drain,
               "generated_tokens": generated, "tokens_per_s": generated / drain,
+              "decode_tokens_per_s": decode_tokens / decode_time if decode_time else None,
+              "tpot_median_s": statistics.median(tpot),
               "ttft_median_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
               "kv_blocks": total_blocks, "block_size": block_size, "peak_blocks_held": max(held),
               "peak_kv_bytes_measured": max(held) * block_bytes,
-              "decode_kv_bytes_per_request_measured": per_request_blocks * block_bytes}
+              "decode_kv_bytes_per_request_measured": per_request_blocks * block_bytes,
+              "preemptions": preempted[0],
+              "enforce_eager": args["enforce_eager"], "chunked_prefill": args.get("enable_chunked_prefill", True),
+              "prefix_caching": args.get("enable_prefix_caching", True)}
+    plugin = args.get("additional_config", {}).get("scissorhands")
     if plugin is not None:
         budget = plugin["budget"]
         # What the plugin's layers hold per running request: the window's blocks, at most
@@ -116,33 +156,69 @@ def run_variant(folder: str, requests, plugin: dict | None, kv_blocks: int | Non
     return result
 
 
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
 def plot(record_path: str) -> Path:
-    """Bars of the two variants side by side (requests at once, tokens/s, KV per decoding request), as a PNG."""
+    """Bars per variant (medians over rounds, whiskers from the lowest to the highest round), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     record = json.loads(Path(record_path).read_text())
-    rows = record["variants"]
-    panels = [("max_running", "requests running at once"), ("tokens_per_s", "generated tokens/s"),
-              ("decode_kv_bytes_per_request_measured", "KV per decoding request (MB)")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.4))
-    for ax, (key, title) in zip(axes, panels):
-        values = [rows[name][key] / (1e6 if "bytes" in key else 1) for name in ("vllm", "scissorhands")]
-        ax.bar(["vLLM", "+ scissorhands"], values, color=["tab:gray", "tab:blue"])
+    runs = record.get("runs") or {name: [row] for name, row in record["variants"].items()}  # older records
+    names = list(runs)
+    panels = [("max_running", "requests running at once", 1), ("tokens_per_s", "generated tokens/s", 1),
+              ("decode_tokens_per_s", "decode-only tokens/s", 1), ("tpot_median_s", "time per output token (ms)", 1e-3),
+              ("decode_kv_bytes_per_request_measured", "KV per decoding request (MB)", 1e6)]
+    panels = [x for x in panels if any(r.get(x[0]) is not None for rows in runs.values() for r in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.1 * len(panels), 3.4))
+    colors = {"vllm": "tab:gray", "scissorhands": "tab:blue", "vllm-defaults": "tab:olive"}
+    for ax, (key, title, unit) in zip(axes, panels):
+        mids, lo, hi = [], [], []
+        for name in names:
+            vals = [r[key] / unit for r in runs[name] if r.get(key) is not None] or [0.0]
+            mid = statistics.median(vals)
+            mids.append(mid)
+            lo.append(mid - min(vals))
+            hi.append(max(vals) - mid)
+        ax.bar(range(len(names)), mids, yerr=[lo, hi], capsize=3, color=[colors.get(n, "tab:red") for n in names])
+        ax.set_xticks(range(len(names)), [n.replace("scissorhands", "+ scissorhands") for n in names], fontsize=8,
+                      rotation=15)
         ax.set_title(title, fontsize=10)
-        for i, v in enumerate(values):
-            ax.annotate(f"{v:.1f}", (i, v), ha="center", va="bottom", fontsize=9)
+        for i, v in enumerate(mids):
+            ax.annotate(f"{v:.1f}", (i, v), ha="center", va="bottom", fontsize=8)
     cfg = record["config"]
     fig.suptitle(f"{cfg['requests']} requests, prompts {cfg['prompt']}, new {cfg['new']}, budget {cfg['budget']} "
-                 f"({cfg['compression']:g}x)" + ("" if cfg.get("ample") else f", {cfg['kv_blocks']} KV blocks"),
-                 fontsize=10)
+                 f"({cfg['compression']:g}x)" + (", ample KV" if cfg.get("ample") else f", {cfg['kv_blocks']} KV "
+                 f"blocks") + f", {cfg.get('rounds', 1)} round(s)", fontsize=10)
     fig.tight_layout()
     out = Path(record_path).with_suffix(".png")
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Per variant the median of each figure over rounds; per other variant against "scissorhands", the median,
+    min and max of the per-round ratios (round i of one against round i of the other)."""
+    keys = ("tokens_per_s", "decode_tokens_per_s", "tpot_median_s", "ttft_median_s", "max_running",
+            "peak_blocks_held", "decode_kv_bytes_per_request_measured", "preemptions", "drain_s")
+    medians = {name: {k: statistics.median(r[k] for r in rows if r.get(k) is not None)
+                      for k in keys if any(r.get(k) is not None for r in rows)} for name, rows in runs.items()}
+    ratios = {}
+    mine = runs.get("scissorhands", [])
+    for name, rows in runs.items():
+        if name == "scissorhands":
+            continue
+        for k in ("tokens_per_s", "decode_tokens_per_s", "max_running"):
+            each = [a[k] / b[k] for a, b in zip(mine, rows) if a.get(k) and b.get(k)]
+            if each:
+                ratios[f"{k} vs {name}"] = {"median": statistics.median(each), "min": min(each), "max": max(each),
+                                            "n": len(each)}
+    return {"medians": medians, "ratios": ratios}
 
 
 def main() -> None:
@@ -154,9 +230,16 @@ def main() -> None:
     p.add_argument("--new", default="128,256", help="new tokens per request: N or LO,HI")
     p.add_argument("--compression", type=float, default=5.0, help="budget = mean (prompt + new) / this")
     p.add_argument("--method", default="scissorhands")
-    p.add_argument("--kv-blocks", type=int, default=200, help="the fixed KV space, in vLLM blocks of 128 tokens")
+    p.add_argument("--drop", default=None, help="the plugin's drop amount (a fraction of the budget, or a count); "
+                   "default: the library's")
+    p.add_argument("--kv-blocks", type=int, default=200, help="the fixed KV space, in vLLM blocks")
+    p.add_argument("--block-size", type=int, default=None, help="vLLM's block size (default: vLLM's own)")
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--ample", action="store_true", help="KV space for every request whole: the per-step overhead")
+    p.add_argument("--variants", default="vllm,scissorhands", help=f"comma-separated, alternated: {VARIANTS}")
+    p.add_argument("--rounds", type=int, default=1, help="each variant this many times, alternated A/B/A/B")
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="enforce_eager for every variant (--no-eager: vLLM's default compiled mode)")
     p.add_argument("--text", default=str(HAMLET))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
@@ -166,6 +249,12 @@ def main() -> None:
         return
     if not args.model:
         p.error("--model is needed to measure")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in VARIANTS:
+            p.error(f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    if args.rounds < 1:
+        p.error(f"--rounds: must be >= 1, got {args.rounds}")
     from transformers import AutoTokenizer
 
     prompt, new = _pair(args.prompt, "prompt"), _pair(args.new, "new")
@@ -175,16 +264,22 @@ def main() -> None:
     budget = max(2, round(mean_len / args.compression))
     max_len = prompt[1] + new[1] + 8
     kv_blocks = None if args.ample else args.kv_blocks
-    plugin = {"budget": budget, "method": args.method}
-    rows = {}
-    for name, settings in (("vllm", None), ("scissorhands", plugin)):
-        rows[name] = run_variant(args.model, requests, settings, kv_blocks, args.max_seqs, max_len)
-        print(name, json.dumps(rows[name]), flush=True)
-    ratio = {k: rows["scissorhands"][k] / rows["vllm"][k] for k in ("max_running", "tokens_per_s")}
-    ratio["drain_s"] = rows["vllm"]["drain_s"] / rows["scissorhands"]["drain_s"]
-    record = {"config": vars(args) | {"budget": budget, "mean_length": mean_len}, "variants": rows,
-              "ratios": ratio}
-    print(json.dumps(ratio))
+    plugin: dict = {"budget": budget, "method": args.method}
+    if args.drop is not None:
+        plugin["drop"] = float(args.drop) if "." in args.drop else int(args.drop)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        for name in variants:
+            eargs = engine_args(name, args.model, kv_blocks, args.max_seqs, max_len, args.eager, args.block_size,
+                                plugin)
+            load = _load()
+            row = run_variant(eargs, requests) | {"round": r, "load_before": load}
+            runs[name].append(row)
+            print(name, json.dumps(row), flush=True)
+    summary = summarize(runs)
+    record = {"config": vars(args) | {"budget": budget, "mean_length": mean_len, "plugin": plugin}, "runs": runs,
+              "variants": {k: v for k, v in summary["medians"].items()}, "ratios": summary["ratios"]}
+    print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))

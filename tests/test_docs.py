@@ -40,7 +40,7 @@ def test_every_setting_has_a_flag_and_an_lm_eval_argument():
         assert not any(hasattr(absent, name) for name in names)  # not given: the preset or the default decides
     for name in names:
         flag = f"--{name.replace('_', '-')}"
-        switch = name in ("value_weighted", "merge")
+        switch = name in ("value_weighted", "merge", "rounds")
         assert hasattr(build_parser().parse_args(["eval", flag] if switch else ["eval", flag, "1"]), name)
     parsed = from_strings(CacheSettings, {"window": "none", "recent": "0.5", "kv_bits": "4", "merge": "true"})
     assert parsed == {"window": None, "recent": 0.5, "kv_bits": 4, "merge": True}

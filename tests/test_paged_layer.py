@@ -4,9 +4,9 @@ No engine: this test plays vLLM's part. It writes each step's K/V into the block
 ``PagedLayer.step`` as the attention backend does, computes what vLLM's kernel computes for a decode query (the
 window of the budget's last logical slots), and poisons with NaN every block vLLM would free behind the window,
 so a read of a freed block shows. Each request is also fed, alone, through a one-row core layer in rounds
-(``streaming.attend``, the path ``ScissorhandsCache`` takes with ``rounds=True``): the window's output must equal
-the core's output, and the positions each KV head's window holds must equal the core's stored ones. The engine tests (tests/on_vllm) check the same on
-vLLM itself; this one runs in every environment.
+(``streaming.attend``, the path ``ScissorhandsCache`` takes with ``rounds=True``): the window's output must
+equal the core's output, and the positions each KV head's window holds must equal the core's stored ones. The
+engine tests (tests/on_vllm) check the same on vLLM itself; this one runs in every environment.
 """
 
 from __future__ import annotations

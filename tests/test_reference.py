@@ -131,12 +131,11 @@ def test_rounds_hold_the_budget_and_score_once_per_round():
     assert rounds.kv.compressions == 70 - 16  # one token leaves per step once full
     orig = rounds.kv.method.score
     rounds.kv.method.score = lambda view: calls.append(1) or orig(view)
-    for t in range(10):  # ten more steps: two rounds of five
-        layer = rounds
+    for _ in range(10):  # ten more steps: two rounds of five
         kwargs = {}
         x = torch.randn(1, 2, 1, 4, dtype=torch.float64)
-        layer.update(x, x, kwargs=kwargs)
-        layer.attend(torch.randn(1, 4, 1, 4, dtype=torch.float64), x, x, None, 0.5)
+        rounds.update(x, x, kwargs=kwargs)
+        rounds.attend(torch.randn(1, 4, 1, 4, dtype=torch.float64), x, x, None, 0.5)
     assert len(calls) == 2
     one_a = run_layer(q, k, v, valid, [1] * 70, drop=1, rounds=True, **params)
     one_b = run_layer(q, k, v, valid, [1] * 70, drop=1, **params)

@@ -90,10 +90,11 @@ def kept_now() -> dict[str, list]:
     from scissorhands.vllm import worker
 
     out: dict[str, list] = {}
+    planner = worker.PLANNER["planner"]
     for layer in worker.LAYERS:
-        for rid, row in layer.row_of.items():
+        for rid, (table_row, seen) in planner.where.items():
             # The engine's own request ids are the caller's with a suffix ("0-ae8a9492").
-            out.setdefault(rid.rsplit("-", 1)[0], []).append(layer.kv.slots.row(row).sort(dim=-1).values.tolist())
+            out.setdefault(rid.rsplit("-", 1)[0], []).append(layer.stored_positions(table_row, seen).tolist())
     return out
 
 

@@ -3,7 +3,7 @@
 Reads a JSON request (model folder, method, budget, settings, prompt, the tokens vLLM generated), feeds the
 prompt and then the tokens one at a time through ``ScissorhandsCache`` at the same settings the plugin runs
 with, and writes the log-probability of each token, the greedy choice at each step and, per budgeted layer and
-KV head, the positions still stored.
+KV head, the positions still stored once the engine's last step is done (the last token is sampled, never fed).
 
     python tests/on_vllm/reference.py request.json answer.json
 """
@@ -29,7 +29,7 @@ def main(request_path: str, answer_path: str) -> None:
         ids = torch.tensor([prompt + tokens])
         with torch.no_grad():
             logits = [model(ids[:, : len(prompt)], cache=cache).logits[0, -1]]
-            for t in range(len(prompt), len(prompt) + len(tokens)):
+            for t in range(len(prompt), len(prompt) + len(tokens) - 1):  # vLLM never feeds its last token
                 logits.append(model(ids[:, t : t + 1], cache=cache).logits[0, -1])
         answers.append({
             "logprobs": [float(torch.log_softmax(x.float(), -1)[tok]) for x, tok in zip(logits, tokens)],

@@ -109,6 +109,8 @@ class Planner:
         self.bucket_steps = config.bucket_steps()
         self.n_buckets = config.n_buckets()
         self.start: dict[str, int] = {}
+        #: Each live request's block-table row and length at its last step (what its windows hold: tests, audits).
+        self.where: dict[str, tuple[torch.Tensor, int]] = {}
         self.restarts = 0  # sequences begun again (a preempted request is recomputed from its first token)
         self._cached: tuple | None = None
 
@@ -116,6 +118,7 @@ class Planner:
         """Finished (or aborted) requests."""
         for rid in request_ids:
             self.start.pop(rid, None)
+            self.where.pop(rid, None)
 
     def for_step(self, step_id, request_ids, query_start, seq_lens, block_table, slot_mapping, block: int) -> StepPlan:
         """The plan of step ``step_id``, made by its first layer and reused by the others."""
@@ -144,6 +147,10 @@ class Planner:
                 raise RuntimeError("scissorhands: a prompt came in chunks; the plugin turns chunked prefill off")
             if total >= self.start[rid] and (total - self.start[rid]) % m == 0:
                 rounds.append((i, total))
+        table = block_table.clone()
+        for i, rid in enumerate(request_ids):
+            if starts[i + 1] > starts[i]:
+                self.where[rid] = (table[i], lengths[i])
         plan = StepPlan(prefills, block_table)
         if decode:
             rows = torch.tensor([d[0] for d in decode])
@@ -250,13 +257,13 @@ class PagedLayer:
         block = self.block = kv_cache.shape[2]
         for i, a, b in plan.prefills:
             self._prefill(plan.block_table[i], query[a:b], key[a:b], value[a:b], keys_t, values, block, output[a:b])
-        if plan.dec_tok is not None:
+        if plan.dec_tok is not None and plan.dec_last is not None:
             self.pos[plan.dec_slots] = plan.dec_last.to(torch.int32)[:, None]
             if self.acc is not None:
                 self.observe(query, kv_cache, plan.dec_tok, plan.dec_last, plan.dec_tables, plan.dec_bucket,
                              plan.dec_restart, self.acc, self.budget, self.scale, self.softcap,
                              self.importance.form == "count")  # type: ignore[union-attr]
-        if plan.round_window is not None:
+        if plan.round_window is not None and plan.round_seen is not None:
             self._round(plan.round_window, plan.round_seen, keys_t, values, block)
 
     def _prefill(self, table_row, q, k, v, keys_t, values, block: int, out) -> None:
@@ -312,7 +319,7 @@ class PagedLayer:
             slots = window[:, None, :].expand(rr, h, b_).gather(-1, order)
             return keys_t[slots // block, heads, :, slots % block], values[slots // block, heads, slots % block, :]
 
-        view = LayerView(self.layer_idx, b_, self.rounds, state, _Slots(positions, seen), read)
+        view = LayerView(self.layer_idx, b_, self.rounds, state, _Slots(positions, seen), read)  # type: ignore[arg-type]
         scores = self.method.score(view)  # (Rr, H_kv, B)
         shield = None
         for part in self.shields:
