@@ -1,12 +1,13 @@
 """Time the vLLM adapter's per-layer bookkeeping on its own: ``PagedLayer.step`` over tensors laid out as
 vLLM's CPU blocks, without an engine (so it runs in the project's own environment).
 
-R requests with prompts of P tokens are prefilled in one step, then decoded for S steps, one token each;
-each step writes the new tokens' K/V where vLLM would (``slot_mapping``) before the layer runs, as vLLM's
-kernel does. What is timed is the plugin's work for one layer: the decode steps' probabilities, the state
-update and the eviction with its block moves. Medians over the steps after a warm-up.
+R requests with prompts of P to P + R - 1 tokens (so their rounds fall on different steps, as in serving) are
+prefilled in one step, then decoded for S steps, one token each; each step writes the new tokens' K/V where
+vLLM would (``slot_mapping``) before the layer runs, as vLLM's kernel does. What is timed is the plugin's work:
+the step's plan (once per step for every layer) and one layer's step (the importance update, and the rounds
+with their moves when a request starts one). Medians over the steps after a warm-up.
 
-    python experiments/vllm_paged_step.py --requests 16 --prompt 700 --budget 140 --steps 40 --out OUT.json
+    python experiments/vllm_paged_step.py --requests 32 --prompt 700 --budget 140 --steps 40 --out OUT.json
 
 Before and after a change, run it on both checkouts in turn (``PYTHONPATH=OLD/src python ...``) and compare
 the medians of runs made one after the other.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from scissorhands.vllm.paged import PagedLayer, block_views
+from scissorhands.vllm.paged import PagedLayer, Planner, block_views
 from scissorhands.vllm.settings import parse
 
 HEADS, KV_HEADS, HEAD = 9, 3, 64  # SmolLM2-135M's attention shape
@@ -33,12 +34,17 @@ BLOCK = 128  # vLLM's CPU block size
 class Harness:
     """One layer, R requests, the blocks they use and the steps vLLM would run."""
 
-    def __init__(self, requests: int, prompt: int, budget: int, steps: int, method: str, rows: int | None = None,
-                 seed: int = 0):
+    def __init__(self, requests: int, prompt: int, budget: int, steps: int, method: str, drop=None,
+                 compiled: bool = True, seed: int = 0):
         self.requests, self.prompt, self.steps = requests, prompt, steps
-        self.layer = PagedLayer(parse({"budget": budget, "method": method}), 0, HEADS, KV_HEADS, HEAD,
-                                HEAD ** -0.5, None, rows=rows or requests)
-        per = math.ceil((prompt + steps + 1) / BLOCK)
+        plugin = {"budget": budget, "method": method} | ({} if drop is None else {"drop": drop})
+        settings = parse(plugin)
+        self.layer = PagedLayer(settings, 0, HEADS, KV_HEADS, HEAD, HEAD ** -0.5, None, compiled=compiled)
+        self.planner = Planner(settings)
+        self.plan_s: list[float] = []
+        self.step_s: list[float] = []
+        self.lengths = [prompt + i for i in range(requests)]
+        per = math.ceil((prompt + requests + steps + 1) / BLOCK)
         self.table = torch.arange(requests * per, dtype=torch.int32).view(requests, per)  # (R, blocks)
         self.cache = torch.zeros(requests * per, KV_HEADS, BLOCK, 2 * HEAD)  # (num_blocks, H_kv, N, 2D)
         self.gen = torch.Generator().manual_seed(seed)
@@ -63,18 +69,21 @@ class Harness:
         self._write(slots, k, v)
         start = torch.tensor([0] + counts).cumsum(0).to(torch.int32)
         out = torch.zeros(t, HEADS, HEAD)
-        self.layer.step(self.ids, q, k, v, self.cache, start, torch.tensor(seq_lens, dtype=torch.int32), self.table,
-                        slots, out)
+        t0 = time.perf_counter()
+        plan = self.planner.plan(self.ids, start, torch.tensor(seq_lens, dtype=torch.int32), self.table, slots, BLOCK)
+        self.plan_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        self.layer.step(plan, q, k, v, self.cache, out)
+        self.step_s.append(time.perf_counter() - t0)
 
     def prefill(self) -> None:
-        positions = torch.arange(self.prompt).repeat(self.requests)
-        rows = torch.arange(self.requests).repeat_interleave(self.prompt)
-        self._run(positions, rows, [self.prompt] * self.requests, [self.prompt] * self.requests)
+        positions = torch.cat([torch.arange(n) for n in self.lengths])
+        rows = torch.cat([torch.full((n,), i) for i, n in enumerate(self.lengths)])
+        self._run(positions, rows, list(self.lengths), list(self.lengths))
 
     def decode(self, step: int) -> None:
-        p = self.prompt + step
-        self._run(torch.full((self.requests,), p), torch.arange(self.requests), [1] * self.requests,
-                  [p + 1] * self.requests)
+        p = torch.tensor(self.lengths) + step
+        self._run(p, torch.arange(self.requests), [1] * self.requests, (p + 1).tolist())
 
 
 def main(argv=None) -> None:
@@ -85,25 +94,24 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--method", default="scissorhands")
-    ap.add_argument("--rows", type=int,
-                    help="vLLM's max_num_seqs: the most rows the layer may hold (default: --requests)")
+    ap.add_argument("--drop", default=None, help="the drop amount (a fraction of the budget, or a count)")
+    ap.add_argument("--reference", action="store_true", help="the torch reference instead of the compiled operator")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    h = Harness(args.requests, args.prompt, args.budget, args.steps + args.warmup, args.method, args.rows)
-    t0 = time.perf_counter()
+    drop = None if args.drop is None else (float(args.drop) if "." in args.drop else int(args.drop))
+    h = Harness(args.requests, args.prompt, args.budget, args.steps + args.warmup, args.method, drop,
+                not args.reference)
     h.prefill()
-    prefill_s = time.perf_counter() - t0
-    times = []
+    prefill_s = h.step_s[0]
     for s in range(args.steps + args.warmup):
-        t0 = time.perf_counter()
         h.decode(s)
-        if s >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    times = h.step_s[1 + args.warmup:]
+    plans = h.plan_s[1 + args.warmup:]
     record = {"config": vars(args) | {"out": str(args.out)}, "prefill_s": prefill_s,
-              "pool_rows": int(h.layer.kv.slots.lengths.shape[0]), "state_bytes": sum(
-                  s.nbytes() for s in h.layer.kv.states),
+              "state_bytes": h.layer.nbytes(), "rounds": h.layer.rounds,
+              "plan_ms_median": 1e3 * statistics.median(plans),
               "decode_step_ms_median": 1e3 * statistics.median(times),
               "decode_step_ms_min": 1e3 * min(times), "decode_step_ms_max": 1e3 * max(times)}
     print(json.dumps(record, indent=1))

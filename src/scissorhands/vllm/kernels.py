@@ -58,9 +58,9 @@ static void observe_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
       logits.assign(g * L, 0.f);
       contrib.assign(L, 0.f);
       const float* qr = q + (tok_p[r] * Hq + h * g) * D;
-      for (int64_t x0 = ws; x0 <= p;) {
-        const int64_t lb = x0 / N, o0 = x0 % N, o1 = std::min<int64_t>(N, o0 + (p - x0 + 1));
-        const T* kb = kv + (static_cast<int64_t>(tab[r * maxblk + lb]) * H + h) * N * 2 * D;  // K^T: [D][N]
+      for (int64_t x0 = ws; x0 <= p;) {  // block by block: each K^T row is read whole and in order
+        const int64_t o0 = x0 % N, o1 = std::min<int64_t>(N, o0 + (p - x0 + 1));
+        const T* kb = kv + (static_cast<int64_t>(tab[r * maxblk + x0 / N]) * H + h) * N * 2 * D;  // K^T: [D][N]
         for (int64_t j = 0; j < g; ++j) {
           float* lg = logits.data() + j * L + (x0 - ws) - o0;
           const float* qj = qr + j * D;
@@ -82,12 +82,15 @@ static void observe_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
           lg[x] = v;
           top = std::max(top, v);
         }
+        for (int64_t x = 0; x < L; ++x) lg[x] = std::exp(lg[x] - top);
         float total = 0.f;
-        for (int64_t x = 0; x < L; ++x) { lg[x] = std::exp(lg[x] - top); total += lg[x]; }
+        for (int64_t x = 0; x < L; ++x) total += lg[x];
         const float inv = 1.f / total;
-        for (int64_t x = 0; x < L; ++x) {
-          const float pr = lg[x] * inv;
-          contrib[x] += count ? (pr > thr ? 1.f : 0.f) : pr;
+        float* c = contrib.data();
+        if (count) {
+          for (int64_t x = 0; x < L; ++x) c[x] += (lg[x] * inv > thr) ? 1.f : 0.f;
+        } else {
+          for (int64_t x = 0; x < L; ++x) c[x] += lg[x] * inv;
         }
       }
       float* ab = a + bucket_p[r] * nb * H * N;
@@ -134,7 +137,8 @@ def _ops():
             _OPS["ops"] = cpp_extension.load_inline(name=f"scissorhands_paged_{key}", cpp_sources=_SOURCE,
                                                     functions=["observe"], extra_cflags=_CFLAGS, verbose=False)
         except (RuntimeError, OSError, ImportError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            first = next((x.strip() for x in lines if "error" in x.lower() and "Error building" not in x), lines[0])
             raise RuntimeError(f"scissorhands: cannot build the paged importance operator with "
                                f"torch.utils.cpp_extension (a C++ compiler, g++, is needed): {first}") from None
     return _OPS["ops"]
