@@ -41,7 +41,10 @@ def windows(model: str, text_path: str, seq_len: int, count: int) -> list[list[i
 
 
 def plugin_settings(args) -> dict:
-    return {"budget": round(args.seq_len / args.compression), "method": args.method}
+    plugin = {"budget": round(args.seq_len / args.compression), "method": args.method}
+    if args.drop is not None:
+        plugin["drop"] = float(args.drop) if "." in args.drop else int(args.drop)
+    return plugin
 
 
 def run_vllm(args, texts) -> dict:
@@ -96,17 +99,22 @@ def run_transformers(args, texts) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from dataclasses import replace
+
     from scissorhands import ScissorhandsCache
     from scissorhands.vllm.settings import parse
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     settings = parse(plugin_settings(args))
+    configs = {"scissorhands": settings.config}
+    if args.per_step:  # the per-step semantics the plugin ran before rounds: one token dropped at every step
+        configs["scissorhands-per-step"] = replace(settings.config, rounds=False, drop=1)
     out = {}
-    for name in ("full", "scissorhands")[1 - args.with_full:]:
+    for name in ("full", *configs)[1 - args.with_full:]:
         nll = []
         for w in texts:
             cache = DynamicCache(config=model.config) if name == "full" else ScissorhandsCache(
-                model, settings.config, settings.method())
+                model, configs[name], settings.method())
             ids = torch.tensor([w])
             with torch.no_grad():
                 model(ids[:, : args.prompt], cache=cache)
@@ -130,6 +138,12 @@ def compare(a_path: str, b_path: str) -> None:
         full = statistics.mean(rec["nll"]["full"])
         lines.append(f"| {rec['engine']} | {full:.4f} ({math.exp(full):.2f}) | {ours:.4f} ({math.exp(ours):.2f}) | "
                      f"{ours - full:+.4f} |")
+    if "scissorhands-per-step" in b["nll"]:
+        step = statistics.mean(b["nll"]["scissorhands-per-step"])
+        paired = [x - y for x, y in zip(b["nll"]["scissorhands"], b["nll"]["scissorhands-per-step"])]
+        lines.append(f"| {b['engine']}, per step (rounds off, drop 1) | | {step:.4f} ({math.exp(step):.2f}) | rounds "
+                     f"against it: {statistics.mean(paired):+.4f} (windows {min(paired):+.4f} to "
+                     f"{max(paired):+.4f}) |")
     diffs = [x - y for x, y in zip(a["nll"]["scissorhands"], b["nll"]["scissorhands"])]
     lines.append("")
     lines.append(f"vLLM plugin against the transformers path at the same settings, per window: mean "
@@ -147,6 +161,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64, help="the prompt of each window (the rest is forced)")
     p.add_argument("--compression", type=float, default=5.0)
     p.add_argument("--method", default="scissorhands")
+    p.add_argument("--drop", default=None, help="the plugin's drop amount (fraction or count); default the library's")
+    p.add_argument("--per-step", action="store_true",
+                   help="transformers side: also the per-step semantics (rounds off, drop 1), for the rounds' cost")
     p.add_argument("--with-full", type=int, choices=(0, 1), default=1,
                    help="transformers side: also score the full cache (0: the budgeted cache only)")
     p.add_argument("--out")

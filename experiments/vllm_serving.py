@@ -134,6 +134,7 @@ def run_variant(args: dict, requests) -> dict:
     tail = [(h, r) for h, r in zip(held, running) if r][-max(1, len(held) // 4):]  # the last quarter: decoding
     per_request_blocks = statistics.mean(h / r for h, r in tail)
     result = {"requests": len(requests), "max_running": max(running), "drain_s": drain,
+              "mean_running": statistics.mean(running), "median_running": statistics.median(running),
               "generated_tokens": generated, "tokens_per_s": generated / drain,
               "decode_tokens_per_s": decode_tokens / decode_time if decode_time else None,
               "tpot_median_s": statistics.median(tpot),
@@ -170,7 +171,8 @@ def plot(record_path: str) -> Path:
     record = json.loads(Path(record_path).read_text())
     runs = record.get("runs") or {name: [row] for name, row in record["variants"].items()}  # older records
     names = list(runs)
-    panels = [("max_running", "requests running at once", 1), ("tokens_per_s", "generated tokens/s", 1),
+    panels = [("mean_running", "requests running (mean over steps)", 1), ("max_running", "most running at once", 1),
+              ("tokens_per_s", "generated tokens/s", 1),
               ("decode_tokens_per_s", "decode-only tokens/s", 1), ("tpot_median_s", "time per output token (ms)", 1e-3),
               ("decode_kv_bytes_per_request_measured", "KV per decoding request (MB)", 1e6)]
     panels = [x for x in panels if any(r.get(x[0]) is not None for rows in runs.values() for r in rows)]
@@ -204,7 +206,7 @@ def plot(record_path: str) -> Path:
 def summarize(runs: dict[str, list[dict]]) -> dict:
     """Per variant the median of each figure over rounds; per other variant against "scissorhands", the median,
     min and max of the per-round ratios (round i of one against round i of the other)."""
-    keys = ("tokens_per_s", "decode_tokens_per_s", "tpot_median_s", "ttft_median_s", "max_running",
+    keys = ("tokens_per_s", "decode_tokens_per_s", "tpot_median_s", "ttft_median_s", "max_running", "mean_running",
             "peak_blocks_held", "decode_kv_bytes_per_request_measured", "preemptions", "drain_s")
     medians = {name: {k: statistics.median(r[k] for r in rows if r.get(k) is not None)
                       for k in keys if any(r.get(k) is not None for r in rows)} for name, rows in runs.items()}
@@ -213,7 +215,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     for name, rows in runs.items():
         if name == "scissorhands":
             continue
-        for k in ("tokens_per_s", "decode_tokens_per_s", "max_running"):
+        for k in ("tokens_per_s", "decode_tokens_per_s", "max_running", "mean_running"):
             each = [a[k] / b[k] for a, b in zip(mine, rows) if a.get(k) and b.get(k)]
             if each:
                 ratios[f"{k} vs {name}"] = {"median": statistics.median(each), "min": min(each), "max": max(each),

@@ -163,6 +163,18 @@ def test_a_bad_setting_is_one_line_at_start_up(tiny_folder, plugin, name):
     assert message.startswith(f"{name}: ") and "\n" not in message, message
 
 
+@pytest.mark.parametrize("engine_args, name", [
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}},
+     "speculative_config"),
+], ids=["pipeline", "speculative"])
+def test_a_mode_the_plugin_cannot_serve_is_refused_at_start_up(tiny_folder, engine_args, name):
+    with pytest.raises(Exception) as err:
+        Engine(tiny_folder, {"budget": 64}, **engine_args)
+    message = str(err.value)
+    assert f"{name}: " in message and "scissorhands" in message, message
+
+
 def test_installed_but_off_is_vllm_as_it_is(tiny_folder, tmp_path):
     """Two fresh processes, one with the plugin loaded but no settings and one with vLLM's plugins turned off."""
     script = tmp_path / "run.py"

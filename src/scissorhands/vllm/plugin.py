@@ -54,6 +54,13 @@ def prepare_config(vllm_config) -> None:
     if settings is None:
         return
     parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"pipeline_parallel_size: the scissorhands plugin is not tested with pipeline parallelism, "
+                         f"got {parallel.pipeline_parallel_size}; run with 1 (tensor parallelism shards KV heads, "
+                         f"which the plugin evicts per head)")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ValueError("speculative_config: the scissorhands plugin cannot serve speculative decoding (draft "
+                         "tokens would be scored and evicted before they are accepted); leave it off")
     ours = "scissorhands.vllm.worker.ScissorhandsWorker"  # the config is prepared again in the engine's process
     if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", ours):
         raise ValueError(f"worker_cls: the scissorhands plugin brings its own worker, got {parallel.worker_cls!r}")
