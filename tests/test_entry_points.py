@@ -100,13 +100,13 @@ def test_the_same_settings_give_the_same_numbers_through_the_python_api_and_the_
 @pytest.mark.parametrize("name", EVICTING)
 def test_the_vllm_plugin_resolves_the_same_settings(name):
     """The plugin's settings object builds, through the same resolver, the config the transformers cache takes
-    with the two settings the plugin fixes (one token a step, the prompt held and evicted once)."""
+    with the two settings the plugin fixes (eviction in rounds, the prompt held and evicted once)."""
     from scissorhands.vllm.settings import parse
 
-    flags = {k: v for k, v in FLAGS.items() if k != "drop"}
+    flags = dict(FLAGS)
     plugin = parse({"method": name, "budget": BUDGET, **{k: str(v) for k, v in flags.items()}})
     model = tiny_model("llama")
-    direct = ScissorhandsCache(model, ScissorhandsConfig(budget=BUDGET, drop=1, prefill="prompt-aware", **flags),
+    direct = ScissorhandsCache(model, ScissorhandsConfig(budget=BUDGET, rounds=True, prefill="prompt-aware", **flags),
                                get_method(name)())
     assert plugin.method is get_method(name)
     assert plugin.config == direct.config
