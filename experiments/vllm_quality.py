@@ -96,10 +96,10 @@ def run_vllm(args, texts) -> dict:
 
 
 def run_transformers(args, texts) -> dict:
+    from dataclasses import replace
+
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
-
-    from dataclasses import replace
 
     from scissorhands import ScissorhandsCache
     from scissorhands.vllm.settings import parse
