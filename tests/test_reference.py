@@ -110,7 +110,7 @@ def round_cases(draw):
     return case
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(round_cases())
 def test_rounds_match_the_reference(case):
     """Eviction in rounds (``rounds=True``): victims chosen ``drop`` at a time leave one per new token, oldest
