@@ -47,8 +47,7 @@ class ScissorhandsImpl(CPUAttentionBackendImpl):
                               output_block_scale)
         if self.settings is None or attn_metadata is None or self.sliding_window != self.settings.budget:
             return out
-        request_ids = worker.request_ids()
-        if request_ids is None:
+        if not worker.in_step():
             return out  # a warm-up or profiling run: no requests
         if getattr(layer, "isa", "vec") not in _LAYOUTS:
             raise RuntimeError(f"scissorhands: the CPU attention kernel {layer.isa!r} packs K/V in tiles the "
@@ -62,9 +61,12 @@ class ScissorhandsImpl(CPUAttentionBackendImpl):
                 worker.PLANNER["planner"] = Planner(self.settings)
         n = attn_metadata.num_actual_tokens
         md = attn_metadata
-        plan = worker.PLANNER["planner"].for_step(worker.step_id(), request_ids[: md.seq_lens.shape[0]],
-                                                  md.query_start_loc, md.seq_lens, md.block_table,
-                                                  md.slot_mapping, kv_cache.shape[2])
+        planner = worker.PLANNER["planner"]
+        plan = planner.cached(worker.step_id())  # the step's first layer makes it; the others reuse it
+        if plan is None:
+            request_ids = worker.request_ids() or []
+            plan = planner.for_step(worker.step_id(), request_ids[: md.seq_lens.shape[0]], md.query_start_loc,
+                                    md.seq_lens, md.block_table, md.slot_mapping, kv_cache.shape[2])
         self.paged.step(plan, query[:n].view(n, self.num_heads, -1), key[:n].view(n, self.num_kv_heads, -1),
                         value[:n].view(n, self.num_kv_heads, -1), kv_cache, out[:n].view(n, self.num_heads, -1))
         return out

@@ -120,22 +120,28 @@ class Planner:
             self.start.pop(rid, None)
             self.where.pop(rid, None)
 
+    def cached(self, step_id) -> StepPlan | None:
+        """The plan of step ``step_id`` if a layer has made it already."""
+        return self._cached[1] if self._cached is not None and self._cached[0] == step_id else None
+
     def for_step(self, step_id, request_ids, query_start, seq_lens, block_table, slot_mapping, block: int) -> StepPlan:
         """The plan of step ``step_id``, made by its first layer and reused by the others."""
-        if self._cached is not None and self._cached[0] == step_id:
-            return self._cached[1]
-        plan = self.plan(request_ids, query_start, seq_lens, block_table, slot_mapping, block)
-        self._cached = (step_id, plan)
+        plan = self.cached(step_id)
+        if plan is None:
+            plan = self.plan(request_ids, query_start, seq_lens, block_table, slot_mapping, block)
+            self._cached = (step_id, plan)
         return plan
 
     def plan(self, request_ids, query_start, seq_lens, block_table, slot_mapping, block: int) -> StepPlan:
         starts, lengths = query_start.tolist(), seq_lens.tolist()
         prefills, decode, rounds = [], [], []
         b_, m = self.budget, self.drop
+        table = block_table.clone()  # vLLM reuses its tensor; ``where`` keeps this step's rows
         for i, rid in enumerate(request_ids):
             a, b, total = starts[i], starts[i + 1], lengths[i]
             if b == a:
                 continue
+            self.where[rid] = (table[i], total)
             if b - a == total:  # the sequence's first chunk: a new request, or a preempted one again
                 if rid in self.start:
                     self.restarts += 1
@@ -147,10 +153,6 @@ class Planner:
                 raise RuntimeError("scissorhands: a prompt came in chunks; the plugin turns chunked prefill off")
             if total >= self.start[rid] and (total - self.start[rid]) % m == 0:
                 rounds.append((i, total))
-        table = block_table.clone()
-        for i, rid in enumerate(request_ids):
-            if starts[i + 1] > starts[i]:
-                self.where[rid] = (table[i], lengths[i])
         plan = StepPlan(prefills, block_table)
         if decode:
             rows = torch.tensor([d[0] for d in decode])

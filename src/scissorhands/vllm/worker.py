@@ -22,6 +22,11 @@ def request_ids() -> list[str] | None:
     return None if runner is None else list(runner.input_batch.req_ids)
 
 
+def in_step() -> bool:
+    """Whether an engine step is running (warm-up and profiling runs are not steps)."""
+    return "runner" in _STEP
+
+
 def step_id() -> int:
     """A number that changes with every engine step (the plan's key)."""
     return _STEP["id"]
