@@ -3,9 +3,10 @@ vLLM's CPU blocks, without an engine (so it runs in the project's own environmen
 
 R requests with prompts of P to P + R - 1 tokens (so their rounds fall on different steps, as in serving) are
 prefilled in one step, then decoded for S steps, one token each; each step writes the new tokens' K/V where
-vLLM would (``slot_mapping``) before the layer runs, as vLLM's kernel does. What is timed is the plugin's work:
-the step's plan (once per step for every layer) and one layer's step (the importance update, and the rounds
-with their moves when a request starts one). Medians over the steps after a warm-up.
+vLLM would (``slot_mapping``) before the layer runs, as vLLM's cache update does. What is timed is the plugin's
+work: the step's plan (once per step for every layer) and one layer's step (the decode attention with its
+importance update, which replaces vLLM's kernel call, and the rounds with their moves when a request starts
+one). Medians over the steps after a warm-up.
 
     python experiments/vllm_paged_step.py --requests 32 --prompt 700 --budget 140 --steps 40 --out OUT.json
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from scissorhands.vllm.paged import PagedLayer, Planner, block_views
+from scissorhands.vllm.paged import PagedLayer, Planner, write_kv
 from scissorhands.vllm.settings import parse
 
 HEADS, KV_HEADS, HEAD = 9, 3, 64  # SmolLM2-135M's attention shape
@@ -54,11 +55,8 @@ class Harness:
         return self.table[rows, positions // BLOCK].long() * BLOCK + positions % BLOCK
 
     def _write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        keys_t, values = block_views(self.cache)
         heads = torch.arange(KV_HEADS)[None, :]
-        blk, off = (slots // BLOCK)[:, None], (slots % BLOCK)[:, None]
-        keys_t[blk, heads, :, off] = k
-        values[blk, heads, off, :] = v
+        write_kv(self.cache, "vec", (slots // BLOCK)[:, None], heads, (slots % BLOCK)[:, None], k, v)
 
     def _run(self, positions: torch.Tensor, rows: torch.Tensor, counts: list[int], seq_lens: list[int]) -> None:
         t = positions.shape[0]

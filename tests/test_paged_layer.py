@@ -18,36 +18,35 @@ from scissorhands.core.prefill import make_prefill
 from scissorhands.core.stores.base import DenseKVStore
 from scissorhands.core.streaming import attend
 from scissorhands.vllm import kernels
-from scissorhands.vllm.paged import PagedLayer, Planner, block_views
+from scissorhands.vllm.paged import PagedLayer, Planner, read_kv, write_kv
 from scissorhands.vllm.settings import parse
 
-HQ, HKV, D, N = 4, 2, 8, 8  # query heads, KV heads, head size, block size (small, so windows cross blocks)
+HQ, HKV, D, N = 4, 2, 16, 16  # query heads, KV heads, head size, block size (small, so windows cross blocks)
 SCALE = D ** -0.5
 
 
 class Blocks:
     """vLLM's side: one layer's paged cache, a block table and the requests' positions."""
 
-    def __init__(self, requests: int, most: int, gen: torch.Generator):
+    def __init__(self, requests: int, most: int, gen: torch.Generator, layout: str = "vec",
+                 dtype: torch.dtype = torch.float32):
         per = -(-most // N)
-        self.cache = torch.zeros(requests * per, HKV, N, 2 * D)  # (num_blocks, H_kv, N, 2D)
+        self.layout = layout
+        self.cache = torch.zeros(requests * per, HKV, N, 2 * D, dtype=dtype)  # (num_blocks, H_kv, N, 2D)
         self.table = torch.randperm(requests * per, generator=gen).view(requests, per).to(torch.int32)
 
     def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
         return self.table[row, positions // N].long() * N + positions % N
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        keys_t, values = block_views(self.cache)
         heads = torch.arange(HKV)[None, :]
-        keys_t[(slots // N)[:, None], heads, :, (slots % N)[:, None]] = k  # (T, H_kv, D)
-        values[(slots // N)[:, None], heads, (slots % N)[:, None], :] = v
+        write_kv(self.cache, self.layout, (slots // N)[:, None], heads, (slots % N)[:, None], k, v)  # (T, H_kv, D)
 
     def window_output(self, row: int, q: torch.Tensor, p: int, budget: int) -> torch.Tensor:
         """vLLM's kernel for one decode query at position ``p``: attention over the logical slots ``(p - B, p]``."""
-        keys_t, values = block_views(self.cache)
-        where = self.slots(row, torch.arange(max(0, p - budget + 1), p + 1))
-        k = keys_t[where // N, :, :, where % N]  # (L, H_kv, D)
-        v = values[where // N, :, where % N, :]  # (L, H_kv, D)
+        where = self.slots(row, torch.arange(max(0, p - budget + 1), p + 1))[:, None]
+        k, v = read_kv(self.cache, self.layout, where // N, torch.arange(HKV)[None, :], where % N)  # (L, H_kv, D)
+        k, v = k.float(), v.float()
         qg = q.view(HKV, HQ // HKV, D)  # (H_kv, g, D)
         probs = (torch.einsum("hgd,lhd->hgl", qg, k) * SCALE).softmax(-1)
         return torch.einsum("hgl,lhd->hgd", probs, v).reshape(HQ, D)
@@ -63,88 +62,156 @@ def _alone(layer: PagedLayer):
     return layer._budgeted(DenseKVStore(), make_prefill(layer.settings.config), rounds=True)
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["operator", "reference"])
-@pytest.mark.parametrize("plugin", [
-    {"budget": 12},
-    {"budget": 12, "drop": 4},
-    {"budget": 12, "preset": "paper"},
-    {"budget": 12, "method": "h2o", "recent": 2, "drop": 3},
-    {"budget": 12, "method": "tova"},
-    {"budget": 12, "method": "streaming", "drop": 2},
-    {"budget": 11, "protect_prefix": 3, "recent": 2, "drop": 3},
-    {"budget": 12, "importance": "count", "window": 6, "window_buckets": 3, "drop": 3},
-], ids=["defaults", "drop4", "paper", "h2o", "tova", "streaming", "protected", "count-buckets"])
-def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(plugin, compiled):
+PLUGINS = {
+    "defaults": {"budget": 12},
+    "drop4": {"budget": 12, "drop": 4},
+    "paper": {"budget": 12, "preset": "paper"},
+    "h2o": {"budget": 12, "method": "h2o", "recent": 2, "drop": 3},
+    "tova": {"budget": 12, "method": "tova"},
+    "streaming": {"budget": 12, "method": "streaming", "drop": 2},
+    "protected": {"budget": 11, "protect_prefix": 3, "recent": 2, "drop": 3},
+    "count-buckets": {"budget": 12, "importance": "count", "window": 6, "window_buckets": 3, "drop": 3},
+}
+
+
+def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype = torch.float32, check=None):
+    """Four requests through one layer as vLLM would step them; ``check(rid, step, layer, ...)`` after each step.
+
+    Returns the layer and every step's outputs."""
     gen = torch.Generator().manual_seed(0)
     settings = parse(plugin)
     budget = settings.budget
     prompts = {"a": 30, "b": 9, "c": 21, "d": 17}  # "b" is shorter than the budget; "d" arrives later
     arrive = {"a": 0, "b": 0, "c": 0, "d": 5}
     steps = 26
-    layer = PagedLayer(settings, 0, HQ, HKV, D, SCALE, None, compiled=compiled)
+    layer = PagedLayer(settings, 0, HQ, HKV, D, SCALE, None, compiled=compiled, layout=layout)
     planner = Planner(settings)
-    blocks = Blocks(len(prompts), max(prompts.values()) + steps + 1, gen)
+    blocks = Blocks(len(prompts), max(prompts.values()) + steps + 1, gen, layout, dtype)
     rows = {rid: i for i, rid in enumerate(prompts)}  # the block-table row of each request
-    alone: dict = {}
     seen = dict.fromkeys(prompts, 0)
+    outputs = []
     for step in range(steps):
         running = [rid for rid in prompts if arrive[rid] <= step]
         chunks = {rid: (prompts[rid] if seen[rid] == 0 else 1) for rid in running}
         t = sum(chunks.values())
-        q, k, v = (torch.randn(t, h, D, generator=gen) for h in (HQ, HKV, HKV))
+        q, k, v = (torch.randn(t, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV))
         slots = torch.cat([blocks.slots(rows[rid], torch.arange(seen[rid], seen[rid] + chunks[rid]))
                            for rid in running])
-        blocks.write(slots, k, v)
+        blocks.write(slots, k, v)  # vLLM's cache update, before the layer runs
         starts = torch.tensor([0] + [chunks[rid] for rid in running]).cumsum(0).to(torch.int32)
         seq_lens = torch.tensor([seen[rid] + chunks[rid] for rid in running], dtype=torch.int32)
-        out = torch.zeros(t, HQ, D)
-        for i, rid in enumerate(running):  # vLLM's kernel writes the decode rows' outputs
-            if chunks[rid] == 1:
-                out[starts[i]] = blocks.window_output(rows[rid], q[starts[i]], seen[rid], budget)
+        out = torch.full((t, HQ, D), float("nan"), dtype=dtype)  # the layer writes every row
         table = blocks.table[[rows[r] for r in running]]
         plan = planner.for_step(step, running, starts, seq_lens, table, slots, N)
         assert planner.for_step(step, running, starts, seq_lens, table, slots, N) is plan  # one plan per step
         layer.step(plan, q, k, v, blocks.cache, out)
+        outputs.append(out)
         for i, rid in enumerate(running):
             a, b = int(starts[i]), int(starts[i + 1])
-            k4, v4 = k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None]  # (1, H_kv, T, D)
-            if seen[rid] == 0:
-                alone[rid] = _alone(layer)
-                alone[rid].allocate(k4, v4)
-            want = attend(alone[rid], q[a:b].transpose(0, 1)[None], k4, v4, None, SCALE, None,
-                          settings.config.query_tile)  # (1, H_q, T, D)
-            got = out[a:b]
-            assert not torch.isnan(got).any(), f"{rid} step {step}: read a freed block"
-            torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
+            assert not torch.isnan(out[a:b]).any(), f"{rid} step {step}: a row left unwritten, or a freed block read"
+            if check is not None:
+                check(rid, step, layer, blocks, rows[rid], seen[rid], q[a:b], k[a:b], v[a:b], out[a:b])
             seen[rid] += b - a
-            # The window holds what the core stores: the kept tokens and the victims still waiting to leave.
-            mine = layer.stored_positions(blocks.table[rows[rid]], seen[rid]).tolist()
-            ref = alone[rid].slots.row(0).sort(dim=-1).values.tolist()
-            assert mine == ref, f"{rid} step {step}"
-            assert len(mine[0]) <= budget
+            mine = layer.stored_positions(blocks.table[rows[rid]], seen[rid])
+            assert mine.shape[-1] <= budget
         for rid in running:
             blocks.free_behind(rows[rid], seen[rid] - 1, budget)
     assert layer.rounds > 0
+    return layer, outputs
 
 
-@pytest.mark.parametrize("form", ["sum", "count"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_importance_update_equals_its_torch_reference(form, dtype):
-    """The operator and the plain-torch update, on a random paged cache with ragged windows, restarts and GQA.
-    float32 sums in another order: within 1e-5 (bfloat16 K are read as float32 by both)."""
+@pytest.mark.parametrize("compiled", [True, False], ids=["operator", "reference"])
+@pytest.mark.parametrize("name", list(PLUGINS))
+def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, compiled):
+    """Each request's window output equals a one-row core layer in rounds fed that request alone, and equals what
+    vLLM's kernel computes over the window's slots; the window holds the core's stored positions."""
+    settings = parse(PLUGINS[name])
+    alone: dict = {}
+
+    def check(rid, step, layer, blocks, row, seen, q, k, v, got):
+        k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
+        if seen == 0:
+            alone[rid] = _alone(layer)
+            alone[rid].allocate(k4, v4)
+        want = attend(alone[rid], q.transpose(0, 1)[None], k4, v4, None, SCALE, None,
+                      settings.config.query_tile)  # (1, H_q, T, D)
+        torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
+        if q.shape[0] == 1:  # a decode row: vLLM's own kernel over the window would give the same
+            torch.testing.assert_close(got[0], blocks.window_output(row, q[0], seen, settings.budget), atol=2e-6,
+                                       rtol=1e-5)
+        # The window holds what the core stores: the kept tokens and the victims still waiting to leave.
+        mine = layer.stored_positions(blocks.table[row], seen + q.shape[0]).tolist()
+        assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
+
+    _serve(PLUGINS[name], compiled, check=check)
+
+
+@pytest.mark.parametrize("name", ["defaults", "h2o", "count-buckets"])
+def test_vllm_amx_layout_serves_what_the_vec_layout_serves(name):
+    """bf16 K/V in vLLM's AMX tiles (what vLLM picks for bf16 on CPUs with AMX) against the same K/V in the vec
+    layout: the same outputs and the same kept positions at every step. The layouts differ only in where each
+    element lies; the operator reads them in another order, so outputs agree to float32 rounding, not bitwise."""
+    kept: dict = {}
+
+    def check(layout):
+        def record(rid, step, layer, blocks, row, seen, q, k, v, got):
+            kept[layout, rid, step] = layer.stored_positions(blocks.table[row], seen + q.shape[0]).tolist()
+        return record
+
+    _, vec = _serve(PLUGINS[name], True, "vec", torch.bfloat16, check("vec"))
+    layer, amx = _serve(PLUGINS[name], True, "amx", torch.bfloat16, check("amx"))
+    for a, b in zip(vec, amx):
+        torch.testing.assert_close(b.float(), a.float(), atol=1e-2, rtol=1e-2)  # bf16 outputs: one ulp apart
+    assert [v for (lay, *_), v in kept.items() if lay == "amx"] == [v for (lay, *_), v in kept.items() if lay == "vec"]
+    assert layer.layout == "amx" and layer.rounds > 0
+
+
+def test_the_amx_layout_is_vllms():
+    """The AMX views put each element where vLLM's AMX cache update writes it: K at
+    (o // 16) * 16D + (d // 2) * 32 + (o % 16) * 2 + d % 2, V at N*D + (d // 16) * 16N + (o // 2) * 32 + (d % 16) * 2
+    + o % 2, from the start of a (block, KV head) region (vLLM's csrc/cpu/cpu_attn_amx.hpp, reshape_and_cache)."""
+    nb, h, n, d = 3, 2, 32, 32
+    cache = torch.zeros(nb, h, n, 2 * d, dtype=torch.bfloat16)
+    k = torch.arange(nb * h * n * d, dtype=torch.float32).view(nb, h, n, d) % 251
+    v = k.flip(-1)
+    blk, head, off = (torch.arange(nb)[:, None, None], torch.arange(h)[None, :, None], torch.arange(n)[None, None, :])
+    write_kv(cache, "amx", blk, head, off, k, v)
+    flat = cache.view(nb, h, 2 * n * d).float()
+    for b, hh, o, dd in [(0, 0, 0, 0), (1, 1, 17, 5), (2, 0, 31, 31), (2, 1, 3, 18)]:
+        assert flat[b, hh, (o // 16) * 16 * d + (dd // 2) * 32 + (o % 16) * 2 + dd % 2] == k[b, hh, o, dd]
+        assert flat[b, hh, n * d + (dd // 16) * 16 * n + (o // 2) * 32 + (dd % 16) * 2 + o % 2] == v[b, hh, o, dd]
+    rk, rv = read_kv(cache, "amx", blk, head, off)
+    assert torch.equal(rk.float(), k) and torch.equal(rv.float(), v)
+    ks, vs = kernels.keys_values(cache, "amx")
+    assert torch.equal(ks, k) and torch.equal(vs, v)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("form", ["sum", "count", "none"])
+@pytest.mark.parametrize("layout,dtype", [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16)],
+                         ids=["vec-float32", "vec-bf16", "amx-bf16"])
+def test_the_compiled_decode_step_equals_its_torch_reference(layout, dtype, form, softcap):
+    """The operator and the plain-torch step, on a random paged cache with ragged windows, restarts and GQA:
+    outputs and the importance update ("none": a method with no importance, outputs only). float32 sums in
+    another order (and the operator's vectorised exponential): within 1e-5; bfloat16 K/V are read as float32 by
+    both."""
     gen = torch.Generator().manual_seed(3)
-    nb, n, budget = 40, 8, 19
+    nb, n, budget = 40, 16, 19
     cache = torch.randn(nb, HKV, n, 2 * D, generator=gen).to(dtype)
-    last = torch.tensor([0, 5, 18, 19, 37, 60])
+    last = torch.tensor([0, 5, 18, 19, 37, 60, 100])
     tables = torch.stack([torch.randperm(nb, generator=gen)[:8] for _ in last]).to(torch.int32)
     query = torch.randn(len(last) + 3, HQ, D, generator=gen)
-    tok = torch.tensor([2, 0, 7, 1, 8, 3])
-    bucket = torch.tensor([0, 1, 2, 0, 1, 2])
-    restart = torch.tensor([True, False, False, True, False, True])
+    tok = torch.tensor([2, 0, 7, 1, 8, 3, 9])
+    bucket = torch.tensor([0, 1, 2, 0, 1, 2, 1])
+    restart = torch.tensor([True, False, False, True, False, True, False])
     acc = torch.rand(3, nb, HKV, n, generator=gen)
-    a, b = acc.clone(), acc.clone()
+    a, b = (None, None) if form == "none" else (acc.clone(), acc.clone())
+    out_a, out_b = torch.zeros(len(last), HQ, D), torch.zeros(len(last), HQ, D)
     args = (query, cache, tok, last, tables, bucket, restart)
-    kernels.observe(*args, a, budget, SCALE, None, form == "count")
-    kernels.observe_reference(*args, b, budget, SCALE, None, form == "count")
-    assert not torch.equal(a, acc)
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    kernels.decode(*args, a, out_a, budget, SCALE, softcap, form == "count", layout)
+    kernels.decode_reference(*args, b, out_b, budget, SCALE, softcap, form == "count", layout)
+    assert out_a.abs().sum() > 0
+    torch.testing.assert_close(out_a, out_b, atol=1e-5, rtol=1e-5)
+    if a is not None:
+        assert not torch.equal(a, acc)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""vLLM's CPU attention, with each budgeted layer presented as a sliding window and its slots chosen by the core.
+"""vLLM's CPU attention, with each budgeted layer presented as a sliding window and attended by the plugin.
 
 Registered over ``CPU_ATTN`` by the plugin (:mod:`.plugin`). With the plugin
 off (no ``scissorhands`` settings), every method here is the parent's, so
@@ -14,7 +14,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-from . import worker
+from . import kernels, worker
 from .paged import PagedLayer, Planner
 from .settings import PluginSettings, from_vllm
 
@@ -22,8 +22,6 @@ logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its l
 
 #: This engine's settings, read when its attention layers are built (the spec hook that follows has no config).
 ACTIVE: dict[str, PluginSettings | None] = {}
-#: The kernels whose cache holds K transposed within a block (the layout :mod:`.paged` reads).
-_LAYOUTS = ("vec", "vec16")
 
 
 def _settings() -> PluginSettings | None:
@@ -39,23 +37,31 @@ class ScissorhandsImpl(CPUAttentionBackendImpl):
         self.settings = _settings()
         self.paged: PagedLayer | None = None
         if self.settings is not None and self.sliding_window in (-1, None):
-            self.sliding_window = self.settings.budget  # the window the kernel attends: the stored slots
+            self.sliding_window = self.settings.budget  # vLLM's block manager frees what falls behind it
+            if self.is_fp8_kv_cache:
+                raise ValueError(f"kv_cache_dtype: the scissorhands plugin reads K/V in the model's dtype, got "
+                                 f"{self.kv_cache_dtype!r}; leave it 'auto'")
+            if self.alibi_slopes is not None or getattr(self, "sinks", None) is not None:
+                raise ValueError("model: the scissorhands plugin attends with plain softmax attention; this model's "
+                                 "ALiBi slopes or attention sinks are not supported")
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                              output_block_scale)
         if self.settings is None or attn_metadata is None or self.sliding_window != self.settings.budget:
-            return out
-        if not worker.in_step():
-            return out  # a warm-up or profiling run: no requests
-        if getattr(layer, "isa", "vec") not in _LAYOUTS:
-            raise RuntimeError(f"scissorhands: the CPU attention kernel {layer.isa!r} packs K/V in tiles the "
-                               f"plugin cannot read; run in float32 (kernels {', '.join(_LAYOUTS)})")
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        isa = getattr(layer, "isa", "vec")
+        if isa not in kernels.LAYOUTS:  # checked in the warm-up run too, so an engine that cannot serve never starts
+            raise ValueError(f"scissorhands: vLLM's CPU attention kernel here is {isa!r}, whose K/V layout the plugin "
+                             f"cannot read (it reads {', '.join(kernels.LAYOUTS)})")
+        if not worker.in_step():  # a warm-up or profiling run: no requests
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
         if self.paged is None:
             match = re.search(r"layers\.(\d+)\.", getattr(layer, "layer_name", ""))
             self.paged = PagedLayer(self.settings, int(match.group(1)) if match else 0, self.num_heads,
-                                    self.num_kv_heads, self.head_size, self.scale, self.logits_soft_cap or None)
+                                    self.num_kv_heads, self.head_size, self.scale, self.logits_soft_cap or None,
+                                    layout=isa)
             worker.LAYERS.append(self.paged)
             if "planner" not in worker.PLANNER:
                 worker.PLANNER["planner"] = Planner(self.settings)
@@ -67,9 +73,11 @@ class ScissorhandsImpl(CPUAttentionBackendImpl):
             request_ids = worker.request_ids() or []
             plan = planner.for_step(worker.step_id(), request_ids[: md.seq_lens.shape[0]], md.query_start_loc,
                                     md.seq_lens, md.block_table, md.slot_mapping, kv_cache.shape[2])
+        # vLLM's cache update has written the step's K/V; the layer attends every row itself (vLLM's kernel is
+        # not called: its windowed prompt outputs would be replaced and its decode outputs recomputed).
         self.paged.step(plan, query[:n].view(n, self.num_heads, -1), key[:n].view(n, self.num_kv_heads, -1),
-                        value[:n].view(n, self.num_kv_heads, -1), kv_cache, out[:n].view(n, self.num_heads, -1))
-        return out
+                        value[:n].view(n, self.num_kv_heads, -1), kv_cache, output[:n].view(n, self.num_heads, -1))
+        return output
 
 
 class ScissorhandsBackend(CPUAttentionBackend):

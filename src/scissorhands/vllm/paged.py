@@ -1,14 +1,15 @@
-"""Eviction in rounds over vLLM's paged K/V blocks: one plan per engine step, a few operators per layer.
+"""Eviction in rounds over vLLM's paged K/V blocks: one plan per engine step, one compiled call per layer.
 
 vLLM keeps each layer's K/V in blocks of ``N`` tokens,
 ``kv_cache[num_blocks, H_kv, N, 2 * D]``; within a (block, KV head) the first
-half is K transposed (``[D, N]``) and the second V (``[N, D]``), on the CPU
-kernels this adapter supports (:func:`block_views`). The plugin presents a
-budgeted layer to vLLM as a sliding window of ``B`` slots (the budget), so
-vLLM's own block manager frees every block that falls behind the window, and
-its kernel attends the ``B`` logical slots ``(p - B, p]`` of a query at
-position ``p``. What this module adds is *which tokens live in those slots*,
-with the core's semantics of eviction in rounds (:mod:`scissorhands.core.rounds`):
+half holds K and the second V, in the layout of vLLM's CPU kernel for the
+machine and dtype: "vec" (K transposed, ``[D, N]``, then V ``[N, D]``) or
+"amx" (bf16 on CPUs with AMX: tiles of 16 tokens; :func:`read_kv`). The plugin
+presents a budgeted layer to vLLM as a sliding window of ``B`` slots (the
+budget), so vLLM's own block manager frees every block that falls behind the
+window. What this module adds is *which tokens live in those slots*, with the
+core's semantics of eviction in rounds (:mod:`scissorhands.core.rounds`), and
+the layer's attention itself, which replaces vLLM's kernel call:
 
 * **A round.** When a request's window is full and no victim is pending, the
   layer scores the window's tokens with the method (the core's
@@ -20,16 +21,17 @@ with the core's semantics of eviction in rounds (:mod:`scissorhands.core.rounds`
   drops one victim per step with no move, and whole blocks leave it: vLLM
   frees them with no patch to its scheduler. A round moves at most
   ``2 * drop`` slots per KV head.
-* **A decode step** adds each request's new query probabilities over its
-  window to an importance accumulator kept per *physical* slot (one compiled
-  operator per layer for every request, :mod:`.kernels`), and records the new
-  token's position. Nothing else runs unless a request starts a round.
+* **A decode step** attends each request's new query over its window, the
+  logical slots ``(p - B, p]``, and adds its probabilities to an importance
+  accumulator kept per *physical* slot: one compiled operator per layer for
+  every request (:mod:`.kernels`), which reads each window's K and V once,
+  where they lie. It records the new token's position. Nothing else runs
+  unless a request starts a round.
 * **A prompt** (a request's first chunk) is attended exactly by the core's
   prompt-aware prefill in a one-row layer: the same code and numbers as the
-  transformers cache. That gives its outputs (which replace the kernel's
-  windowed ones), its importance and the ``B`` tokens it keeps; kept tokens
-  that lie before the window are copied into the slots of the window's evicted
-  ones.
+  transformers cache. That gives its outputs, its importance and the ``B``
+  tokens it keeps; kept tokens that lie before the window are copied into the
+  slots of the window's evicted ones.
 * **One plan per step** (:class:`Planner`): which rows are prompts, decode
   steps and rounds, as index tensors, computed once on the host from vLLM's
   metadata and shared by every layer; a layer's step reads no value back from a
@@ -63,19 +65,49 @@ from .settings import PluginSettings
 
 
 def block_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K as (num_blocks, H_kv, D, N) and V as (num_blocks, H_kv, N, D): views of one layer's cache."""
+    """K as (num_blocks, H_kv, D, N) and V as (num_blocks, H_kv, N, D): views of one layer's cache in the "vec"
+    layout (K transposed in each block)."""
     nb, h, n, d2 = kv_cache.shape  # (num_blocks, H_kv, N, 2D)
     flat = kv_cache.view(nb, h, 2, n * (d2 // 2))
     return flat[:, :, 0].view(nb, h, d2 // 2, n), flat[:, :, 1].view(nb, h, n, d2 // 2)
 
 
-def copy_slots(keys_t: torch.Tensor, values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-               heads: torch.Tensor, block: int) -> None:
+def _amx_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's "amx" layout (2-byte K/V): K in groups of 16 tokens, each (D/2, 16, 2), pairs of dims per token;
+    V in groups of 16 dims, each (N/2, 16, 2), pairs of tokens per dim."""
+    nb, h, n, d2 = kv_cache.shape
+    d = d2 // 2
+    flat = kv_cache.view(nb, h, 2, n * d)
+    return flat[:, :, 0].view(nb, h, n // 16, d // 2, 16, 2), flat[:, :, 1].view(nb, h, d // 16, n // 2, 16, 2)
+
+
+def read_kv(kv_cache: torch.Tensor, layout: str, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the slots ``(blocks, heads, offs)`` (index tensors of one broadcast shape S): each S + (D,)."""
+    if layout == "amx":
+        k, v = _amx_views(kv_cache)
+        return (k[blocks, heads, offs // 16, :, offs % 16, :].flatten(-2),
+                v[blocks, heads, :, offs // 2, :, offs % 2].flatten(-2))
+    keys_t, values = block_views(kv_cache)
+    return keys_t[blocks, heads, :, offs], values[blocks, heads, offs, :]
+
+
+def write_kv(kv_cache: torch.Tensor, layout: str, blocks, heads, offs, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write K and V (each S + (D,)) into the slots ``(blocks, heads, offs)``, as vLLM's cache update would."""
+    if layout == "amx":
+        kview, vview = _amx_views(kv_cache)
+        kview[blocks, heads, offs // 16, :, offs % 16, :] = k.unflatten(-1, (-1, 2)).to(kview.dtype)
+        vview[blocks, heads, :, offs // 2, :, offs % 2] = v.unflatten(-1, (-1, 16)).to(vview.dtype)
+        return
+    keys_t, values = block_views(kv_cache)
+    keys_t[blocks, heads, :, offs] = k.to(keys_t.dtype)
+    values[blocks, heads, offs, :] = v.to(values.dtype)
+
+
+def copy_slots(kv_cache: torch.Tensor, layout: str, src: torch.Tensor, dst: torch.Tensor, heads: torch.Tensor,
+               block: int) -> None:
     """Copy K/V of KV head ``heads[i]`` from physical slot ``src[i]`` to ``dst[i]`` (all (M,)); reads come first."""
-    sb, so, db, do = src // block, src % block, dst // block, dst % block
-    k, v = keys_t[sb, heads, :, so], values[sb, heads, so, :]
-    keys_t[db, heads, :, do] = k
-    values[db, heads, do, :] = v
+    k, v = read_kv(kv_cache, layout, src // block, heads, src % block)
+    write_kv(kv_cache, layout, dst // block, heads, dst % block, k, v)
 
 
 @dataclass
@@ -206,8 +238,12 @@ class PagedLayer:
     """
 
     def __init__(self, settings: PluginSettings, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int,
-                 scale: float, softcap: float | None, compiled: bool = True):
+                 scale: float, softcap: float | None, compiled: bool = True, layout: str = "vec"):
+        if layout not in kernels.LAYOUTS:
+            raise ValueError(f"layout: vLLM's CPU K/V layout {layout!r} is not one the plugin reads "
+                             f"({', '.join(kernels.LAYOUTS)})")
         self.settings = settings
+        self.layout = layout
         config = settings.config
         self.budget = config.budget
         self.recent = config.recent_for(self.budget)
@@ -221,7 +257,7 @@ class PagedLayer:
         self.shields: list[Protection] = [Protection.prefix(config.sinks)] if config.sinks else []
         if settings.protection() is not None:
             self.shields.append(settings.protection())  # type: ignore[arg-type]
-        self.observe = kernels.observe if compiled else kernels.observe_reference
+        self.decode = kernels.decode if compiled else kernels.decode_reference
         self.acc: torch.Tensor | None = None  # (NB, num_blocks, H_kv, N) float32
         self.pos: torch.Tensor | None = None  # (num_blocks * N, H_kv) int32: each slot's token position
         self.rounds = 0
@@ -248,27 +284,28 @@ class PagedLayer:
     @torch.no_grad()
     def step(self, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              kv_cache: torch.Tensor, output: torch.Tensor) -> None:
-        """Account for one step of this layer, after vLLM's kernel wrote ``output``; fix the prompts' outputs.
+        """Attend this layer's step and account for it; vLLM's cache update has written the step's K/V.
 
-        query (T, H_q, D), key/value (T, H_kv, D) of the step's tokens, rows in the plan's order.
+        query (T, H_q, D), key/value (T, H_kv, D) of the step's tokens, rows in the plan's order; ``output``
+        (T, H_q, D) receives every row's attention: the prompts' exact, the decode rows' over their windows.
         """
         if self.pos is None:
             self._allocate(kv_cache)
         assert self.pos is not None
-        keys_t, values = block_views(kv_cache)
         block = self.block = kv_cache.shape[2]
         for i, a, b in plan.prefills:
-            self._prefill(plan.block_table[i], query[a:b], key[a:b], value[a:b], keys_t, values, block, output[a:b])
+            self._prefill(plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block, output[a:b])
         if plan.dec_tok is not None and plan.dec_last is not None:
             self.pos[plan.dec_slots] = plan.dec_last.to(torch.int32)[:, None]
-            if self.acc is not None:
-                self.observe(query, kv_cache, plan.dec_tok, plan.dec_last, plan.dec_tables, plan.dec_bucket,
-                             plan.dec_restart, self.acc, self.budget, self.scale, self.softcap,
-                             self.importance.form == "count")  # type: ignore[union-attr]
+            ctx = torch.empty(plan.dec_tok.shape[0], self.heads, self.head_size)  # (Dn, H_q, D) float32
+            count = self.importance is not None and self.importance.form == "count"
+            self.decode(query, kv_cache, plan.dec_tok, plan.dec_last, plan.dec_tables, plan.dec_bucket,
+                        plan.dec_restart, self.acc, ctx, self.budget, self.scale, self.softcap, count, self.layout)
+            output.index_copy_(0, plan.dec_tok, ctx.to(output.dtype))
         if plan.round_window is not None and plan.round_seen is not None:
-            self._round(plan.round_window, plan.round_seen, keys_t, values, block)
+            self._round(plan.round_window, plan.round_seen, kv_cache, block)
 
-    def _prefill(self, table_row, q, k, v, keys_t, values, block: int, out) -> None:
+    def _prefill(self, table_row, q, k, v, kv_cache, block: int, out) -> None:
         """Attend a prompt exactly, evict it to the budget, and move the kept tokens into the window."""
         assert self.pos is not None
         t = q.shape[0]
@@ -289,7 +326,7 @@ class PagedLayer:
                     continue
                 holes = window[~torch.isin(window, kept[h])]  # (n,) ascending, as many as tokens outside
                 dst = self._phys(table_row, holes, block)
-                copy_slots(keys_t, values, where[h, outside], dst, torch.full_like(dst, h), block)
+                copy_slots(kv_cache, self.layout, where[h, outside], dst, torch.full_like(dst, h), block)
                 where[h, outside] = dst
         heads = torch.arange(self.kv_heads)[:, None].expand_as(where)
         self.pos[where, heads] = kept.to(torch.int32)
@@ -298,7 +335,7 @@ class PagedLayer:
             assert isinstance(state, ImportanceState)
             self.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
 
-    def _round(self, window: torch.Tensor, seen: torch.Tensor, keys_t, values, block: int) -> None:
+    def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int) -> None:
         """Each rounding row picks ``drop`` victims per KV head and swaps them into its window's leaving slots."""
         assert self.pos is not None
         rr, b_ = window.shape
@@ -319,7 +356,7 @@ class PagedLayer:
         def read(length: int):
             heads = torch.arange(h)[None, :, None]
             slots = window[:, None, :].expand(rr, h, b_).gather(-1, order)
-            return keys_t[slots // block, heads, :, slots % block], values[slots // block, heads, slots % block, :]
+            return read_kv(kv_cache, self.layout, slots // block, heads, slots % block)
 
         view = LayerView(self.layer_idx, b_, self.rounds, state, _Slots(positions, seen), read)  # type: ignore[arg-type]
         scores = self.method.score(view)  # (Rr, H_kv, B)
@@ -343,7 +380,7 @@ class PagedLayer:
         wide = window[:, None, :].expand(rr, h, b_)
         pd, ps = wide.gather(-1, dst), wide.gather(-1, src)
         heads = torch.arange(h)[None, :, None].expand_as(pd)
-        copy_slots(keys_t, values, ps, pd, heads, block)
+        copy_slots(kv_cache, self.layout, ps, pd, heads, block)
         self.pos[pd, heads] = self.pos[ps, heads]
         if self.acc is not None:
             self.acc[:, pd // block, heads, pd % block] = self.acc[:, ps // block, heads, ps % block]

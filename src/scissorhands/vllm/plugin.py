@@ -61,6 +61,10 @@ def prepare_config(vllm_config) -> None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise ValueError("speculative_config: the scissorhands plugin cannot serve speculative decoding (draft "
                          "tokens would be scored and evicted before they are accepted); leave it off")
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):
+        raise ValueError(f"kv_cache_dtype: the scissorhands plugin reads K/V in the model's dtype, got "
+                         f"{vllm_config.cache_config.cache_dtype!r}; leave it 'auto' (vLLM's fp8 K/V under eviction "
+                         f"is not supported yet)")
     ours = "scissorhands.vllm.worker.ScissorhandsWorker"  # the config is prepared again in the engine's process
     if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", ours):
         raise ValueError(f"worker_cls: the scissorhands plugin brings its own worker, got {parallel.worker_cls!r}")
