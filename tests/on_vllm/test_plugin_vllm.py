@@ -53,6 +53,12 @@ def test_same_kept_positions_and_logprobs_as_the_transformers_cache(tiny_folder,
                 assert set(range(plugin["protect_prefix"])) <= set(head)
 
 
+def test_vllms_default_compiled_mode_keeps_the_same_positions(tiny_folder, tmp_path):
+    """vLLM's default CPU mode (``enforce_eager=False``: the model compiled by torch.compile, attention left as
+    vLLM's custom operator, where the plugin runs): the same comparison as the eager engine's."""
+    _compare(tiny_folder, {"budget": 48}, tmp_path, enforce_eager=False)
+
+
 def test_a_budget_that_covers_the_sequence_changes_nothing(tiny_folder):
     """Greedy tokens and log-probabilities equal vLLM's own, with the plugin off."""
     token_prompts = prompts(*LENGTHS)
