@@ -124,7 +124,9 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
 @pytest.mark.parametrize("name", list(PLUGINS))
 def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, compiled):
     """Each request's window output equals a one-row core layer in rounds fed that request alone, and equals what
-    vLLM's kernel computes over the window's slots; the window holds the core's stored positions."""
+    vLLM's kernel computes over the window's slots; the window holds the core's stored positions. With the
+    operator, prompts longer than the budget are attended by torch's fused attention and scored by a second
+    pass (``_hold_fused``); with the reference, by the core's own tiled pass: both must keep what the core keeps."""
     settings = parse(PLUGINS[name])
     alone: dict = {}
 
@@ -143,7 +145,8 @@ def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, 
         mine = layer.stored_positions(blocks.table[row], seen + q.shape[0]).tolist()
         assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
 
-    _serve(PLUGINS[name], compiled, check=check)
+    layer, _ = _serve(PLUGINS[name], compiled, check=check)
+    assert (layer.prompts_fused > 0) == compiled  # the operator's run attends long prompts the fused way
 
 
 @pytest.mark.parametrize("name", ["defaults", "h2o", "count-buckets"])

@@ -271,6 +271,39 @@ if __name__ == "__main__":
         assert a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 
 
+def test_lm_evals_own_vllm_model_type_scores_a_task_under_eviction():
+    """lm-eval's own ``vllm`` model type with the plugin switched on through its ``additional_config``: it scores
+    the shipped generation task on SmolLM2-135M with every layer at the budget, evicting in rounds while it
+    generates (this is how an evaluation spreads over processes or machines: lm-eval's tensor_parallel_size and
+    data_parallel_size). The layers run the settings the plugin parses, as every other entry point builds them."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from conftest import reference_python
+    from scissorhands.tools.lm_eval_help import shipped_tasks_folder
+    from scissorhands.vllm import worker
+    from scissorhands.vllm.settings import parse
+
+    folder = subprocess.run([reference_python(), "-c", "from scissorhands.tools.models import cache_dir, load_model; "
+                             "load_model('smollm2-135m'); print(cache_dir() / 'smollm2-135m-instruct')"],
+                            capture_output=True, text=True, check=True, timeout=600).stdout.strip().splitlines()[-1]
+    plugin = {"budget": 48, "method": "h2o", "recent": 8}
+    results = lm_eval.simple_evaluate(
+        model="vllm", model_args={"pretrained": folder, "dtype": "float32", "enforce_eager": True,
+                                  "max_model_len": 1024, "enable_prefix_caching": False,
+                                  "additional_config": {"scissorhands": plugin}},
+        tasks=["scissorhands_tiny_gen"], task_manager=TaskManager(include_path=str(shipped_tasks_folder())),
+        limit=4, log_samples=True)
+    score = results["results"]["scissorhands_tiny_gen"]
+    assert 0.0 <= score["exact_match,first_words"] <= 1.0
+    assert len(results["samples"]["scissorhands_tiny_gen"]) == 4
+    layers = worker.LAYERS
+    assert len(layers) == 30 and all(layer.budget == 48 for layer in layers)
+    want = parse(plugin)
+    assert layers[0].settings.config == want.config and layers[0].settings.method.name == want.method.name == "h2o"
+    assert all(layer.rounds > 0 for layer in layers)  # prompts longer than the budget: evicted, then in rounds
+
+
 def test_the_openai_server_serves_completions_and_chat_with_the_plugin(tmp_path):
     """The real default model (SmolLM2-135M, converted by the project) behind vLLM's OpenAI-compatible server."""
     import socket

@@ -189,6 +189,12 @@ class PromptAware(Prefill):
         watch = (cum > (real - self.observe)[:, None]) & (valid if valid is not None else True)  # (B, c)
         snap = torch.zeros(b, key.shape[1], kv.capacity, device=q.device)  # (B, H_kv, capacity)
         attend_block(kv, q, out, base, cum, valid, scaling, softcap, query_tile, (watch, snap))
+        self.evict_held(kv, snap)
+
+    def evict_held(self, kv, snap: torch.Tensor) -> None:
+        """Score what a layer holds beside its budget by ``snap`` (B, H_kv, >= length), the attention its last
+        ``observe`` queries paid each slot, and evict back to the budget. (An adapter that attends a held
+        prompt by other means calls this with the same snapshot; the selection is this one.)"""
         length = kv.slots.length
         scores = kv.method.score(kv.view(prompt_attention=snap[:, :, :length]))  # (B, H_kv, L)
         if kv.state.wants_attention:
@@ -197,7 +203,7 @@ class PromptAware(Prefill):
                                                         stride=1, padding=self.pool // 2)
                 scores = pooled.view_as(scores)
             scores = scores.clone()
-            seen = kv.slots.seen.to(q.device)[:, None, None]  # (B, 1, 1): the chunk's end
+            seen = kv.slots.seen.to(snap.device)[:, None, None]  # (B, 1, 1): the chunk's end
             last = kv.slots.positions[:, :, :length] >= seen - self.observe
             # Above any attention score but below the shields (recent window, protected spans), which stay inf.
             scores.masked_fill_(last, torch.finfo(scores.dtype).max)

@@ -54,7 +54,7 @@ import torch
 from scissorhands.core.budgeted import BudgetedKV
 from scissorhands.core.importance import ImportanceState
 from scissorhands.core.methods.base import LayerView
-from scissorhands.core.prefill import make_prefill
+from scissorhands.core.prefill import PromptAware, make_prefill
 from scissorhands.core.protect import Protection
 from scissorhands.core.selection import lowest
 from scissorhands.core.stores.base import DenseKVStore
@@ -258,6 +258,10 @@ class PagedLayer:
         if settings.protection() is not None:
             self.shields.append(settings.protection())  # type: ignore[arg-type]
         self.decode = kernels.decode if compiled else kernels.decode_reference
+        #: Prompts longer than the budget attended by torch's fused attention (:meth:`_hold_fused`); False: by the
+        #: core's tiled pass, as the transformers cache attends them.
+        self.fused_prompt = compiled
+        self.prompts_fused = 0  # prompts attended that way (tests)
         self.acc: torch.Tensor | None = None  # (NB, num_blocks, H_kv, N) float32
         self.pos: torch.Tensor | None = None  # (num_blocks * N, H_kv) int32: each slot's token position
         self.rounds = 0
@@ -312,9 +316,10 @@ class PagedLayer:
         one = self._budgeted(DenseKVStore(), make_prefill(self.settings.config))
         k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
         one.allocate(k4, v4)
-        ctx = attend(one, q.transpose(0, 1)[None], k4, v4, None, self.scale, self.softcap,
-                     self.settings.config.query_tile)  # (1, H_q, T, D)
-        out.copy_(ctx[0].transpose(0, 1).reshape(out.shape).to(out.dtype))
+        if not (self.fused_prompt and self._hold_fused(one, q, k4, v4, out)):
+            ctx = attend(one, q.transpose(0, 1)[None], k4, v4, None, self.scale, self.softcap,
+                         self.settings.config.query_tile)  # (1, H_q, T, D)
+            out.copy_(ctx[0].transpose(0, 1).reshape(out.shape).to(out.dtype))
         length = int(one.slots.lengths[0])
         kept = one.slots.positions[0, :, :length].long()  # (H_kv, L), ascending
         where = self._phys(table_row, kept, block)
@@ -334,6 +339,47 @@ class PagedLayer:
             state = one.state
             assert isinstance(state, ImportanceState)
             self.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
+
+    def _hold_fused(self, one: BudgetedKV, q, k4, v4, out) -> bool:
+        """A prompt longer than the budget, held whole as the core's prompt-aware prefill holds it, with its
+        attention output from torch's fused CPU attention (flash attention, which also returns each query's
+        log-sum-exp) instead of the core's tiled pass. One more tiled pass of ``Q K^T`` products then gives the
+        probabilities, ``exp(s - lse)``, that the core records: the state observes them tile by tile (the core's
+        own ``observe``) and the last ``observe`` queries' share is the snapshot the core's selection scores.
+        False (nothing done) where the core's path is needed: a short prompt, a chunked one, a soft cap."""
+        prefill = one.prefill
+        t, h, g, d = q.shape[0], self.kv_heads, self.group, self.head_size
+        if not isinstance(prefill, PromptAware) or prefill.chunk is not None or t <= self.budget or self.softcap:
+            return False
+        qf, kf, vf = q.float().transpose(0, 1)[None], k4.float(), v4.float()  # (1, H, T, D)
+        ctx, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qf, kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1), 0.0, True, scale=self.scale)[:2]
+        out.copy_(ctx[0].transpose(0, 1).reshape(out.shape).to(out.dtype))  # ctx (1, H_q, T, D), lse (1, H_q, T)
+        for state in one.states:  # allocated as the core's attend allocates them, then held as its prefill holds
+            state.allocate(1, h, one.capacity, group=g, device=q.device, dtype=torch.float32)
+        one.states_ready = True
+        one.reserve(t, limit=t)
+        one.append(k4, v4, None, torch.arange(1, t + 1)[None])
+        snap = torch.zeros(1, h, one.capacity)
+        qs, lse4 = qf[0].reshape(h, g, t, d), lse[0].reshape(h, g, t)
+        watch_from = t - prefill.observe
+        track = one.state.wants_attention
+        tile = self.settings.config.query_tile
+        for a in range(0, t, tile):
+            e = min(t, a + tile)
+            logits = torch.einsum("hgnd,hjd->hgnj", qs[:, :, a:e], kf[0, :, :e]) * self.scale  # (H, g, n, e)
+            probs = torch.exp(logits - lse4[:, :, a:e, None])
+            probs.masked_fill_(torch.arange(e)[None, :] > torch.arange(a, e)[:, None], 0.0)  # causal
+            if e > watch_from:
+                snap[0, :, :e] += probs[:, :, max(0, watch_from - a):].sum(dim=(1, 2))
+            if track:
+                steps = torch.arange(a, e)[None]  # (1, n): each query's step is its position
+                one.state.observe(probs[None], (steps + 1)[:, None, None, :, None].float(), steps, None)
+        prefill.evict_held(one, snap)
+        one.resize(one.budget)
+        one.store.settle()
+        self.prompts_fused += 1
+        return True
 
     def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int) -> None:
         """Each rounding row picks ``drop`` victims per KV head and swaps them into its window's leaving slots."""
