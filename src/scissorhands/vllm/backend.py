@@ -38,9 +38,6 @@ class ScissorhandsImpl(CPUAttentionBackendImpl):
         self.paged: PagedLayer | None = None
         if self.settings is not None and self.sliding_window in (-1, None):
             self.sliding_window = self.settings.budget  # vLLM's block manager frees what falls behind it
-            if self.is_fp8_kv_cache:
-                raise ValueError(f"kv_cache_dtype: the scissorhands plugin reads K/V in the model's dtype, got "
-                                 f"{self.kv_cache_dtype!r}; leave it 'auto'")
             if self.alibi_slopes is not None or getattr(self, "sinks", None) is not None:
                 raise ValueError("model: the scissorhands plugin attends with plain softmax attention; this model's "
                                  "ALiBi slopes or attention sinks are not supported")
