@@ -47,6 +47,31 @@ def plugin_settings(args) -> dict:
     return plugin
 
 
+def grid(args) -> list[tuple[str, dict | None, str]]:
+    """``--grid`` items as (name, plugin settings or None, vLLM's kv_cache_dtype): ``full``, or a compression
+    such as ``5``, each optionally followed by ``:drop1`` (a round every step: the per-step semantics) and
+    ``:fp8`` (vLLM's 8-bit K/V)."""
+    out = []
+    for item in args.grid.split(","):
+        head, *flags = item.strip().split(":")
+        if set(flags) - {"drop1", "fp8"}:
+            raise SystemExit(f"vllm_quality: error: --grid: unknown flag in {item!r} (drop1, fp8)")
+        kv = "fp8" if "fp8" in flags else "auto"
+        if head == "full":
+            out.append((item, None, kv))
+            continue
+        try:
+            plugin = {"budget": round(args.seq_len / float(head)), "method": args.method}
+        except ValueError:
+            raise SystemExit(f"vllm_quality: error: --grid: expected 'full' or a compression, got {head!r}") from None
+        if "drop1" in flags:
+            plugin["drop"] = 1
+        elif args.drop is not None:
+            plugin["drop"] = float(args.drop) if "." in args.drop else int(args.drop)
+        out.append((item, plugin, kv))
+    return out
+
+
 def run_vllm(args, texts) -> dict:
     import torch
     from vllm import LLM, SamplingParams
@@ -72,10 +97,11 @@ def run_vllm(args, texts) -> dict:
             return step
 
     out = {}
-    for name, plugin in (("full", None), ("scissorhands", plugin_settings(args))):
+    runs = grid(args) if args.grid else [("full", None, "auto"), ("scissorhands", plugin_settings(args), "auto")]
+    for name, plugin, kv_dtype in runs:
         kw = dict(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.seq_len + 8, seed=0,
                   enable_prefix_caching=False, enable_chunked_prefill=False, logits_processors=[ForceNext],
-                  max_num_seqs=len(texts))
+                  max_num_seqs=len(texts), kv_cache_dtype=kv_dtype)
         if plugin is not None:
             kw["additional_config"] = {"scissorhands": plugin}
         llm = LLM(**kw)
@@ -151,6 +177,30 @@ def compare(a_path: str, b_path: str) -> None:
     print("\n".join(lines))
 
 
+def summary(path: str) -> None:
+    """Per engine of a ``--grid`` record: mean NLL and, paired over windows (mean, lowest to highest), its ΔNLL
+    against vLLM's full cache, against the full cache of the same K/V (fp8 or not), and, for a compression
+    without ``:drop1``, its rounds against the same compression with a round every step."""
+    nll = json.loads(Path(path).read_text())["nll"]
+    lines = ["| engine | NLL (ppl) | ΔNLL vs full cache | ΔNLL vs full cache, same K/V | rounds vs per step |",
+             "|---|---|---|---|---|"]
+
+    def paired(name: str, other: str) -> str:
+        if other not in nll or other == name:
+            return ""
+        d = [x - y for x, y in zip(nll[name], nll[other])]
+        return f"{statistics.mean(d):+.4f} ({min(d):+.4f} to {max(d):+.4f})"
+
+    for name, values in nll.items():
+        head, *flags = name.split(":")
+        fp8 = [":fp8"] if "fp8" in flags else []
+        rounds = "" if "drop1" in flags else paired(name, head + ":drop1" + "".join(fp8))
+        mean = statistics.mean(values)
+        lines.append(f"| {name} | {mean:.4f} ({math.exp(mean):.2f}) | {paired(name, 'full')} | "
+                     f"{paired(name, 'full' + ''.join(fp8)) if fp8 else ''} | {rounds} |")
+    print("\n".join(lines))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", choices=("vllm", "transformers"))
@@ -166,11 +216,17 @@ def main() -> None:
                    help="transformers side: also the per-step semantics (rounds off, drop 1), for the rounds' cost")
     p.add_argument("--with-full", type=int, choices=(0, 1), default=1,
                    help="transformers side: also score the full cache (0: the budgeted cache only)")
+    p.add_argument("--grid", default=None,
+                   help="vLLM side: engines to run, e.g. full,full:fp8,5,5:drop1,5:fp8,10,10:drop1 (a compression, "
+                        "':drop1' for a round every step, ':fp8' for vLLM's 8-bit K/V); default full and --compression")
+    p.add_argument("--summary", metavar="VLLM_JSON", help="a --grid record's table: ΔNLL of each engine, paired")
     p.add_argument("--out")
     p.add_argument("--compare", nargs=2, metavar=("VLLM_JSON", "HF_JSON"))
     args = p.parse_args()
     if args.compare:
         return compare(*args.compare)
+    if args.summary:
+        return summary(args.summary)
     if not (args.engine and args.model and args.text):
         p.error("--engine, --model and --text are needed to measure")
     texts = windows(args.model, args.text, args.seq_len, args.windows)

@@ -56,14 +56,15 @@ def make_requests(tokenizer, text: str, n: int, prompt: tuple[int, int], new: tu
 
 
 #: The variants a run can alternate. "same flags": both run with chunked prefill and prefix caching off (the plugin
-#: holds each prompt whole); "vllm-defaults" is vLLM as it ships (chunked prefill, prefix caching).
+#: holds each prompt whole); "vllm-defaults" is vLLM as it ships (chunked prefill, prefix caching, its compiled mode
+#: whatever ``--eager`` says).
 VARIANTS = ("vllm", "scissorhands", "vllm-defaults")
 
 
 def engine_args(name: str, folder: str, kv_blocks: int | None, max_seqs: int, max_len: int, eager: bool,
                 block_size: int | None, plugin: dict | None) -> dict:
-    args = dict(model=folder, dtype="float32", enforce_eager=eager, max_model_len=max_len, max_num_seqs=max_seqs,
-                seed=0)
+    args = dict(model=folder, dtype="float32", enforce_eager=eager and name != "vllm-defaults",
+                max_model_len=max_len, max_num_seqs=max_seqs, seed=0)
     if name != "vllm-defaults":
         args.update(enable_prefix_caching=False, enable_chunked_prefill=False,
                     max_num_batched_tokens=max(max_len, 8192))

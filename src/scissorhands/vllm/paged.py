@@ -229,6 +229,12 @@ class PagedLayer:
     compiled : bool
         The decode step's importance update runs the compiled operator (:mod:`.kernels`); False runs its torch
         reference (tests).
+    layout : str
+        vLLM's CPU K/V layout (:data:`.kernels.LAYOUTS`).
+    fp8 : str or None
+        vLLM's 8-bit K/V format (``kv_cache_dtype``: "fp8", "fp8_e4m3", "fp8_e5m2"), or None for the model's dtype.
+    k_scale, v_scale : float
+        vLLM's fp8 scales: a stored byte's value times these is the key's, the value's.
 
     Notes
     -----
@@ -238,12 +244,17 @@ class PagedLayer:
     """
 
     def __init__(self, settings: PluginSettings, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int,
-                 scale: float, softcap: float | None, compiled: bool = True, layout: str = "vec"):
+                 scale: float, softcap: float | None, compiled: bool = True, layout: str = "vec",
+                 fp8: str | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
         if layout not in kernels.LAYOUTS:
             raise ValueError(f"layout: vLLM's CPU K/V layout {layout!r} is not one the plugin reads "
                              f"({', '.join(kernels.LAYOUTS)})")
+        if fp8 is not None and fp8 not in kernels.FP8:
+            raise ValueError(f"kv_cache_dtype: the plugin reads vLLM's fp8 formats {', '.join(kernels.FP8)}, "
+                             f"got {fp8!r}")
         self.settings = settings
         self.layout = layout
+        self.fp8, self.k_scale, self.v_scale = fp8, float(k_scale), float(v_scale)
         config = settings.config
         self.budget = config.budget
         self.recent = config.recent_for(self.budget)
@@ -304,7 +315,8 @@ class PagedLayer:
             ctx = torch.empty(plan.dec_tok.shape[0], self.heads, self.head_size)  # (Dn, H_q, D) float32
             count = self.importance is not None and self.importance.form == "count"
             self.decode(query, kv_cache, plan.dec_tok, plan.dec_last, plan.dec_tables, plan.dec_bucket,
-                        plan.dec_restart, self.acc, ctx, self.budget, self.scale, self.softcap, count, self.layout)
+                        plan.dec_restart, self.acc, ctx, self.budget, self.scale, self.softcap, count, self.layout,
+                        self.fp8, self.k_scale, self.v_scale)
             output.index_copy_(0, plan.dec_tok, ctx.to(output.dtype))
         if plan.round_window is not None and plan.round_seen is not None:
             self._round(plan.round_window, plan.round_seen, kv_cache, block)
@@ -313,6 +325,9 @@ class PagedLayer:
         """Attend a prompt exactly, evict it to the budget, and move the kept tokens into the window."""
         assert self.pos is not None
         t = q.shape[0]
+        if self.fp8:  # attend and keep what the cache holds: the prompt's K/V as vLLM stored them, in 8 bits
+            slots = self._phys(table_row, torch.arange(t), block)[:, None]
+            k, v = self._read(kv_cache, slots // block, torch.arange(self.kv_heads)[None, :], slots % block)
         one = self._budgeted(DenseKVStore(), make_prefill(self.settings.config))
         k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
         one.allocate(k4, v4)
@@ -341,41 +356,40 @@ class PagedLayer:
             self.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
 
     def _hold_fused(self, one: BudgetedKV, q, k4, v4, out) -> bool:
-        """A prompt longer than the budget, held whole as the core's prompt-aware prefill holds it, with its
-        attention output from torch's fused CPU attention (flash attention, which also returns each query's
-        log-sum-exp) instead of the core's tiled pass. One more tiled pass of ``Q K^T`` products then gives the
-        probabilities, ``exp(s - lse)``, that the core records: the state observes them tile by tile (the core's
-        own ``observe``) and the last ``observe`` queries' share is the snapshot the core's selection scores.
-        False (nothing done) where the core's path is needed: a short prompt, a chunked one, a soft cap."""
+        """A prompt longer than the budget, held whole as the core's prompt-aware prefill holds it, attended once
+        by the compiled prompt operator (:func:`.kernels.prompt`): its output, the importance the core's state
+        would have observed, and the snapshot the core's selection scores, in one pass; then the core's own
+        selection (``PromptAware.evict_held``). False (nothing done) where the core's path is needed: a short
+        prompt, a chunked one."""
         prefill = one.prefill
         t, h, g, d = q.shape[0], self.kv_heads, self.group, self.head_size
-        if not isinstance(prefill, PromptAware) or prefill.chunk is not None or t <= self.budget or self.softcap:
+        if not isinstance(prefill, PromptAware) or prefill.chunk is not None or t <= self.budget:
             return False
-        qf, kf, vf = q.float().transpose(0, 1)[None], k4.float(), v4.float()  # (1, H, T, D)
-        ctx, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qf, kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1), 0.0, True, scale=self.scale)[:2]
-        out.copy_(ctx[0].transpose(0, 1).reshape(out.shape).to(out.dtype))  # ctx (1, H_q, T, D), lse (1, H_q, T)
+        qf = q.float().view(t, h, g, d).permute(1, 2, 0, 3).contiguous()  # (H, g, T, D)
+        kf, vf = k4[0].float().contiguous(), v4[0].float().contiguous()  # (H, T, D)
         for state in one.states:  # allocated as the core's attend allocates them, then held as its prefill holds
             state.allocate(1, h, one.capacity, group=g, device=q.device, dtype=torch.float32)
         one.states_ready = True
         one.reserve(t, limit=t)
         one.append(k4, v4, None, torch.arange(1, t + 1)[None])
-        snap = torch.zeros(1, h, one.capacity)
-        qs, lse4 = qf[0].reshape(h, g, t, d), lse[0].reshape(h, g, t)
-        watch_from = t - prefill.observe
-        track = one.state.wants_attention
-        tile = self.settings.config.query_tile
-        for a in range(0, t, tile):
-            e = min(t, a + tile)
-            logits = torch.einsum("hgnd,hjd->hgnj", qs[:, :, a:e], kf[0, :, :e]) * self.scale  # (H, g, n, e)
-            probs = torch.exp(logits - lse4[:, :, a:e, None])
-            probs.masked_fill_(torch.arange(e)[None, :] > torch.arange(a, e)[:, None], 0.0)  # causal
-            if e > watch_from:
-                snap[0, :, :e] += probs[:, :, max(0, watch_from - a):].sum(dim=(1, 2))
-            if track:
-                steps = torch.arange(a, e)[None]  # (1, n): each query's step is its position
-                one.state.observe(probs[None], (steps + 1)[:, None, None, :, None].float(), steps, None)
-        prefill.evict_held(one, snap)
+        state = one.state if one.state.wants_attention else None
+        acc = None
+        if state is not None:
+            assert isinstance(state, ImportanceState)
+            acc = torch.empty(state.n_buckets, h, t)
+        snap = torch.empty(h, t)
+        ctx = torch.empty(t, h * g, d)
+        count = state is not None and state.form == "count"
+        kernels.prompt(qf, kf, vf, ctx, acc, snap, self.scale, self.softcap, count,
+                       None if state is None else state.bucket_steps, t - prefill.observe,
+                       self.settings.config.query_tile)
+        out.copy_(ctx.to(out.dtype))
+        if state is not None and acc is not None:
+            held = state.acc[:, 0, :, :t]
+            held.copy_(acc if held.dtype.is_floating_point else acc.round())
+        snapshot = torch.zeros(1, h, one.capacity)
+        snapshot[0, :, :t] = snap
+        prefill.evict_held(one, snapshot)
         one.resize(one.budget)
         one.store.settle()
         self.prompts_fused += 1
@@ -402,7 +416,7 @@ class PagedLayer:
         def read(length: int):
             heads = torch.arange(h)[None, :, None]
             slots = window[:, None, :].expand(rr, h, b_).gather(-1, order)
-            return read_kv(kv_cache, self.layout, slots // block, heads, slots % block)
+            return self._read(kv_cache, slots // block, heads, slots % block)
 
         view = LayerView(self.layer_idx, b_, self.rounds, state, _Slots(positions, seen), read)  # type: ignore[arg-type]
         scores = self.method.score(view)  # (Rr, H_kv, B)
@@ -431,6 +445,13 @@ class PagedLayer:
         if self.acc is not None:
             self.acc[:, pd // block, heads, pd % block] = self.acc[:, ps // block, heads, ps % block]
         self.rounds += 1
+
+    def _read(self, kv_cache, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the slots as the model sees them: float32 from fp8 bytes, else in the cache's dtype."""
+        k, v = read_kv(kv_cache, self.layout, blocks, heads, offs)
+        if not self.fp8:
+            return k, v
+        return kernels.dequantize(k, self.fp8, self.k_scale), kernels.dequantize(v, self.fp8, self.v_scale)
 
     def stored_positions(self, table_row: torch.Tensor, seen: int) -> torch.Tensor:
         """The positions a request's window holds per KV head, ascending (H_kv, L): tests and audits."""

@@ -48,6 +48,7 @@ def register() -> None:
 
 def prepare_config(vllm_config) -> None:
     """With the plugin on: check its settings now, use its worker, hold prompts whole."""
+    from . import kernels
     from .settings import from_vllm
 
     settings = from_vllm(vllm_config.additional_config)  # a bad setting: ValueError("<setting>: ...")
@@ -61,10 +62,9 @@ def prepare_config(vllm_config) -> None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise ValueError("speculative_config: the scissorhands plugin cannot serve speculative decoding (draft "
                          "tokens would be scored and evicted before they are accepted); leave it off")
-    if vllm_config.cache_config.cache_dtype not in ("auto", None):
-        raise ValueError(f"kv_cache_dtype: the scissorhands plugin reads K/V in the model's dtype, got "
-                         f"{vllm_config.cache_config.cache_dtype!r}; leave it 'auto' (vLLM's fp8 K/V under eviction "
-                         f"is not supported yet)")
+    if vllm_config.cache_config.cache_dtype not in ("auto", None, *kernels.FP8):
+        raise ValueError(f"kv_cache_dtype: the scissorhands plugin reads K/V in the model's dtype or vLLM's fp8 "
+                         f"({', '.join(kernels.FP8)}), got {vllm_config.cache_config.cache_dtype!r}")
     ours = "scissorhands.vllm.worker.ScissorhandsWorker"  # the config is prepared again in the engine's process
     if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", ours):
         raise ValueError(f"worker_cls: the scissorhands plugin brings its own worker, got {parallel.worker_cls!r}")
