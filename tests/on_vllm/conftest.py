@@ -55,8 +55,11 @@ class Engine:
     def __init__(self, folder: str, plugin: dict | None = None, **overrides):
         from vllm import LLM
 
+        # 256 blocks of 32 hold 8 requests of 512 tokens twice over; vLLM would otherwise fill its 1 GiB with tens of
+        # thousands of blocks, and the plugin's per-slot state (400 buckets for the paper preset) beside them.
         args = dict(model=folder, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
-                    block_size=BLOCK, skip_tokenizer_init=True, enable_prefix_caching=False)
+                    block_size=BLOCK, skip_tokenizer_init=True, enable_prefix_caching=False,
+                    num_gpu_blocks_override=256)
         args.update(overrides)
         if plugin is not None:
             args["additional_config"] = {"scissorhands": plugin}

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import platform
-import sys
 
 import torch
 
@@ -346,7 +345,9 @@ def _ops():
     if "ops" not in _OPS:
         from torch.utils import cpp_extension
 
-        key = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + torch.__version__ + sys.prefix + _machine()).encode())
+        # One build per source, flags, torch build and CPU: environments with the same torch share it (torch's
+        # extension folder is per Python version already).
+        key = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + torch.__version__ + _machine()).encode())
         try:
             _OPS["ops"] = cpp_extension.load_inline(name=f"scissorhands_paged_{key.hexdigest()[:12]}",
                                                     cpp_sources=_SOURCE, functions=["decode", "prompt"],
