@@ -367,16 +367,13 @@ class PagedLayer:
             return False
         qf = q.float().view(t, h, g, d).permute(1, 2, 0, 3).contiguous()  # (H, g, T, D)
         kf, vf = k4[0].float().contiguous(), v4[0].float().contiguous()  # (H, T, D)
-        for state in one.states:  # allocated as the core's attend allocates them, then held as its prefill holds
-            state.allocate(1, h, one.capacity, group=g, device=q.device, dtype=torch.float32)
+        for each in one.states:  # allocated as the core's attend allocates them, then held as its prefill holds
+            each.allocate(1, h, one.capacity, group=g, device=q.device, dtype=torch.float32)
         one.states_ready = True
         one.reserve(t, limit=t)
         one.append(k4, v4, None, torch.arange(1, t + 1)[None])
-        state = one.state if one.state.wants_attention else None
-        acc = None
-        if state is not None:
-            assert isinstance(state, ImportanceState)
-            acc = torch.empty(state.n_buckets, h, t)
+        state = one.state if isinstance(one.state, ImportanceState) else None  # the one state that observes
+        acc = None if state is None else torch.empty(state.n_buckets, h, t)
         snap = torch.empty(h, t)
         ctx = torch.empty(t, h * g, d)
         count = state is not None and state.form == "count"
