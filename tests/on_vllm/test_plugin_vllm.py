@@ -74,6 +74,34 @@ def test_a_budget_that_covers_the_sequence_changes_nothing(tiny_folder):
         assert max(abs(a - b) for a, b in zip(off["logprobs"], on["logprobs"])) < 1e-5
 
 
+def _full_window_and_eviction(folder, read, **engine_args):
+    """vLLM alone, the plugin with a budget that covers the sequence, and the plugin at budget 48 (recent 4), on
+    the same prompts: each run's outputs, what ``read(layer)`` gives over the plugin's layers, the last kept."""
+    from scissorhands.vllm import worker
+
+    runs, seen, kept = [], set(), {}
+    for plugin in (None, {"budget": 400}, {"budget": 48, "recent": 4}):
+        engine = Engine(folder, plugin, **engine_args)
+        try:
+            runs.append(engine.generate(prompts(*LENGTHS), NEW))
+            if plugin is not None:
+                seen |= {read(layer) for layer in worker.LAYERS}
+                kept = kept_now()
+        finally:
+            engine.close()
+    return runs, seen, kept
+
+
+def _windows_hold_the_budget(runs, kept, budget: int = 48, recent: int = 4) -> None:
+    """Every layer's and KV head's window: the budget, distinct positions, its newest tokens."""
+    for length, out in zip(LENGTHS, runs):
+        seen = length + NEW - 1  # the last token is sampled, never fed
+        for layer in kept[out["request_id"]]:
+            for head in layer:
+                assert len(head) == budget and len(set(head)) == budget and max(head) == seen - 1
+                assert set(range(seen - recent, seen)) <= set(head)
+
+
 def test_bfloat16_in_the_layout_vllm_picks_on_this_machine(tiny_folder):
     """bf16 K/V in the layout vLLM's CPU kernel takes on this machine: "amx" (tiles) on CPUs with AMX, "vec"
     elsewhere (tests/on_vllm/run prints which). The plugin reads that layout and says so. With a budget that
@@ -83,20 +111,8 @@ def test_bfloat16_in_the_layout_vllm_picks_on_this_machine(tiny_folder):
     eviction, every window holds the budget, its newest tokens and distinct positions."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from scissorhands.vllm import worker
-
     expected = _get_attn_isa(torch.bfloat16, BLOCK, 32)
-    token_prompts = prompts(*LENGTHS)
-    runs, layouts, kept = [], set(), {}
-    for plugin in (None, {"budget": 400}, {"budget": 48, "recent": 4}):
-        engine = Engine(tiny_folder, plugin, dtype="bfloat16")
-        try:
-            runs.append(engine.generate(token_prompts, NEW))
-            if plugin is not None:
-                layouts |= {layer.layout for layer in worker.LAYERS}
-                kept = kept_now()
-        finally:
-            engine.close()
+    runs, layouts, kept = _full_window_and_eviction(tiny_folder, lambda layer: layer.layout, dtype="bfloat16")
     assert layouts == {expected}
     for off, on in zip(runs[0], runs[1]):
         # Greedy tokens agree until, at most, a near tie that the two summation orders break differently (the
@@ -105,12 +121,7 @@ def test_bfloat16_in_the_layout_vllm_picks_on_this_machine(tiny_folder):
             assert abs(la - lb) < 0.05
             if a != b:
                 break
-    for length, out in zip(LENGTHS, runs[2]):
-        seen = length + NEW - 1  # the last token is sampled, never fed
-        for layer in kept[out["request_id"]]:
-            for head in layer:
-                assert len(head) == 48 and len(set(head)) == 48 and max(head) == seen - 1
-                assert set(range(seen - 4, seen)) <= set(head)
+    _windows_hold_the_budget(runs[2], kept)
 
 
 def test_vllms_fp8_kv_cache_under_eviction(tiny_folder):
@@ -119,34 +130,17 @@ def test_vllms_fp8_kv_cache_under_eviction(tiny_folder):
     what vLLM with fp8 K/V serves: the same greedy tokens, log-probabilities within 1e-4 (float32 sums in other
     orders; a misread byte is off by far more); with eviction, every window holds the budget, its newest tokens
     and distinct positions. Where vLLM has no fp8 K/V (AVX2 only), vLLM refuses it, with or without the plugin."""
-    from scissorhands.vllm import worker
-
     if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
         for plugin in (None, {"budget": 48}):
             with pytest.raises(Exception, match="FP8"):
                 Engine(tiny_folder, plugin, kv_cache_dtype="fp8")
         return
-    token_prompts = prompts(*LENGTHS)
-    runs, kept, formats = [], {}, set()
-    for plugin in (None, {"budget": 400}, {"budget": 48, "recent": 4}):
-        engine = Engine(tiny_folder, plugin, kv_cache_dtype="fp8")
-        try:
-            runs.append(engine.generate(token_prompts, NEW))
-            if plugin is not None:
-                formats |= {layer.fp8 for layer in worker.LAYERS}
-                kept = kept_now()
-        finally:
-            engine.close()
+    runs, formats, kept = _full_window_and_eviction(tiny_folder, lambda layer: layer.fp8, kv_cache_dtype="fp8")
     assert formats == {"fp8"}
     for off, on in zip(runs[0], runs[1]):
         assert off["tokens"] == on["tokens"]
         assert max(abs(a - b) for a, b in zip(off["logprobs"], on["logprobs"])) < 1e-4
-    for length, out in zip(LENGTHS, runs[2]):
-        seen = length + NEW - 1
-        for layer in kept[out["request_id"]]:
-            for head in layer:
-                assert len(head) == 48 and len(set(head)) == 48 and max(head) == seen - 1
-                assert set(range(seen - 4, seen)) <= set(head)
+    _windows_hold_the_budget(runs[2], kept)
 
 
 def test_tensor_parallel_2_keeps_what_one_rank_keeps(tiny_folder, monkeypatch):

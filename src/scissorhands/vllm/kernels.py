@@ -68,6 +68,20 @@ static inline float load(T x, const float* lut) {
   else return static_cast<float>(x);
 }
 
+// One row of L logits becomes probabilities in place: the soft cap (cap > 0), then a softmax.
+static inline void softmax_row(float* row, int64_t L, float cap) {
+  if (cap > 0.f) for (int64_t x = 0; x < L; ++x) row[x] = std::tanh(row[x] / cap) * cap;
+  float top = row[0];
+  for (int64_t x = 1; x < L; ++x) top = std::max(top, row[x]);
+  float total = 0.f;
+  for (int64_t x = 0; x < L; ++x) {
+    row[x] = std::exp(row[x] - top);
+    total += row[x];
+  }
+  const float inv = 1.f / total;
+  for (int64_t x = 0; x < L; ++x) row[x] *= inv;
+}
+
 template <typename T, int LAYOUT>
 static void decode_impl(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& tok,
                         const torch::Tensor& last, const torch::Tensor& tables, const torch::Tensor& bucket,
@@ -120,19 +134,7 @@ static void decode_impl(const torch::Tensor& query, const torch::Tensor& kv_cach
         x0 += o1 - o0;
       }
       // Softmax per query head (after the soft cap), in place: logits become probabilities.
-      for (int64_t j = 0; j < g; ++j) {
-        float* lg = logits.data() + j * L;
-        if (cap > 0.f) for (int64_t x = 0; x < L; ++x) lg[x] = std::tanh(lg[x] / cap) * cap;
-        float top = lg[0];
-        for (int64_t x = 1; x < L; ++x) top = std::max(top, lg[x]);
-        float total = 0.f;
-        for (int64_t x = 0; x < L; ++x) {
-          lg[x] = std::exp(lg[x] - top);
-          total += lg[x];
-        }
-        const float inv = 1.f / total;
-        for (int64_t x = 0; x < L; ++x) lg[x] *= inv;
-      }
+      for (int64_t j = 0; j < g; ++j) softmax_row(logits.data() + j * L, L, cap);
       if (want_out) {  // the context: probabilities times values, read token by token where they lie
         std::fill(ctx.begin(), ctx.end(), 0.f);
         for (int64_t x = ws; x <= p; ++x) {
@@ -269,17 +271,8 @@ void prompt(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
           for (int64_t r = 0; r < n; ++r) {
             const int64_t i = a + r, L = i + 1;  // query i sees keys 0..i
             float* row = lg + (j * n + r) * e;
-            if (cap > 0.f) for (int64_t x = 0; x < L; ++x) row[x] = std::tanh(row[x] / cap) * cap;
-            float top = row[0];
-            for (int64_t x = 1; x < L; ++x) top = std::max(top, row[x]);
-            float total = 0.f;
-            for (int64_t x = 0; x < L; ++x) {
-              row[x] = std::exp(row[x] - top);
-              total += row[x];
-            }
-            const float inv = 1.f / total;
-            for (int64_t x = 0; x < L; ++x) row[x] *= inv;
-            for (int64_t x = L; x < e; ++x) row[x] = 0.f;
+            softmax_row(row, L, cap);
+            for (int64_t x = L; x < e; ++x) row[x] = 0.f;  // keys after the query: none
             if (NB > 0) {
               const int64_t b = bucket_steps > 0 ? i / bucket_steps : 0;
               if (b > last_bucket - NB) {  // older buckets were restarted by later ones: their queries left no trace
