@@ -74,6 +74,31 @@ def test_ctrl_c_in_the_first_seconds_is_one_line(tmp_path, delay):
         assert lines[-1:] in ([], ["scissorhands: interrupted"]), err
 
 
+def test_ctrl_c_inside_a_finalizer_still_ends_the_run_in_one_line():
+    """Python swallows a KeyboardInterrupt raised in a ``__del__`` (it prints "Exception ignored" and a
+    traceback, then carries on). A Ctrl-C landing in a library's finalizer while transformers imports did
+    exactly that; the command line delivers it again, so the run still ends with its one line."""
+    script = (
+        "import sys, time\n"
+        "from scissorhands.tools.cli import interrupt_in_finalizers, say\n"
+        "interrupt_in_finalizers()\n"
+        "class Held:\n"
+        "    def __del__(self):\n"
+        "        raise KeyboardInterrupt\n"
+        "try:\n"
+        "    Held()\n"
+        "    for _ in range(50):\n"
+        "        time.sleep(0.01)\n"
+        "    print('carried on')\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(say('interrupted', 130))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_env(), timeout=60)
+    assert "carried on" not in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["scissorhands: interrupted"]
+
+
 def test_the_interrupt_line_starts_on_its_own_line_after_a_progress_bar(capsys, monkeypatch):
     from tqdm.auto import tqdm
 

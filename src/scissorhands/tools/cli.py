@@ -604,7 +604,37 @@ def _os_error_message(args, exc: OSError) -> str:
     return f"{name}: {reason}"
 
 
+def interrupt_in_finalizers() -> None:
+    """Keep a Ctrl-C that lands inside an object's finalizer (``__del__``, where Python only prints it as
+    "Exception ignored" with a traceback and carries on): deliver it again a millisecond later, outside the
+    finalizer, so that it ends the run where any other Ctrl-C would, with the same one line (and a partial
+    result saved where the command saves one)."""
+    import signal
+    import threading
+
+    previous = sys.unraisablehook
+
+    def again(signum, frame) -> None:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        raise KeyboardInterrupt
+
+    def hook(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            previous(unraisable)
+        elif hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+            # Any Python run here would raise it inside the hook and lose it again; a timer raises it later.
+            signal.signal(signal.SIGALRM, again)
+            signal.setitimer(signal.ITIMER_REAL, 0.001)
+        else:  # no timers, or a finalizer on another thread: end the run here, in the same one line
+            say("interrupted", 130)
+            sys.stderr.flush()
+            os._exit(130)
+
+    sys.unraisablehook = hook
+
+
 def main(argv: list[str] | None = None) -> int:
+    interrupt_in_finalizers()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

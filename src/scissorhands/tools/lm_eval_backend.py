@@ -488,9 +488,11 @@ def main(argv: list[str] | None = None) -> None:
         lm-eval's arguments (default: ``sys.argv[1:]``), e.g.
         ``["--model", "scissorhands", "--model_args", "budget=0.2", "--tasks", "hellaswag"]``.
     """
+    from .cli import first_line, interrupt_in_finalizers, say
+
+    interrupt_in_finalizers()
     from lm_eval.__main__ import cli_evaluate
 
-    from .cli import first_line, say
     from .lm_eval_help import help_text, shipped_tasks_folder
 
     args = list(sys.argv[1:] if argv is None else argv)
