@@ -214,6 +214,38 @@ def test_not_enabled_attention_is_detected():
         ScissorhandsCache(model, ScissorhandsConfig(budget=8, recent=2))  # re-enable for other tests
 
 
+def test_the_attention_switch_is_scoped_and_can_be_undone():
+    """``with scissorhands.enable(model)`` routes the attention inside the block only, and a cache's own switch
+    (``cache.attention``) puts the model's implementation back: after either, the model is what it was, bit for
+    bit, and the cache evicted while it ran."""
+    import scissorhands
+
+    model = tiny_model("llama")
+    model.set_attn_implementation("sdpa")
+    ids, mask = left_padded([24, 17], seed=1)
+    plain = greedy(model, ids, mask, DynamicCache(config=model.config), n=16)
+    cfg = ScissorhandsConfig(budget=12, recent=3)
+    with scissorhands.enable(model) as same:
+        assert same is model and model.config._attn_implementation == "scissorhands"
+        inside = greedy(model, ids, mask, ScissorhandsCache(model.config, cfg), n=16)
+    assert model.config._attn_implementation == "sdpa"
+    cache = ScissorhandsCache(model, cfg)
+    assert model.config._attn_implementation == "scissorhands" and cache.attention.previous == "sdpa"
+    assert torch.equal(greedy(model, ids, mask, cache, n=16), inside)
+    assert all(layer.compressions > 0 for layer in cache.budgeted_layers)
+    cache.attention.restore()
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(greedy(model, ids, mask, DynamicCache(config=model.config), n=16), plain)
+    # A model that already ran through scissorhands stays so when a later switch is undone.
+    scissorhands.enable(model)
+    with scissorhands.enable(model):
+        pass
+    assert model.config._attn_implementation == "scissorhands"
+    assert ScissorhandsCache(model.config, cfg).attention is None
+    with pytest.raises(ValueError, match="^model: must be a transformers model"):
+        scissorhands.enable(model.config)
+
+
 def test_all_sliding_model_is_rejected():
     from transformers import AutoModelForCausalLM
     cfg = tiny_config("mistral")

@@ -287,3 +287,13 @@ def test_the_compiled_prompt_pass_equals_its_torch_reference(t, form, bucket_ste
         torch.testing.assert_close(acc[0], acc[1], atol=1e-5, rtol=1e-5)
         assert not torch.equal(acc[0], torch.full_like(acc[0], 7.0))
 
+
+
+def test_a_built_operator_is_loaded_where_it_lies_not_built_again():
+    """Another environment with the same torch loads the module built under the same name (torch's loader would
+    rebuild it, its build file naming that environment's headers); a name never built is None, not an error."""
+    kernels.build()
+    name = kernels._OPS["ops"].__name__
+    loaded = kernels._load_built(name)
+    assert loaded is not None and loaded.__file__ == kernels._OPS["ops"].__file__
+    assert kernels._load_built("scissorhands_paged_never_built") is None

@@ -1,7 +1,8 @@
 """A new eviction method, or a new K/V store, is one small class: these are defined here, registered, and
 pass the shipped tests (scorer = token-by-token decoding; batch = each sequence alone).
 
-Nothing outside this file changes for them. ``HalfStore`` keeps K/V in float16 under a float32 model and is
+Nothing outside this file changes for them. ``Coarse`` is a new prefill mode, chosen by name
+(``prefill``) from the settings, the Python API and the command line. ``HalfStore`` keeps K/V in float16 under a float32 model and is
 chosen by name (``kv_store``), with and without the full-precision residual wrapped around it.
 ``ValueWeighted`` reuses the windowed importance state and weighs it by the value norm; ``PeakAttention``
 brings a per-token state of its own (the largest probability each token ever
@@ -17,6 +18,7 @@ from conftest import left_padded, tiny_model
 from scissorhands import EvictionMethod, LayerView, ScissorhandsCache, ScissorhandsConfig, TokenState, register
 from scissorhands.core.importance import ImportanceState
 from scissorhands.core.methods import METHODS, unregister
+from scissorhands.core.prefill import PREFILLS, Prefill, Streamed, register_prefill, unregister_prefill
 from scissorhands.core.stores import DenseKVStore, KVStore, register_store, unregister_store
 from test_scoring import BASE as SCORING_BASE
 from test_scoring import assert_scorer_equals_decoding
@@ -243,3 +245,73 @@ def test_stores_are_checked_when_made_and_named():
         ScissorhandsConfig(budget=12, kv_store="no-such-store")
     with pytest.raises(ValueError, match="already registered"):
         register_store(type("Clash", (DenseKVStore,), {"name": "packed"}))
+
+
+class Coarse(Streamed):
+    """A prefill mode of this file's own: stream the prompt, but make room half a layer's budget at a time (few
+    large compression events), whatever ``prefill_drop`` says."""
+
+    name = "test-coarse"
+    made: list[int] = []
+
+    @classmethod
+    def from_settings(cls, settings, layer_budget=None):
+        drop = None if layer_budget is None else max(1, layer_budget // 2)
+        if drop is not None:
+            cls.made.append(drop)
+        return cls(drop)
+
+
+@pytest.fixture
+def coarse():
+    register_prefill(Coarse)
+    Coarse.made.clear()
+    yield Coarse
+    unregister_prefill(Coarse.name)
+
+
+def test_a_new_prefill_mode_is_one_class_registered_from_outside(coarse, tmp_path, capsys):
+    """Defined and registered in this file only: the settings take its name, each layer gets it, and it runs the
+    prompt exactly as the shipped streamed prefill with the same drop does (equal tokens, equal kept positions,
+    the budget held); the command line runs it too. Unregistered, its name is a one-line error again."""
+    from scissorhands.tools import cli
+
+    assert PREFILLS["test-coarse"] is Coarse
+    model = tiny_model("llama", torch.float64)
+    ids, mask = left_padded([40, 29], seed=6)
+    budget = 16
+
+    def run(**settings):
+        cache = ScissorhandsCache(model, ScissorhandsConfig(budget=budget, recent=2, drop=2, **settings))
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False,
+                                 pad_token_id=0)
+        return out, cache
+
+    mine, cache = run(prefill="test-coarse")
+    shipped, reference = run(prefill="stream", prefill_drop=budget // 2)
+    assert all(isinstance(layer.kv.prefill, Coarse) for layer in cache.budgeted_layers)
+    assert Coarse.made and set(Coarse.made) == {budget // 2}
+    assert torch.equal(mine, shipped)
+    for a, b in zip(cache.budgeted_layers, reference.budgeted_layers):
+        for row in range(2):
+            assert torch.equal(a.stored_positions(row), b.stored_positions(row))
+    assert cache.memory_report()["peak_stored"] <= budget
+    _, plain = run(prefill="stream")  # the mode matters: one token's drop keeps other positions
+    assert any(not torch.equal(a.stored_positions(0), b.stored_positions(0))
+               for a, b in zip(cache.budgeted_layers, plain.budgeted_layers))
+
+    from conftest import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    Coarse.made.clear()
+    code = cli.main(["generate", "--model", str(folder), "--budget", "16", "--recent", "2", "--prefill",
+                     "test-coarse", "--prompt", "one two three four five six seven eight nine ten eleven twelve "
+                     "thirteen fourteen fifteen sixteen seventeen eighteen", "--max-new-tokens", "4"])
+    assert code == 0, capsys.readouterr().err
+    assert Coarse.made
+
+    unregister_prefill(Coarse.name)
+    with pytest.raises(ValueError, match="^prefill: must be a registered prefill mode .*'test-coarse'"):
+        ScissorhandsConfig(budget=budget, prefill="test-coarse")
+    assert issubclass(Coarse, Prefill)

@@ -1,7 +1,7 @@
 """One layer's budgeted K/V: storage, slot bookkeeping, per-token state and eviction, without transformers.
 
 :class:`BudgetedKV` owns four parts and keeps them aligned: the K/V store
-(:mod:`.kvstore`), the slot table (:mod:`.slots`), the method's per-token state
+(:mod:`.stores`), the slot table (:mod:`.slots`), the method's per-token state
 (:mod:`.state`), and the method that scores tokens (:mod:`.methods`). Appending
 writes all of them; an eviction asks the method for scores, picks the kept
 slots with :func:`~scissorhands.core.selection.keep_order`, and compacts all of

@@ -19,10 +19,11 @@ from pathlib import Path
 
 from . import settings as s
 from .settings import REQUIRED, declared, setting, settings_table
+from .tiers import check_tiers, parse_tiers
 
 IMPORTANCE_FORMS = ("sum", "count", "mean")
 SCHEDULES = ("uniform", "increasing")
-PREFILL_MODES = ("stream", "prompt-aware")
+PREFILL_MODES = ("stream", "prompt-aware")  # the shipped modes; any registered one is taken (core/prefill.py)
 DECODE_MODES = ("dynamic", "static", "compiled")
 KV_BITS = (2, 4, 8, 16)
 
@@ -76,6 +77,16 @@ def _store_name(name, value):
     return value
 
 
+def _prefill_name(name, value):
+    if value in PREFILL_MODES:
+        return value  # shipped, registered with the module (which imports torch: not needed to check these)
+    from .prefill import PREFILLS  # the registry fills as modes register; read it when checking (imports torch)
+
+    if not isinstance(value, str) or value not in PREFILLS:
+        raise ValueError(f"{name}: must be a registered prefill mode ({', '.join(PREFILLS)}), got {value!r}")
+    return value
+
+
 def _group_size(name, value):
     value = s.integer(4)(name, value)
     if value & (value - 1):
@@ -83,79 +94,6 @@ def _group_size(name, value):
     return value
 
 
-# The packed widths a chain may step through; each step's plane is 2 or 4 bits wide.
-PACKED_CHAIN = (8, 4, 2)
-
-
-def parse_tiers(spec) -> tuple[tuple[int, float], ...]:
-    """``"16:0.2,4:0.5"`` (or a list of pairs) as ``((16, 0.2), (4, 0.5))``: widths above ``kv_bits``, each with
-    the most tokens of a layer's budget (a fraction) that may hold that width or more."""
-    if isinstance(spec, str):
-        pairs = []
-        for part in spec.replace(" ", "").split(","):
-            bits, sep, share = part.partition(":")
-            if not sep:
-                raise ValueError(f"kv_demote: must be BITS:SHARE pairs such as 16:0.2,4:0.5, got {spec!r}")
-            try:
-                pairs.append((int(bits), float(share)))
-            except ValueError:
-                raise ValueError(f"kv_demote: must be BITS:SHARE pairs such as 16:0.2,4:0.5, got {spec!r}") from None
-        return tuple(pairs)
-    if isinstance(spec, (list, tuple)):
-        try:
-            return tuple((int(b), float(f)) for b, f in spec)
-        except (TypeError, ValueError):
-            raise ValueError(f"kv_demote: must be (bits, share) pairs, got {spec!r}") from None
-    raise ValueError(f"kv_demote: must be BITS:SHARE pairs such as 16:0.2,4:0.5, got {spec!r}")
-
-
-def check_tiers(tiers: tuple[tuple[int, float], ...], base_bits) -> None:
-    """Raise a one-line ``ValueError`` naming ``kv_demote`` unless the chain ``tiers`` over ``base_bits`` is valid."""
-    if not tiers:
-        raise ValueError("kv_demote: give at least one BITS:SHARE pair above kv_bits")
-    if base_bits not in (2, 4):
-        raise ValueError(f"kv_demote: needs kv_bits 2 or 4 (the width demoted tokens end at), got {base_bits}")
-    widths = [b for b, _ in tiers]
-    if any(b not in (16, 8, 4, 2) for b in widths):
-        raise ValueError(f"kv_demote: widths must be among 16, 8, 4, 2, got {widths}")
-    chain = widths + [base_bits]
-    if any(a <= b for a, b in zip(chain, chain[1:])):
-        raise ValueError(f"kv_demote: widths must fall strictly, ending above kv_bits={base_bits}, got {widths}")
-    packed = [b for b in chain if b < 16]
-    want = list(PACKED_CHAIN[PACKED_CHAIN.index(packed[0]):PACKED_CHAIN.index(base_bits) + 1])
-    if packed != want:
-        raise ValueError(f"kv_demote: packed widths must step through {want} one by one (each step drops 2 or 4 "
-                         f"bits of the same code), got {packed}")
-    shares = [f for _, f in tiers]
-    if any(not 0.0 < f < 1.0 for f in shares):
-        raise ValueError(f"kv_demote: each share must be a fraction of the budget in (0, 1), got {shares}")
-    if any(a > b for a, b in zip(shares, shares[1:])):
-        raise ValueError(f"kv_demote: shares must not fall down the chain (a share counts every token at that "
-                         f"width or wider), got {shares}")
-
-
-def share_caps(tiers, budget: int) -> tuple[int, ...]:
-    """Each width's share of a layer budget, in tokens (at least one)."""
-    return tuple(max(1, round(share * budget)) for _, share in tiers)
-
-
-def tier_caps(tiers, budget: int, recent: int, drop: int) -> tuple[int, ...]:
-    """Each width's most tokens in a layer of this budget, or a one-line ``ValueError`` naming ``kv_demote``.
-
-    The widest width must hold the recent window (never demoted) and a drop's worth more; the base must
-    keep at least a drop's worth of tokens that only it holds (eviction takes them from there).
-    """
-    caps = share_caps(tiers, budget)
-    need = recent + drop
-    if caps[0] < need:
-        raise ValueError(f"kv_demote: the {tiers[0][0]}-bit share holds {caps[0]} tokens of this layer's budget "
-                         f"of {budget}, fewer than the recent window plus a drop ({recent} + {drop}); raise it to "
-                         f"at least {need / budget:.3f}")
-    if budget - caps[-1] < drop:
-        raise ValueError(f"kv_demote: the {tiers[-1][0]}-bit share leaves {budget - caps[-1]} tokens of this "
-                         f"layer's budget of {budget} below it, fewer than a drop ({drop}); lower it to at most "
-                         f"{(budget - drop) / budget:.3f}")
-    return caps
 
 
 def _demote(name, value):
@@ -220,7 +158,7 @@ class CacheSettings:
                               s.parse_int, s.integer(1), metavar="N")
     prefill: str = setting(
         "stream", '`"stream"` (peak = budget) or `"prompt-aware"` (hold the prompt once, score it by its last queries)',
-        s.parse_text, s.one_of(PREFILL_MODES), group=_PREFILL, metavar="|".join(PREFILL_MODES))
+        s.parse_text, _prefill_name, group=_PREFILL, metavar="|".join(PREFILL_MODES))
     decode: str = setting(
         "dynamic", '`"dynamic"` (compact slots planned on the host), `"static"` (fixed shapes and no host '
         'synchronisation: ready for GPUs and graph capture) or `"compiled"` (the static step under `torch.compile`); '

@@ -41,7 +41,8 @@ import re
 from dataclasses import dataclass, replace
 from importlib import resources
 
-from .config import CacheSettings, ScissorhandsConfig, share_caps, tier_caps
+from .config import CacheSettings, ScissorhandsConfig
+from .tiers import share_caps, tier_caps
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

@@ -9,9 +9,10 @@
   than the budget (the prompt) is held whole and attended exactly, then scored
   and evicted down to the budget in one step; later chunks stream.
 
-A strategy is chosen from the settings by :func:`make_prefill`; a new one
-subclasses :class:`Prefill`, overrides :meth:`Prefill.take` and registers in
-:data:`PREFILLS`.
+Prefill modes are plug-ins by name, as methods and stores are: ``prefill=NAME`` takes any registered
+mode. A new one subclasses :class:`Prefill`, sets ``name``, overrides :meth:`Prefill.take` (and
+:meth:`Prefill.from_settings` if it reads settings) and is decorated with :func:`register_prefill`, from any
+module; :func:`make_prefill` builds a layer's strategy from the settings.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from .blocks import attend_block
-from .config import DEFAULTS
+from .registry import Registry
 
 if TYPE_CHECKING:
     from .budgeted import BudgetedKV
@@ -32,6 +33,11 @@ class Prefill:
     """Takes a chunk into a layer: stores its real tokens and writes its attention output."""
 
     name: ClassVar[str] = "base"
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings, layer_budget: int | None = None) -> Prefill:
+        """The strategy for one layer of this budget (None: no layer yet, only the settings)."""
+        return cls()
 
     def take(self, kv: BudgetedKV, q, out, key, value, valid, cum, scaling, softcap, query_tile: int) -> None:
         """Store the chunk and write its attention into ``out``.
@@ -60,6 +66,10 @@ class Streamed(Prefill):
 
     def __init__(self, drop: int | None = None):
         self.drop = drop
+
+    @classmethod
+    def from_settings(cls, settings, layer_budget=None):
+        return cls(None if layer_budget is None else settings.prefill_drop_for(layer_budget))
 
     def take(self, kv, q, out, key, value, valid, cum, scaling, softcap, query_tile):
         b, total = cum.shape
@@ -140,9 +150,14 @@ class PromptAware(Prefill):
 
     name = "prompt-aware"
 
-    def __init__(self, observe: int = DEFAULTS.observe, pool: int = DEFAULTS.pool, chunk: int | None = None):
+    def __init__(self, observe: int, pool: int, chunk: int | None = None, stream: Streamed | None = None):
         self.observe, self.pool, self.chunk = observe, pool, chunk
-        self.stream = Streamed()
+        self.stream = stream or Streamed()
+
+    @classmethod
+    def from_settings(cls, settings, layer_budget=None):
+        return cls(settings.observe, settings.pool, settings.prompt_chunk,
+                   Streamed.from_settings(settings, layer_budget))
 
     def take(self, kv, q, out, key, value, valid, cum, scaling, softcap, query_tile):
         if kv.slots.length != 0 or int(cum[:, -1].max()) <= kv.budget:
@@ -210,16 +225,25 @@ class PromptAware(Prefill):
         kv.evict(scores, (kv.slots.lengths - kv.budget).clamp(min=0))
 
 
-PREFILLS: dict[str, type[Prefill]] = {"stream": Streamed, "prompt-aware": PromptAware}
+PREFILLS: Registry[type[Prefill]] = Registry("register_prefill", Prefill)
+
+
+def register_prefill(cls: type[Prefill]) -> type[Prefill]:
+    """Class decorator: make ``cls`` available as ``prefill=cls.name``."""
+    return PREFILLS.register(cls)
+
+
+def unregister_prefill(name: str) -> None:
+    """Remove a registered prefill mode (for tests and experiments)."""
+    PREFILLS.unregister(name)
 
 
 def make_prefill(settings: CacheSettings, layer_budget: int | None = None) -> Prefill:
     """The strategy ``settings.prefill`` names, with its settings (``prefill_drop`` needs the layer's budget)."""
-    drop = None if layer_budget is None else settings.prefill_drop_for(layer_budget)
-    if settings.prefill == "prompt-aware":
-        strategy = PromptAware(settings.observe, settings.pool, settings.prompt_chunk)
-        strategy.stream = Streamed(drop)
-        return strategy
-    if settings.prefill == "stream":
-        return Streamed(drop)
-    return PREFILLS[settings.prefill]()
+    if settings.prefill not in PREFILLS:
+        raise ValueError(f"prefill: unknown prefill mode {settings.prefill!r}; choose from {', '.join(PREFILLS)}")
+    return PREFILLS[settings.prefill].from_settings(settings, layer_budget)
+
+
+register_prefill(Streamed)
+register_prefill(PromptAware)

@@ -64,13 +64,38 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def enable(model) -> None:
-    """Route ``model``'s attention through scissorhands.
+class enable:
+    """Route ``model``'s attention through scissorhands, now; as a context manager, only inside the block.
 
-    Layers without a scissorhands cache keep computing plain SDPA, so the model
-    still runs unchanged with ``DynamicCache`` or no cache.
+    Layers without a scissorhands cache keep computing plain SDPA, so the model still runs unchanged with
+    ``DynamicCache`` or no cache. The switch is made when this is called; :meth:`restore` (or leaving a
+    ``with`` block) puts back the implementation the model had before (a model that already ran through
+    scissorhands stays so).
+
+    Examples
+    --------
+    >>> with scissorhands.enable(model):
+    ...     out = model.generate(**inputs, past_key_values=ScissorhandsCache(model, config))
+    >>> model.config._attn_implementation   # back to what it was, e.g. "sdpa"
     """
-    register()
-    if model.config._attn_implementation != ATTENTION_NAME:
-        logger.debug("switching attention from %s to %s", model.config._attn_implementation, ATTENTION_NAME)
-        model.set_attn_implementation(ATTENTION_NAME)
+
+    def __init__(self, model) -> None:
+        if not hasattr(model, "set_attn_implementation"):
+            raise ValueError(f"model: must be a transformers model, got {type(model).__name__}")
+        register()
+        self.model = model
+        self.previous = model.config._attn_implementation
+        if self.previous != ATTENTION_NAME:
+            logger.info("switching attention from %s to %s", self.previous, ATTENTION_NAME)
+            model.set_attn_implementation(ATTENTION_NAME)
+
+    def restore(self) -> None:
+        """Put back the attention implementation the model had before this switch."""
+        if self.model.config._attn_implementation != self.previous:
+            self.model.set_attn_implementation(self.previous)
+
+    def __enter__(self):
+        return self.model
+
+    def __exit__(self, *exc) -> None:
+        self.restore()

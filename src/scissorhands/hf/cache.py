@@ -31,12 +31,13 @@ from scissorhands.core.state import TokenState
 from scissorhands.core.stores import make_store
 from scissorhands.core.streaming import attend
 
+from .attention import enable
 from .guard import ModelGuard, check_continues, reuse_message
+from .modelinfo import FULL, model_facts
+from .report import cache_memory_report
 
 if TYPE_CHECKING:
     from scissorhands.core.memory_budget import MemoryChoice
-from .modelinfo import FULL, model_facts
-from .report import cache_memory_report
 
 
 class ScissorhandsLayer(CacheLayerMixin):
@@ -215,9 +216,11 @@ class ScissorhandsCache(Cache):
     Parameters
     ----------
     model : PreTrainedModel or PretrainedConfig
-        The model (its attention is switched to the scissorhands function, see
-        :func:`scissorhands.hf.attention.enable`) or just its config, if the
-        caller enables the attention itself.
+        The model, or just its config if the caller switches the attention itself. Given a model, the cache
+        switches its attention to the scissorhands function (:class:`scissorhands.enable`; layers without a
+        scissorhands cache still run plain SDPA) and keeps the switch as :attr:`attention`:
+        ``cache.attention.restore()`` puts the model's own implementation back. To scope the switch to a
+        block, build the cache inside ``with scissorhands.enable(model):``.
     config : ScissorhandsConfig
         Budget, windows, drop amount, importance form and schedule.
     method : EvictionMethod, optional
@@ -239,11 +242,11 @@ class ScissorhandsCache(Cache):
 
     #: What ``for_memory`` chose (None for a cache built from a token budget).
     memory_choice: MemoryChoice | None = None
+    #: The switch of the model's attention this cache made (None when built from a config); ``.restore()``.
+    attention: enable | None = None
 
     def __init__(self, model, config: ScissorhandsConfig, method: EvictionMethod | None = None, *,
                  protect: SpanSpec | Protection | None = None, audit: EvictionAudit | None = None):
-        from .attention import enable
-
         if not isinstance(config, ScissorhandsConfig):
             raise ValueError(f"config: must be a ScissorhandsConfig, got {type(config).__name__}")
         if method is not None and not isinstance(method, EvictionMethod):
@@ -256,7 +259,7 @@ class ScissorhandsCache(Cache):
         facts = model_facts(model)
         facts.check_supported()
         if hasattr(model, "set_attn_implementation"):
-            enable(model)
+            self.attention = enable(model)
         self.method = method or Scissorhands()
         # The method's own settings (TOVA's window of 1, H2O's sum, ...) hold whoever built the config.
         config = self.method.resolve(config)

@@ -30,6 +30,7 @@ matrix; reading each key once, where it lies, is what makes the step cheap.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 
 import torch
@@ -333,6 +334,31 @@ def _machine() -> str:
     return "".join(line for line in text.splitlines(True) if line.startswith(("model name", "flags")))[:4096]
 
 
+def _load_built(name: str):
+    """The operator another environment with the same torch already built under this name, or None.
+
+    torch's own loader would build it again there: its build file names the environment's torch headers, so
+    the build is redone whenever the environment changes, though the module (same source, flags, torch
+    version and CPU, which the name encodes) is the same. Anything unreadable (a build still being linked)
+    falls back to torch's loader, which waits for the build."""
+    import importlib.util
+
+    from torch.utils import cpp_extension
+
+    try:
+        path = os.path.join(cpp_extension._get_build_directory(name, False), name + ".so")
+        if not os.path.isfile(path):
+            return None
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (AttributeError, ImportError, OSError):
+        return None
+    return module if hasattr(module, "decode") and hasattr(module, "prompt") else None
+
+
 def _ops():
     """The compiled operator, built on first use (about a minute) and cached by torch; one line if it cannot be."""
     if "ops" not in _OPS:
@@ -341,9 +367,13 @@ def _ops():
         # One build per source, flags, torch build and CPU: environments with the same torch share it (torch's
         # extension folder is per Python version already).
         key = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + torch.__version__ + _machine()).encode())
+        name = f"scissorhands_paged_{key.hexdigest()[:12]}"
+        built = _load_built(name)
+        if built is not None:
+            _OPS["ops"] = built
+            return built
         try:
-            _OPS["ops"] = cpp_extension.load_inline(name=f"scissorhands_paged_{key.hexdigest()[:12]}",
-                                                    cpp_sources=_SOURCE, functions=["decode", "prompt"],
+            _OPS["ops"] = cpp_extension.load_inline(name=name, cpp_sources=_SOURCE, functions=["decode", "prompt"],
                                                     extra_cflags=_CFLAGS, extra_ldflags=["-lmvec"], verbose=False)
         except (RuntimeError, OSError, ImportError) as e:
             lines = str(e).strip().splitlines() or [type(e).__name__]

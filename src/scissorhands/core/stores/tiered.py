@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import check_tiers, parse_tiers, tier_caps
+from ..tiers import check_tiers, parse_tiers, tier_caps
 from .base import KVStore, gather_rows
 from .packed import centred, check_key_center, group_for, pack, packed_width, quantize_codes, unpack
 

@@ -16,10 +16,11 @@ from tqdm.auto import tqdm
 
 from scissorhands import __version__
 from scissorhands.core.budget import resolve_budget
-from scissorhands.core.config import CacheSettings, tier_caps
+from scissorhands.core.config import CacheSettings
 from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.schedule import layer_budgets
 from scissorhands.core.stores.packed import packed_bytes_per_token_head
+from scissorhands.core.tiers import tier_caps
 from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup
 
