@@ -2,8 +2,9 @@
 pass the shipped tests (scorer = token-by-token decoding; batch = each sequence alone).
 
 Nothing outside this file changes for them. ``Coarse`` is a new prefill mode, chosen by name
-(``prefill``) from the settings, the Python API and the command line. ``HalfStore`` keeps K/V in float16 under a float32 model and is
-chosen by name (``kv_store``), with and without the full-precision residual wrapped around it.
+(``prefill``) from the settings, the Python API and the command line. ``HalfStore`` keeps K/V in float16
+under a float32 model and is chosen by name (``kv_store``), with and without the full-precision residual
+wrapped around it.
 ``ValueWeighted`` reuses the windowed importance state and weighs it by the value norm; ``PeakAttention``
 brings a per-token state of its own (the largest probability each token ever
 received), which the layer keeps aligned with K/V through the state hooks.
