@@ -1,4 +1,4 @@
-"""A deliberately naive reference of the eviction semantics (README, "Semantics").
+"""A deliberately naive reference of the eviction semantics (docs/usage.md, "Semantics").
 
 One token at a time, one sequence and one KV head at a time, Python lists of
 kept positions, and a dict of per-step contributions. Slow on purpose: it is

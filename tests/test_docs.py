@@ -1,29 +1,32 @@
-"""The README's method list is the registry's: a method added or renamed in code shows up here."""
+"""The user guide's tables are the code's: a method or a setting added or renamed in code shows up there."""
 
 from pathlib import Path
 
 from scissorhands.core.methods import methods_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+USAGE = README.parent / "docs" / "usage.md"
 
 
-def test_readme_lists_the_registered_methods():
-    text = README.read_text()
-    start = text.index("<!-- methods -->\n") + len("<!-- methods -->\n")
-    end = text.index("<!-- /methods -->")
-    assert text[start:end].strip() == methods_table(), (
-        "README's method table is out of date; regenerate it from scissorhands.core.methods.methods_table()")
+def _between(text: str, marker: str) -> str:
+    """What lies between ``<!-- marker -->`` and ``<!-- /marker -->``."""
+    start = text.index(f"<!-- {marker} -->\n") + len(f"<!-- {marker} -->\n")
+    return text[start:text.index(f"<!-- /{marker} -->")]
 
 
-def test_readme_settings_table_is_the_declarations():
-    """The README's settings table is generated from the fields' declarations (default, help)."""
+def test_usage_guide_lists_the_registered_methods():
+    assert _between(USAGE.read_text(), "methods").strip() == methods_table(), (
+        "docs/usage.md's method table is out of date; regenerate it from scissorhands.core.methods.methods_table()")
+    assert "<!-- methods -->" not in README.read_text()  # one table, in one place
+
+
+def test_usage_guide_settings_table_is_the_declarations():
+    """docs/usage.md's settings table is generated from the fields' declarations (default, help)."""
     from scissorhands.core.config import readme_table
 
-    text = README.read_text()
-    start = text.index("<!-- settings -->\n") + len("<!-- settings -->\n")
-    end = text.index("<!-- /settings -->")
-    assert text[start:end].strip() == readme_table(), (
-        "README's settings table is out of date; regenerate it from scissorhands.core.config.readme_table()")
+    assert _between(USAGE.read_text(), "settings").strip() == readme_table(), (
+        "docs/usage.md's settings table is out of date; regenerate it from scissorhands.core.config.readme_table()")
+    assert "<!-- settings -->" not in README.read_text()  # one table, in one place
 
 
 def test_every_setting_has_a_flag_and_an_lm_eval_argument():

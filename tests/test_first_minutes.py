@@ -190,7 +190,7 @@ def test_the_lm_eval_docs_table_is_the_backend_and_the_declarations():
 
 
 def test_the_lm_eval_command_runs_offline_on_a_shipped_task_and_its_help_names_our_arguments(tmp_path):
-    """The README's lm-eval command, offline, from a folder that is not the repository, on a tiny model."""
+    """The user guide's lm-eval command, offline, from a folder that is not the repository, on a tiny model."""
     from conftest import save_tiny_model
 
     folder = save_tiny_model(tmp_path / "tiny")

@@ -5,7 +5,7 @@ resolve a budget per sequence (the evaluation grid, the lm-eval backend, the
 analysis) carry around. :class:`ScissorhandsConfig` adds the budget. Each
 field is declared once (:func:`~.settings.setting`): its default, its help,
 how it is parsed from text and how it is checked. The CLI flags, the lm-eval
-and vLLM arguments and the README's table are derived from those declarations.
+and vLLM arguments and docs/usage.md's settings table are derived from those declarations.
 Every bad value raises ``ValueError`` whose message starts with the parameter's
 name, so the entry points print it as one line.
 """
@@ -111,7 +111,7 @@ class CacheSettings:
     """How a budgeted cache evicts, whatever its budget.
 
     Every field's meaning, default and range is in its declaration below (and
-    in the README's table, which is generated from them). Read
+    in docs/usage.md's settings table, which is generated from them). Read
     :mod:`scissorhands.core.importance` for the bucketed window, and
     docs/quantization.md for packed K/V.
     """
@@ -403,11 +403,11 @@ class ScissorhandsConfig(CacheSettings):
 
 
 def settings_rows() -> list:
-    """Every declared setting, the budget first: what the CLI, the lm-eval backend and the README show."""
+    """Every declared setting, the budget first: what the CLI, the lm-eval backend and docs/usage.md show."""
     rows = declared(ScissorhandsConfig)
     return [r for r in rows if r[0] == "budget"] + [r for r in rows if r[0] != "budget"]
 
 
 def readme_table() -> str:
-    """The README's settings table (a test keeps the two equal)."""
+    """The settings table of docs/usage.md (a test keeps the two equal)."""
     return settings_table(settings_rows())

@@ -5,7 +5,7 @@ Every field of :class:`~scissorhands.core.config.CacheSettings` is made with
 declarations: the dataclass validates each field with its ``check``, the CLI
 builds one flag per field (help, metavar and parsing included), the lm-eval
 backend and the vLLM adapter parse their ``key=value`` strings with ``parse``,
-and the README's settings table is :func:`settings_table` (a test compares them).
+and docs/usage.md's settings table is :func:`settings_table` (a test compares them).
 
 A ``check`` takes ``(name, value)`` and returns the value (normalised, e.g. a
 list made a tuple) or raises ``ValueError("<name>: ...")``. A ``parse`` takes
@@ -80,7 +80,7 @@ def from_strings(cls, given: dict[str, Any], what: str = "setting") -> dict[str,
 
 
 def settings_table(rows: Sequence[tuple[str, Any, Setting]]) -> str:
-    """Markdown table of declared fields: name, default, meaning (the README's table is this)."""
+    """Markdown table of declared fields: name, default, meaning (docs/usage.md's table is this)."""
     lines = ["| field | default | meaning |", "|---|---|---|"]
     lines += [f"| `{name}` | {show(default)} | {decl.help} |" for name, default, decl in rows]
     return "\n".join(lines)

@@ -58,7 +58,7 @@ def arg_type(parse):
 
 
 def _plain(text: str) -> str:
-    """A declaration's help without its markdown (the README renders it; a terminal does not)."""
+    """A declaration's help without its markdown (the docs render it; a terminal does not)."""
     text = re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", text)
     return text.replace("`", "").replace("*", "")
 

@@ -54,7 +54,7 @@ def model_args_table(backend) -> str:
         lines.append(f"| `{name}` | {'—' if default is None and name in ('budget', 'memory') else show(default)} | "
                      f"{meaning} |")
     for name, default, decl in declared(CacheSettings):
-        meaning = decl.help.replace("](#", "](../README.md#")  # the declarations link within the README
+        meaning = decl.help.replace("](#", "](usage.md#")  # the declarations link within docs/usage.md
         lines.append(f"| `{name}` | {'—' if default is REQUIRED else show(default)} | {meaning} |")
     return "\n".join(lines)
 

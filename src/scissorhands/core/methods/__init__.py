@@ -2,7 +2,7 @@
 
 Adding a method is one new file: subclass :class:`EvictionMethod`, override
 ``score`` (and ``make_state`` if it needs per-token memory), decorate with
-:func:`register`, and import the file below. See the README, "Adding a method".
+:func:`register`, and import the file below. See docs/usage.md, "Adding a method".
 """
 
 from . import full, h2o, local, random, scissorhands, streaming, tova  # noqa: F401  (each registers itself)

@@ -92,7 +92,7 @@ class EvictionMethod:
     name : str
         The registry key (``--methods NAME``).
     description : str
-        One line for ``--help`` and the README.
+        One line for ``--help`` and the methods table in docs/usage.md.
     settings : dict
         Cache settings this method fixes, whatever the user's (e.g. H2O's
         unbounded window); they override the shared :class:`CacheSettings`.

@@ -27,7 +27,7 @@ def get_method(name: str) -> type[EvictionMethod]:
 
 
 def methods_table() -> str:
-    """Markdown table of the registered methods (the README's list is checked against it)."""
+    """Markdown table of the registered methods (docs/usage.md's list is checked against it)."""
     lines = ["| method | keeps |", "|---|---|"]
     lines += [f"| `{name}` | {cls.description} |" for name, cls in METHODS.items()]
     return "\n".join(lines)
