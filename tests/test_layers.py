@@ -35,12 +35,22 @@ print(len(names), len(METHODS))
     assert modules >= 20 and methods >= 8
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def _imports(path: Path) -> set[str]:
     """Absolute module names imported by a file (relative imports resolved against its package)."""
     rel = path.relative_to(SRC.parent).with_suffix("").parts
     package = rel[:-1]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue  # ``if TYPE_CHECKING:`` imports never run: names for annotations only
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -152,8 +152,9 @@ def test_tensor_parallel_2_keeps_what_one_rank_keeps(tiny_folder, monkeypatch):
     plugin = {"budget": 48}
     token_prompts = prompts(*LENGTHS)
     runs, kept = [], []
-    for tp in (1, 2):
-        engine = Engine(tiny_folder, plugin, tensor_parallel_size=tp, distributed_executor_backend="mp")
+    for tp in (1, 2):  # one rank in this process; two in worker processes
+        parallel = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"} if tp == 2 else {}
+        engine = Engine(tiny_folder, plugin, **parallel)
         try:
             runs.append(engine.generate(token_prompts, NEW))
             ranks = engine.llm.collective_rpc("scissorhands_kept")  # one dict per rank
@@ -289,14 +290,18 @@ if __name__ == "__main__":
     e = Engine({tiny_folder!r}, None)
     print(json.dumps(e.generate(prompts(100, 61), 16)))
 """)
-    outs = []
-    for plugins in (None, ""):
+    runs = []
+    for plugins in (None, ""):  # both at once: each is mostly one core importing and starting vLLM
         env = dict(os.environ)
         if plugins is not None:
             env["VLLM_PLUGINS"] = plugins  # an empty allow-list: no plugin loads
-        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-        assert run.returncode == 0, run.stderr[-2000:]
-        outs.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        runs.append(subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env))
+    outs = []
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
     for a, b in zip(*outs):
         assert a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 
@@ -362,6 +367,9 @@ def test_the_openai_server_serves_completions_and_chat_with_the_plugin(tmp_path)
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
                                "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--port", str(port),
+                               # 64 blocks of 128 hold this test's requests; vLLM would fill its KV space with
+                               # thousands of blocks, and the plugin's per-slot state beside them.
+                               "--num-gpu-blocks-override", "64", "--max-num-seqs", "4",
                                "--served-model-name", "smollm2", "--additional-config",
                                json.dumps({"scissorhands": {"budget": 64}})], stdout=log, stderr=subprocess.STDOUT,
                               env=env)

@@ -16,6 +16,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
+from scissorhands.core.assembly import CachePlan, plan
 from scissorhands.core.audit import EvictionAudit
 from scissorhands.core.budgeted import BudgetedKV
 from scissorhands.core.centers import load_key_centers
@@ -23,12 +24,9 @@ from scissorhands.core.config import DEFAULTS, CacheSettings, ScissorhandsConfig
 from scissorhands.core.memory import layer_memory
 from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.methods.scissorhands import Scissorhands
-from scissorhands.core.prefill import make_prefill
-from scissorhands.core.protect import Protection, SpanSpec, check_room
-from scissorhands.core.schedule import layer_budgets
+from scissorhands.core.protect import Protection, SpanSpec
 from scissorhands.core.slots import SlotTable
 from scissorhands.core.state import TokenState
-from scissorhands.core.stores import make_store
 from scissorhands.core.streaming import attend
 
 from .attention import enable
@@ -206,6 +204,13 @@ def memory_shape(model):
                  getattr(config, "model_type", None))
 
 
+def cache_plan(model, settings: CacheSettings, method: EvictionMethod | None = None, **options) -> CachePlan:
+    """:func:`scissorhands.core.assembly.plan` for a transformers model (or its config): its budgeted layers and
+    K/V shape filled in; ``options`` are the plan's (``protection``, ``protect_name``, ``memory``, ``length``)."""
+    return plan(settings, len(model_facts(model).full_layers), method or Scissorhands(), shape=memory_shape(model),
+                **options)
+
+
 class ScissorhandsCache(Cache):
     """A drop-in ``cache=`` for ``model.generate`` that evicts by persistence of importance.
 
@@ -246,7 +251,8 @@ class ScissorhandsCache(Cache):
     attention: enable | None = None
 
     def __init__(self, model, config: ScissorhandsConfig, method: EvictionMethod | None = None, *,
-                 protect: SpanSpec | Protection | None = None, audit: EvictionAudit | None = None):
+                 protect: SpanSpec | Protection | None = None, audit: EvictionAudit | None = None,
+                 _plan: CachePlan | None = None):
         if not isinstance(config, ScissorhandsConfig):
             raise ValueError(f"config: must be a ScissorhandsConfig, got {type(config).__name__}")
         if method is not None and not isinstance(method, EvictionMethod):
@@ -258,38 +264,34 @@ class ScissorhandsCache(Cache):
             raise ValueError(f"model: must be a transformers model or its config, got {type(model).__name__}")
         facts = model_facts(model)
         facts.check_supported()
-        if hasattr(model, "set_attn_implementation"):
-            self.attention = enable(model)
-        self.method = method or Scissorhands()
-        # The method's own settings (TOVA's window of 1, H2O's sum, ...) hold whoever built the config.
-        config = self.method.resolve(config)
+        if _plan is None:
+            _plan = plan(config, len(facts.full_layers), method or Scissorhands(), protection=protection)
+        config = _plan.config
         if audit is not None and config.decode != "dynamic":
             raise ValueError(f"decode: {config.decode!r} cannot tell an audit of each eviction without reading the "
                              "device; use decode='dynamic' with an audit")
+        if hasattr(model, "set_attn_implementation"):
+            self.attention = enable(model)
+        self.method = _plan.method
         self.config = config
         self.facts = facts
-        self.protection = protection
+        self.protection = _plan.protection
         self.audit = audit
+        self.memory_choice = _plan.memory_choice
         guard = ModelGuard(facts)
-        per_layer = layer_budgets(config, len(facts.full_layers))
-        check_room(protection, [(b, config.recent_for(b), config.drop_for(b)) for b in per_layer])
-        budgets = iter(per_layer)
         centers = {} if config.kv_key_centers is None else load_key_centers(config.kv_key_centers, facts)
         layers: list = []
+        budgeted = iter(range(len(_plan.layers)))
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
             if layer_type != FULL:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
                 continue
-            budget = next(budgets)
-            if budget <= config.protected:
-                raise ValueError(f"schedule: a layer budget ({budget}) must be > the protected tokens "
-                                 f"(recent + sinks = {config.protected})")
-            residual = config.check_residual(budget, evicts=not self.method.is_full)
-            layer = ScissorhandsLayer(budget, config.recent_for(budget), config.drop_for(budget),
-                                      self.method.make_state(config), self.method, config.query_tile, idx,
-                                      sinks=config.sinks, merge=config.merge, prefill=make_prefill(config, budget),
-                                      protect=protection, decode=config.decode, rounds=config.rounds,
-                                      store=make_store(config, centers.get(idx), residual))
+            i = next(budgeted)
+            part = _plan.layers[i]
+            layer = ScissorhandsLayer(part.budget, part.recent, part.drop, _plan.state(), self.method,
+                                      config.query_tile, idx, sinks=config.sinks, merge=config.merge,
+                                      prefill=_plan.prefill(i), protect=_plan.protection, decode=config.decode,
+                                      rounds=config.rounds, store=_plan.store(i, centers.get(idx)))
             if audit is not None:
                 layer.kv.listeners.append(audit)
                 audit.attach(idx)
@@ -324,14 +326,14 @@ class ScissorhandsCache(Cache):
         and kept as ``cache.memory_choice`` (also in :meth:`memory_report`). Other arguments are the
         constructor's.
         """
-        from scissorhands.core.memory_budget import choose
-
-        method = method or Scissorhands()
-        base = type(method).resolve(settings if settings is not None else CacheSettings())
-        choice = choose(memory, memory_shape(model), length, base)
-        cache = cls(model, choice.config, method, **kwargs)
-        cache.memory_choice = choice
-        return cache
+        if not isinstance(getattr(model, "config", model), PretrainedConfig):
+            raise ValueError(f"model: must be a transformers model or its config, got {type(model).__name__}")
+        protect = kwargs.get("protect")
+        protection = protect if isinstance(protect, Protection) else Protection.parse(protect)
+        kwargs["protect"] = protection
+        made = cache_plan(model, settings if settings is not None else CacheSettings(), method,
+                          protection=protection, memory=memory, length=length)
+        return cls(model, made.config, made.method, _plan=made, **kwargs)
 
     def memory_report(self) -> dict:
         """K/V, per-token state and position bytes, and tokens stored.

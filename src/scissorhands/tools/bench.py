@@ -210,12 +210,13 @@ def _variants(context: int, budgets, methods=("scissorhands",), memories=(), mod
                         "fraction": f})
         out.append({"name": f"full at {b}", "cache": "full", "context": b, "budget": None, "reference_for": f})
     for memory in memories:  # memory=: the store and token budget chosen for this context
-        from scissorhands.core.memory_budget import choose
-        from scissorhands.hf.cache import memory_shape
+        from scissorhands.hf.cache import cache_plan
 
         label, first = f"memory={memory}", None
         for m in methods:
-            choice = choose(memory, memory_shape(model), context, get_method(m).resolve(settings or CacheSettings()))
+            choice = cache_plan(model, settings or CacheSettings(), get_method(m)(), memory=memory,
+                                length=context).memory_choice
+            assert choice is not None
             first = choice.config.budget if first is None else first
             out.append({"name": f"{m} {label}", "cache": "scissorhands", "method": m, "context": context,
                         "budget": choice.config.budget, "fraction": label,

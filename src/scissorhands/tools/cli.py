@@ -6,9 +6,21 @@ import argparse
 import logging
 import math
 import os
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
+
+
+def _interrupted_while_importing(signum, frame) -> None:
+    """Ctrl-C before ``main`` runs (the modules below still importing): the command line's one line."""
+    sys.stderr.write("\nscissorhands: interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+if __name__ == "__main__":  # run as ``python -m``: quiet from the first import on; main() hands Ctrl-C back
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
 
 from scissorhands import __version__
 from scissorhands.core.budget import check_budget_spec, resolve_budget
@@ -198,11 +210,10 @@ def _chat(args, tokenizer, prompt: str) -> tuple[str, int | None]:
     return chat_prompt(tokenizer, args.system, prompt)
 
 
-def _protection(args, model, tokenizer, prompt: str, n_system: int | None, config) -> tuple[list, dict]:
+def _protection(args, model, tokenizer, prompt: str, n_system: int | None, config, method) -> tuple[list, dict]:
     """The spans to pin and the spans to audit."""
-    from scissorhands.core.protect import Protection, check_room
-    from scissorhands.core.schedule import layer_budgets
-    from scissorhands.hf.modelinfo import model_facts
+    from scissorhands.core.protect import Protection
+    from scissorhands.hf.cache import cache_plan
 
     spans: list[tuple[int, int]] = []
     watched: dict[str, tuple[int, int]] = {}
@@ -219,9 +230,7 @@ def _protection(args, model, tokenizer, prompt: str, n_system: int | None, confi
     watched = {"prompt": (0, n_prompt), **watched}
     if spans:
         watched["protected"] = (0, max(end for _, end in spans))
-        budgets = layer_budgets(config, len(model_facts(model).full_layers))
-        check_room(Protection([spans]), [(b, config.recent_for(b), config.drop_for(b)) for b in budgets],
-                   name="/".join(names))
+        cache_plan(model, config, method, protection=Protection([spans]), protect_name="/".join(names))
     return spans, watched
 
 
@@ -397,10 +406,11 @@ def _run_generate(args, prompt, label_budget: str) -> int:
     prompt, n_system = _chat(args, tokenizer, prompt)
     length = len(tokenizer(prompt)["input_ids"]) + args.max_new_tokens
     if getattr(args, "memory", None) is not None:  # a byte budget: the store and tokens chosen for this model
-        from scissorhands.core.memory_budget import choose
-        from scissorhands.hf.cache import memory_shape
+        from scissorhands.hf.cache import cache_plan
 
-        choice = choose(args.memory, memory_shape(model), length, method.resolve(cache_settings(args)))
+        choice = cache_plan(model, cache_settings(args), method(seed=args.seed), memory=args.memory,
+                            length=length).memory_choice
+        assert choice is not None
         config = choice.config
         label_budget = f"{config.budget} tokens, chosen for --memory {args.memory}"
         print(f"[scissorhands] {choice.describe()}", file=sys.stderr)
@@ -411,7 +421,7 @@ def _run_generate(args, prompt, label_budget: str) -> int:
     if isinstance(config.schedule, tuple):  # an explicit list fixes every layer's budget
         label_budget = (f"{','.join(str(b) for b in config.schedule)} per layer (an explicit --schedule; --budget "
                         f"{args.budget:g} is not used)")
-    spans, watched = _protection(args, model, tokenizer, prompt, n_system, config)
+    spans, watched = _protection(args, model, tokenizer, prompt, n_system, config, method(seed=args.seed))
     audit = None
     if args.audit is not None:
         from scissorhands.core.audit import EvictionAudit
@@ -634,6 +644,8 @@ def interrupt_in_finalizers() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupt_in_finalizers()
     parser = build_parser()
     args = parser.parse_args(argv)

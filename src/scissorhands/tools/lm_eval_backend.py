@@ -326,10 +326,10 @@ class ScissorhandsLM(LM):
     def setup_for(self, length: int) -> ScoreSetup:
         """The scoring setup for one sequence of ``length`` tokens (the budget is resolved against it)."""
         if self.memory is not None:  # a byte budget: the store and tokens chosen for this length
-            from scissorhands.core.memory_budget import choose
-            from scissorhands.hf.cache import memory_shape
+            from scissorhands.hf.cache import cache_plan
 
-            choice = choose(self.memory, memory_shape(self._model), length, self.method.resolve(self.base))
+            choice = cache_plan(self._model, self.base, self.method(), memory=self.memory, length=length).memory_choice
+            assert choice is not None
             return ScoreSetup(self.method, choice.config.budget, choice.config.settings, self.seed)
         budget = None if self.budget_spec is None else resolve_budget(self.budget_spec, length, self.base.protected)
         return ScoreSetup(self.method, budget, self.base, self.seed)

@@ -40,10 +40,11 @@ import json
 import os
 from dataclasses import dataclass, replace
 
+from scissorhands.core.assembly import plan
 from scissorhands.core.config import CacheSettings, ScissorhandsConfig
 from scissorhands.core.importance import ImportanceState
 from scissorhands.core.methods import EvictionMethod, get_method
-from scissorhands.core.protect import Protection, check_room
+from scissorhands.core.protect import Protection
 from scissorhands.core.settings import from_strings
 
 KEY = "scissorhands"
@@ -106,7 +107,9 @@ def parse(given: dict) -> PluginSettings:
             raise ValueError(f"{key}: not supported by the vLLM adapter (K/V stay in vLLM's blocks, one budget for "
                              f"every layer), got {fields[key]!r}")
     settings = CacheSettings(**{**fields, **FIXED})
-    config = method.resolve(settings.with_budget(budget))
+    protection = Protection.prefix(prefix) if prefix else None
+    config = plan(settings.with_budget(budget), 1, method(), protection=protection,
+                  protect_name="protect_prefix").config
     for key, value in FIXED.items():
         if getattr(config, key) != value:
             raise ValueError(f"method: {name!r} needs {key}={getattr(config, key)!r}; the vLLM adapter runs with "
@@ -115,8 +118,6 @@ def parse(given: dict) -> PluginSettings:
     if state is not None and not isinstance(state, ImportanceState):
         raise ValueError(f"method: {name!r} keeps per-token state of its own ({type(state).__name__}); the vLLM "
                          f"adapter holds the importance ring or nothing per slot")
-    protection = Protection.prefix(prefix) if prefix else None
-    check_room(protection, [(budget, config.recent_for(budget), config.drop_for(budget))], name="protect_prefix")
     return PluginSettings(method, config, prefix)
 
 

@@ -284,10 +284,11 @@ class MemorySpec:
 
 
 def _choose(model, spec: MemorySpec, length: int, method: type[EvictionMethod], base: CacheSettings):
-    from scissorhands.core.memory_budget import choose
-    from scissorhands.hf.cache import memory_shape
+    from scissorhands.hf.cache import cache_plan
 
-    return choose(spec.value, memory_shape(model), length, method.resolve(base))
+    choice = cache_plan(model, base, method(), memory=spec.value, length=length).memory_choice
+    assert choice is not None
+    return choice
 
 
 def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], budgets: list, base: CacheSettings):
