@@ -153,3 +153,33 @@ def test_lm_eval_memory_argument_errors_are_one_line():
                             ({"memory": 0.2, "method": "full"}, "memory: method=full")):
         with pytest.raises(ValueError, match=f"^{message}"):
             ScissorhandsLM(model=(model, _Tokenizer()), **kwargs)
+
+
+@pytest.mark.parametrize("store_settings", [
+    dict(),                                             # dense
+    dict(kv_bits=8),                                    # packed
+    dict(kv_bits=4, kv_key_bits=8, kv_group_size=16),   # packed, wider keys, small groups
+    dict(kv_bits=2, kv_demote="8:0.3,4:0.6"),           # tiered: base plane, two pools
+    dict(kv_bits=4, kv_demote="16:0.25"),               # tiered: a dense pool
+], ids=["dense", "kv8", "k8v4g16", "tiered-8-4-2", "tiered-16-4"])
+@pytest.mark.parametrize("tokens", [40, 97])
+def test_each_stores_byte_model_is_what_it_allocates(store_settings, tokens):
+    """``KVStore.bytes_for`` (the pure byte model ``memory=`` plans with) equals the bytes a store of that kind
+    holds once sized to ``tokens`` slots, per KV head and row, for float32 and bfloat16 models."""
+    from scissorhands.core.config import ScissorhandsConfig
+    from scissorhands.core.memory_budget import Shape
+    from scissorhands.core.stores import STORES, make_store, store_name
+
+    config = ScissorhandsConfig(budget=tokens, recent=8, drop=2, kv_residual=0, **store_settings)
+    for dtype in (torch.float32, torch.bfloat16):
+        b, h, d = 2, 3, 32
+        store = make_store(config)
+        tiers = store.tiered()
+        if tiers is not None:  # as a layer does: the widths' pools are sized from the budget first
+            tiers.bind(tokens, config.recent_for(tokens), config.drop_for(tokens))
+        chunk = torch.zeros(b, h, 1, d, dtype=dtype)
+        store.allocate(chunk, chunk)
+        store.resize(tokens)
+        shape = Shape(layers=1, kv_heads=h, head_dim_k=d, head_dim_v=d, itemsize=chunk.element_size())
+        model = STORES[store_name(config)].bytes_for(config, shape, tokens)
+        assert model is not None and store.nbytes() == b * h * model, (store.nbytes(), b * h * model)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -78,12 +79,12 @@ def _store_name(name, value):
 
 
 def _prefill_name(name, value):
-    if value in PREFILL_MODES:
-        return value  # shipped, registered with the module (which imports torch: not needed to check these)
-    from .prefill import PREFILLS  # the registry fills as modes register; read it when checking (imports torch)
-
-    if not isinstance(value, str) or value not in PREFILLS:
-        raise ValueError(f"{name}: must be a registered prefill mode ({', '.join(PREFILLS)}), got {value!r}")
+    # A mode registers by importing core/prefill.py; until that module is imported only the shipped modes exist,
+    # so it is read where it already is and never imported from here (it imports torch and the layer).
+    prefill = sys.modules.get(f"{__package__}.prefill")
+    names = tuple(getattr(prefill, "PREFILLS", PREFILL_MODES))
+    if not isinstance(value, str) or value not in names:
+        raise ValueError(f"{name}: must be a registered prefill mode ({', '.join(names)}), got {value!r}")
     return value
 
 

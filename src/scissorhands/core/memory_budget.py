@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 
 from .config import CacheSettings, ScissorhandsConfig
-from .tiers import share_caps, tier_caps
+from .tiers import tier_caps
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -197,30 +197,18 @@ def peak_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) ->
 
 
 def store_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -> int:
-    """Peak bytes of the K/V store alone: elements (packed or not), scales and zero-points, the residual, and a
-    tiered store's pools and indices."""
-    from .stores.packed import packed_bytes_per_token_head, packed_width  # torch: imported on use
+    """Peak bytes of the K/V store alone, by the store's own byte model (``KVStore.bytes_for``: elements, packed
+    or not, scales and zero-points, a tiered store's pools and indices), plus the full-precision residual."""
+    from .stores import STORES, store_name  # torch: imported on use
 
-    tokens = config.budget
+    name = store_name(config)
+    per_head = STORES[name].bytes_for(config, shape, config.budget)
+    if per_head is None:
+        raise ValueError(f"kv_store: the store {name!r} declares no byte model (KVStore.bytes_for), so a memory "
+                         "target cannot be planned for it")
     dense = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
-    pools = 0
-    if config.kv_demote is not None:
-        # The tiered store: every slot's base plane and scales, each width's pool at its share (planes, or dense
-        # rows for 16 bits) with its occupancy map, and one pool index per slot and width.
-        chain = [b for b, _ in config.kv_demote] + [int(config.kv_bits or 16)]
-        caps = share_caps(config.kv_demote, tokens)
-        index = 2 if max(caps) < 2**15 else 4
-        for (bits, _), below, cap in zip(config.kv_demote, chain[1:], caps):
-            entry = dense if bits == 16 else \
-                packed_width(shape.head_dim_k, bits - below) + packed_width(shape.head_dim_v, bits - below)
-            pools += cap * (entry + 1) + tokens * index
-    if config.quantized:
-        kv = packed_bytes_per_token_head(shape.head_dim_k, shape.head_dim_v, int(config.kv_bits or 16),
-                                         config.kv_key_bits, config.kv_group_size)
-        residual = min(config.residual_for(config.budget, evicts), tokens) * dense
-    else:
-        kv, residual = dense, 0
-    return shape.layers * shape.kv_heads * (tokens * kv + residual + pools)
+    residual = min(config.residual_for(config.budget, evicts), config.budget) * dense  # 0 for a lossless store
+    return shape.layers * shape.kv_heads * (per_head + residual)
 
 
 def choose(memory, shape: Shape, length: int, base: CacheSettings,

@@ -1,7 +1,7 @@
 """The registered attention function that routes budgeted layers through their cache.
 
 It is registered with transformers' ``AttentionInterface`` under the name
-``"scissorhands"`` when :func:`enable` is called (never at import). For a
+``"scissorhands"`` when :class:`enable` is called (never at import). For a
 layer whose cache is a :class:`~scissorhands.hf.cache.ScissorhandsLayer`, the
 cache layer computes the attention itself, because eviction needs the
 probabilities of the new queries. Any other layer (sliding-window layers, or
@@ -86,13 +86,16 @@ class enable:
         self.model = model
         self.previous = model.config._attn_implementation
         if self.previous != ATTENTION_NAME:
-            logger.info("switching attention from %s to %s", self.previous, ATTENTION_NAME)
+            logger.debug("switching attention from %s to %s", self.previous, ATTENTION_NAME)
             model.set_attn_implementation(ATTENTION_NAME)
 
     def restore(self) -> None:
         """Put back the attention implementation the model had before this switch."""
         if self.model.config._attn_implementation != self.previous:
             self.model.set_attn_implementation(self.previous)
+
+    def __deepcopy__(self, memo):
+        return self  # a copied cache still belongs to the same model, and must not copy it
 
     def __enter__(self):
         return self.model

@@ -207,8 +207,8 @@ def memory_shape(model):
 def cache_plan(model, settings: CacheSettings, method: EvictionMethod | None = None, **options) -> CachePlan:
     """:func:`scissorhands.core.assembly.plan` for a transformers model (or its config): its budgeted layers and
     K/V shape filled in; ``options`` are the plan's (``protection``, ``protect_name``, ``memory``, ``length``)."""
-    return plan(settings, len(model_facts(model).full_layers), method or Scissorhands(), shape=memory_shape(model),
-                **options)
+    shape = memory_shape(model) if options.get("memory") is not None else None  # reads the weights' dtype
+    return plan(settings, len(model_facts(model).full_layers), method or Scissorhands(), shape=shape, **options)
 
 
 class ScissorhandsCache(Cache):
@@ -264,12 +264,14 @@ class ScissorhandsCache(Cache):
             raise ValueError(f"model: must be a transformers model or its config, got {type(model).__name__}")
         facts = model_facts(model)
         facts.check_supported()
-        if _plan is None:
-            _plan = plan(config, len(facts.full_layers), method or Scissorhands(), protection=protection)
-        config = _plan.config
-        if audit is not None and config.decode != "dynamic":
-            raise ValueError(f"decode: {config.decode!r} cannot tell an audit of each eviction without reading the "
+        method = method or Scissorhands()
+        decode = _plan.config.decode if _plan is not None else type(method).resolve(config).decode
+        if audit is not None and decode != "dynamic":
+            raise ValueError(f"decode: {decode!r} cannot tell an audit of each eviction without reading the "
                              "device; use decode='dynamic' with an audit")
+        if _plan is None:
+            _plan = plan(config, len(facts.full_layers), method, protection=protection)
+        config = _plan.config
         if hasattr(model, "set_attn_implementation"):
             self.attention = enable(model)
         self.method = _plan.method

@@ -618,21 +618,24 @@ def interrupt_in_finalizers() -> None:
     """Keep a Ctrl-C that lands inside an object's finalizer (``__del__``, where Python only prints it as
     "Exception ignored" with a traceback and carries on): deliver it again a millisecond later, outside the
     finalizer, so that it ends the run where any other Ctrl-C would, with the same one line (and a partial
-    result saved where the command saves one)."""
-    import signal
+    result saved where the command saves one). Installed once per process."""
     import threading
 
     previous = sys.unraisablehook
-
-    def again(signum, frame) -> None:
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        raise KeyboardInterrupt
+    if getattr(previous, "scissorhands", False):
+        return
 
     def hook(unraisable) -> None:
         if not isinstance(unraisable.exc_value, KeyboardInterrupt):
             previous(unraisable)
         elif hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
             # Any Python run here would raise it inside the hook and lose it again; a timer raises it later.
+            before = signal.getsignal(signal.SIGALRM)
+
+            def again(signum, frame) -> None:
+                signal.signal(signal.SIGALRM, before)
+                raise KeyboardInterrupt
+
             signal.signal(signal.SIGALRM, again)
             signal.setitimer(signal.ITIMER_REAL, 0.001)
         else:  # no timers, or a finalizer on another thread: end the run here, in the same one line
@@ -640,6 +643,7 @@ def interrupt_in_finalizers() -> None:
             sys.stderr.flush()
             os._exit(130)
 
+    hook.scissorhands = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
 
 

@@ -346,15 +346,16 @@ def _load_built(name: str):
     from torch.utils import cpp_extension
 
     try:
-        path = os.path.join(cpp_extension._get_build_directory(name, False), name + ".so")
-        if not os.path.isfile(path):
-            return None
+        folder = cpp_extension._get_build_directory(name, False)
+        path = os.path.join(folder, name + ".so")
+        if not os.path.isfile(path) or os.path.exists(os.path.join(folder, "lock")):
+            return None  # never built here, or being built now: torch's loader waits for it
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
             return None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except (AttributeError, ImportError, OSError):
+    except Exception:  # torch's private helper may change; then torch's own loader decides
         return None
     return module if hasattr(module, "decode") and hasattr(module, "prompt") else None
 

@@ -69,6 +69,14 @@ class KVStore(ABC):
         """The store for these :class:`~scissorhands.core.config.CacheSettings` (``key_center``: one layer's)."""
         return cls()
 
+    @classmethod
+    def bytes_for(cls, settings, shape, tokens: int) -> int | None:
+        """The store's byte model: bytes one KV head of one layer holds with ``tokens`` slots, for these
+        settings and a model of this ``shape`` (:class:`~scissorhands.core.memory_budget.Shape`), before any
+        residual. A pure function, checked against what the store allocates (tests/test_memory_budget.py);
+        ``memory=`` chooses budgets by it. None: this store declares none (``memory=`` then refuses it)."""
+        return None
+
     @property
     @abstractmethod
     def capacity(self) -> int: ...
@@ -147,6 +155,10 @@ class KVStore(ABC):
 
 class DenseKVStore(KVStore):
     """K and V in the model's dtype, each of shape (B, H_kv, capacity, D)."""
+
+    @classmethod
+    def bytes_for(cls, settings, shape, tokens: int) -> int:
+        return tokens * (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
 
     name = "dense"
 

@@ -344,3 +344,8 @@ class PackedKVStore(KVStore):
     @classmethod
     def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> PackedKVStore:
         return cls(settings.kv_bits, settings.kv_group_size, settings.kv_key_bits, settings.kv_tile, key_center)
+
+    @classmethod
+    def bytes_for(cls, settings, shape, tokens: int) -> int:
+        return tokens * packed_bytes_per_token_head(shape.head_dim_k, shape.head_dim_v, int(settings.kv_bits or 16),
+                                                    settings.kv_key_bits, settings.kv_group_size)

@@ -38,9 +38,18 @@ from __future__ import annotations
 
 import torch
 
-from ..tiers import check_tiers, parse_tiers, tier_caps
+from ..tiers import check_tiers, parse_tiers, share_caps, tier_caps
 from .base import KVStore, gather_rows
-from .packed import centred, check_key_center, group_for, pack, packed_width, quantize_codes, unpack
+from .packed import (
+    PackedKVStore,
+    centred,
+    check_key_center,
+    group_for,
+    pack,
+    packed_width,
+    quantize_codes,
+    unpack,
+)
 
 
 class _Pool:
@@ -372,3 +381,18 @@ class TieredKVStore(KVStore):
     @classmethod
     def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> TieredKVStore:
         return cls(settings.kv_bits, settings.kv_demote, settings.kv_group_size, settings.kv_tile, key_center)
+
+    @classmethod
+    def bytes_for(cls, settings, shape, tokens: int) -> int:
+        """Every slot's base plane with its scales, then each width's pool at its share (planes, or dense rows for
+        16 bits) with its occupancy map, and one pool index per slot and width."""
+        total = PackedKVStore.bytes_for(settings, shape, tokens)
+        dense = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
+        chain = [b for b, _ in settings.kv_demote] + [int(settings.kv_bits or 16)]
+        caps = share_caps(settings.kv_demote, tokens)
+        index = 2 if max(caps) < 2**15 else 4
+        for (bits, _), below, cap in zip(settings.kv_demote, chain[1:], caps):
+            entry = dense if bits == 16 else \
+                packed_width(shape.head_dim_k, bits - below) + packed_width(shape.head_dim_v, bits - below)
+            total += cap * (entry + 1) + tokens * index
+        return total
