@@ -23,6 +23,18 @@ HERE = Path(__file__).resolve().parent
 BLOCK = 32
 
 
+def pytest_sessionstart(session) -> None:
+    """Say which K/V layout vLLM's CPU kernel takes on this machine, for the bf16 test ("amx" with AMX, else
+    "vec"), at the top of the report (also under ``-q``)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa as isa
+
+    line = (f"vLLM CPU K/V layout on this machine: float32 {isa(torch.float32, BLOCK, 32)} | bf16 "
+            f"{isa(torch.bfloat16, BLOCK, 32)}")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
 def reference_python() -> str:
     exe = os.environ.get("SCISSORHANDS_REFERENCE_PYTHON")
     if not exe:
