@@ -99,8 +99,8 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
 
         if shape is None or length is None:
             raise ValueError("memory: needs the model's K/V shape and the sequence length to choose a budget")
-        choice = choose(memory, shape, length, type(method).resolve(settings))
-        config = type(method).resolve(choice.config)  # the method's own settings hold over the chosen store too
+        choice = choose(memory, shape, length, method.resolve(settings))
+        config = method.resolve(choice.config)  # the method's own settings hold over the chosen store too
     else:
         if not isinstance(settings, ScissorhandsConfig):
             raise ValueError(f"config: must be a ScissorhandsConfig (settings with a budget), got "

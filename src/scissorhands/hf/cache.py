@@ -204,6 +204,13 @@ def memory_shape(model):
                  getattr(config, "model_type", None))
 
 
+def choose_memory(model, settings: CacheSettings, method: EvictionMethod, memory, length: int) -> MemoryChoice:
+    """What a memory target chooses for this model and sequence length (the plan's choice, every check made)."""
+    choice = cache_plan(model, settings, method, memory=memory, length=length).memory_choice
+    assert choice is not None  # a plan for a memory target always holds its choice
+    return choice
+
+
 def cache_plan(model, settings: CacheSettings, method: EvictionMethod | None = None, **options) -> CachePlan:
     """:func:`scissorhands.core.assembly.plan` for a transformers model (or its config): its budgeted layers and
     K/V shape filled in; ``options`` are the plan's (``protection``, ``protect_name``, ``memory``, ``length``)."""
@@ -265,7 +272,7 @@ class ScissorhandsCache(Cache):
         facts = model_facts(model)
         facts.check_supported()
         method = method or Scissorhands()
-        decode = _plan.config.decode if _plan is not None else type(method).resolve(config).decode
+        decode = (_plan.config if _plan is not None else method.resolve(config)).decode
         if audit is not None and decode != "dynamic":
             raise ValueError(f"decode: {decode!r} cannot tell an audit of each eviction without reading the "
                              "device; use decode='dynamic' with an audit")
@@ -283,13 +290,12 @@ class ScissorhandsCache(Cache):
         guard = ModelGuard(facts)
         centers = {} if config.kv_key_centers is None else load_key_centers(config.kv_key_centers, facts)
         layers: list = []
-        budgeted = iter(range(len(_plan.layers)))
+        parts = iter(enumerate(_plan.layers))  # one per full-attention layer, in order
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
             if layer_type != FULL:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
                 continue
-            i = next(budgeted)
-            part = _plan.layers[i]
+            i, part = next(parts)
             layer = ScissorhandsLayer(part.budget, part.recent, part.drop, _plan.state(), self.method,
                                       config.query_tile, idx, sinks=config.sinks, merge=config.merge,
                                       prefill=_plan.prefill(i), protect=_plan.protection, decode=config.decode,

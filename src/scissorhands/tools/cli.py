@@ -406,11 +406,9 @@ def _run_generate(args, prompt, label_budget: str) -> int:
     prompt, n_system = _chat(args, tokenizer, prompt)
     length = len(tokenizer(prompt)["input_ids"]) + args.max_new_tokens
     if getattr(args, "memory", None) is not None:  # a byte budget: the store and tokens chosen for this model
-        from scissorhands.hf.cache import cache_plan
+        from scissorhands.hf.cache import choose_memory
 
-        choice = cache_plan(model, cache_settings(args), method(seed=args.seed), memory=args.memory,
-                            length=length).memory_choice
-        assert choice is not None
+        choice = choose_memory(model, cache_settings(args), method(seed=args.seed), args.memory, length)
         config = choice.config
         label_budget = f"{config.budget} tokens, chosen for --memory {args.memory}"
         print(f"[scissorhands] {choice.describe()}", file=sys.stderr)

@@ -326,10 +326,9 @@ class ScissorhandsLM(LM):
     def setup_for(self, length: int) -> ScoreSetup:
         """The scoring setup for one sequence of ``length`` tokens (the budget is resolved against it)."""
         if self.memory is not None:  # a byte budget: the store and tokens chosen for this length
-            from scissorhands.hf.cache import cache_plan
+            from scissorhands.hf.cache import choose_memory
 
-            choice = cache_plan(self._model, self.base, self.method(), memory=self.memory, length=length).memory_choice
-            assert choice is not None
+            choice = choose_memory(self._model, self.base, self.method(), self.memory, length)
             return ScoreSetup(self.method, choice.config.budget, choice.config.settings, self.seed)
         budget = None if self.budget_spec is None else resolve_budget(self.budget_spec, length, self.base.protected)
         return ScoreSetup(self.method, budget, self.base, self.seed)

@@ -156,11 +156,11 @@ class KVStore(ABC):
 class DenseKVStore(KVStore):
     """K and V in the model's dtype, each of shape (B, H_kv, capacity, D)."""
 
+    name = "dense"
+
     @classmethod
     def bytes_for(cls, settings, shape, tokens: int) -> int:
         return tokens * (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
-
-    name = "dense"
 
     def __init__(self):
         self.reset()

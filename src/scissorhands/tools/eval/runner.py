@@ -284,11 +284,9 @@ class MemorySpec:
 
 
 def _choose(model, spec: MemorySpec, length: int, method: type[EvictionMethod], base: CacheSettings):
-    from scissorhands.hf.cache import cache_plan
+    from scissorhands.hf.cache import choose_memory
 
-    choice = cache_plan(model, base, method(), memory=spec.value, length=length).memory_choice
-    assert choice is not None
-    return choice
+    return choose_memory(model, base, method(), spec.value, length)
 
 
 def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], budgets: list, base: CacheSettings):
