@@ -79,21 +79,28 @@ PLUGINS = {
 
 
 def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype = torch.float32, check=None,
-           fp8: str | None = None):
-    """Four requests through one layer as vLLM would step them; ``check(rid, step, layer, ...)`` after each step,
-    given the step's K/V as the cache holds them (``fp8``: a uint8 cache in that format, read back as float).
+           fp8: str | None = None, stack: int = 1, defer: bool = False):
+    """Four requests through ``stack`` layers as vLLM would step them; ``check(rid, step, layer, ...)`` after each
+    step for the first layer, given the step's K/V as the cache holds them (``fp8``: a uint8 cache in that format,
+    read back as float). Each layer has its own cache and inputs and the one block table. ``defer``: the layers'
+    rounds wait for the planner's ``after_step``, which runs them all at once (the engine's path).
 
-    Returns the layer and every step's outputs."""
+    Returns the first layer, every step's outputs (of every layer, stacked when ``stack > 1``) and the layers."""
     gen = torch.Generator().manual_seed(0)
     settings = parse(plugin)
     budget = settings.budget
     prompts = {"a": 30, "b": 9, "c": 21, "d": 17}  # "b" is shorter than the budget; "d" arrives later
     arrive = {"a": 0, "b": 0, "c": 0, "d": 5}
     steps = 26
-    layer = PagedLayer(settings, 0, HQ, HKV, D, SCALE, None, compiled=compiled, layout=layout, fp8=fp8,
-                       **dict(zip(("k_scale", "v_scale"), FP8_SCALES) if fp8 else ()))
+    layers = [PagedLayer(settings, i, HQ, HKV, D, SCALE, None, compiled=compiled, layout=layout, fp8=fp8,
+                         **dict(zip(("k_scale", "v_scale"), FP8_SCALES) if fp8 else ())) for i in range(stack)]
+    for layer in layers:
+        layer.defer_rounds = defer
     planner = Planner(settings)
-    blocks = Blocks(len(prompts), max(prompts.values()) + steps + 1, gen, layout, dtype, fp8)
+    caches = [Blocks(len(prompts), max(prompts.values()) + steps + 1, gen, layout, dtype, fp8) for _ in layers]
+    for other in caches[1:]:
+        other.table = caches[0].table  # one block table for every layer, as in vLLM
+    blocks = caches[0]
     rows = {rid: i for i, rid in enumerate(prompts)}  # the block-table row of each request
     seen = dict.fromkeys(prompts, 0)
     outputs = []
@@ -101,32 +108,41 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
         running = [rid for rid in prompts if arrive[rid] <= step]
         chunks = {rid: (prompts[rid] if seen[rid] == 0 else 1) for rid in running}
         t = sum(chunks.values())
-        q, k, v = (torch.randn(t, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV))
         slots = torch.cat([blocks.slots(rows[rid], torch.arange(seen[rid], seen[rid] + chunks[rid]))
                            for rid in running])
-        blocks.write(slots, k, v)  # vLLM's cache update, before the layer runs
-        held = (k, v) if not fp8 else tuple(kernels.dequantize(kernels.quantize(x, fp8, sc), fp8, sc)
-                                            for x, sc in zip((k, v), FP8_SCALES))
         starts = torch.tensor([0] + [chunks[rid] for rid in running]).cumsum(0).to(torch.int32)
         seq_lens = torch.tensor([seen[rid] + chunks[rid] for rid in running], dtype=torch.int32)
-        out = torch.full((t, HQ, D), float("nan"), dtype=dtype)  # the layer writes every row
         table = blocks.table[[rows[r] for r in running]]
         plan = planner.for_step(step, running, starts, seq_lens, table, slots, N)
         assert planner.for_step(step, running, starts, seq_lens, table, slots, N) is plan  # one plan per step
-        layer.step(plan, q, k, v, blocks.cache, out)
-        outputs.append(out)
+        outs, inputs = [], []
+        for layer, cache in zip(layers, caches):
+            q, k, v = (torch.randn(t, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV))
+            cache.write(slots, k, v)  # vLLM's cache update, before the layer runs
+            out = torch.full((t, HQ, D), float("nan"), dtype=dtype)  # the layer writes every row
+            layer.step(plan, q, k, v, cache.cache, out)
+            outs.append(out)
+            inputs.append((q, k, v))
+        planner.after_step(step, layers)
+        outputs.append(outs[0] if stack == 1 else torch.stack(outs))
+        q, k, v = inputs[0]
+        held = (k, v) if not fp8 else tuple(kernels.dequantize(kernels.quantize(x, fp8, sc), fp8, sc)
+                                            for x, sc in zip((k, v), FP8_SCALES))
         for i, rid in enumerate(running):
             a, b = int(starts[i]), int(starts[i + 1])
-            assert not torch.isnan(out[a:b]).any(), f"{rid} step {step}: a row left unwritten, or a freed block read"
+            for out in outs:
+                assert not torch.isnan(out[a:b]).any(), f"{rid} step {step}: a row left unwritten, or a freed block read"
             if check is not None:
-                check(rid, step, layer, blocks, rows[rid], seen[rid], q[a:b], held[0][a:b], held[1][a:b], out[a:b])
+                check(rid, step, layers[0], blocks, rows[rid], seen[rid], q[a:b], held[0][a:b], held[1][a:b],
+                      outs[0][a:b])
             seen[rid] += b - a
-            mine = layer.stored_positions(blocks.table[rows[rid]], seen[rid])
-            assert mine.shape[-1] <= budget
+            for layer in layers:
+                assert layer.stored_positions(blocks.table[rows[rid]], seen[rid]).shape[-1] <= budget
         for rid in running:
-            blocks.free_behind(rows[rid], seen[rid] - 1, budget)
-    assert layer.rounds > 0
-    return layer, outputs
+            for cache in caches:
+                cache.free_behind(rows[rid], seen[rid] - 1, budget)
+    assert all(layer.rounds > 0 for layer in layers)
+    return layers[0], outputs, layers
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["operator", "reference"])
@@ -154,7 +170,7 @@ def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, 
         mine = layer.stored_positions(blocks.table[row], seen + q.shape[0]).tolist()
         assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
 
-    layer, _ = _serve(PLUGINS[name], compiled, check=check)
+    layer, _, _ = _serve(PLUGINS[name], compiled, check=check)
     assert (layer.prompts_fused > 0) == compiled  # the operator's run attends long prompts the fused way
 
 
@@ -170,8 +186,8 @@ def test_vllm_amx_layout_serves_what_the_vec_layout_serves(name):
             kept[layout, rid, step] = layer.stored_positions(blocks.table[row], seen + q.shape[0]).tolist()
         return record
 
-    _, vec = _serve(PLUGINS[name], True, "vec", torch.bfloat16, check("vec"))
-    layer, amx = _serve(PLUGINS[name], True, "amx", torch.bfloat16, check("amx"))
+    _, vec, _ = _serve(PLUGINS[name], True, "vec", torch.bfloat16, check("vec"))
+    layer, amx, _ = _serve(PLUGINS[name], True, "amx", torch.bfloat16, check("amx"))
     for a, b in zip(vec, amx):
         torch.testing.assert_close(b.float(), a.float(), atol=1e-2, rtol=1e-2)  # bf16 outputs: one ulp apart
     assert [v for (lay, *_), v in kept.items() if lay == "amx"] == [v for (lay, *_), v in kept.items() if lay == "vec"]
@@ -197,7 +213,7 @@ def test_vllms_fp8_cache_keeps_what_the_core_keeps_on_the_8_bit_values(name, fp8
         mine = layer.stored_positions(blocks.table[row], seen + q.shape[0]).tolist()
         assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
 
-    layer, _ = _serve(PLUGINS[name], True, check=check, fp8=fp8)
+    layer, _, _ = _serve(PLUGINS[name], True, check=check, fp8=fp8)
     assert layer.prompts_fused > 0
 
 
@@ -297,3 +313,29 @@ def test_a_built_operator_is_loaded_where_it_lies_not_built_again():
     loaded = kernels._load_built(name)
     assert loaded is not None and loaded.__file__ == kernels._OPS["ops"].__file__
     assert kernels._load_built("scissorhands_paged_never_built") is None
+
+
+STACKED = {**PLUGINS, "random": {"budget": 12, "method": "random", "drop": 3},
+           "value-weighted": {"budget": 12, "value_weighted": True, "drop": 3}}
+
+
+@pytest.mark.parametrize("layout,dtype", [("vec", torch.float32), ("amx", torch.bfloat16)])
+@pytest.mark.parametrize("name", list(STACKED))
+def test_every_layers_rounds_at_once_equal_each_layers_own(name, layout, dtype):
+    """The engine's path runs a step's rounds for all layers in one batch after the forward (``Planner.after_step``
+    over positions and importance stacked across layers); each layer rounding alone inside its own step is the
+    reference. Three layers with their own caches and inputs: every step's outputs, every layer's kept positions,
+    importance and K/V must be equal, bit for bit (the batch reorders no float sum). "random" scores by layer
+    index, so it takes the per-layer scoring branch; "value-weighted" reads each layer's own values."""
+    _, alone, layers_alone = _serve(STACKED[name], True, layout, dtype, stack=3)
+    _, batch, layers_batch = _serve(STACKED[name], True, layout, dtype, stack=3, defer=True)
+    for a, b in zip(alone, batch):
+        assert torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0))
+    for one, other in zip(layers_alone, layers_batch):
+        assert one.rounds == other.rounds > 0
+        assert torch.equal(one.pos, other.pos)
+        assert (one.acc is None) == (other.acc is None)
+        if one.acc is not None:
+            assert torch.equal(one.acc, other.acc)
+        assert torch.equal(one.kv_cache.view(torch.uint8), other.kv_cache.view(torch.uint8))  # NaN-poisoned blocks too
+    assert layers_batch[0].pos._base is layers_batch[1].pos._base is not None  # the batch ran on the stacked tensors

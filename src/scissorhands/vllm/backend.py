@@ -61,6 +61,7 @@ class ScissorhandsImpl(CPUAttentionBackendImpl):
                                     layout=isa, fp8=self.kv_cache_dtype if self.kv_cache_dtype in kernels.FP8 else None,
                                     k_scale=getattr(layer, "_k_scale_float", 1.0),
                                     v_scale=getattr(layer, "_v_scale_float", 1.0))
+            self.paged.defer_rounds = True  # the worker runs every layer's rounds after the forward
             worker.LAYERS.append(self.paged)
             if "planner" not in worker.PLANNER:
                 worker.PLANNER["planner"] = Planner(self.settings)

@@ -145,12 +145,49 @@ class Planner:
         self.where: dict[str, tuple[torch.Tensor, int]] = {}
         self.restarts = 0  # sequences begun again (a preempted request is recomputed from its first token)
         self._cached: tuple | None = None
+        self._stack: tuple | None = None  # (the layers, their positions stacked, their importance stacked)
 
     def release(self, request_ids) -> None:
         """Finished (or aborted) requests."""
         for rid in request_ids:
             self.start.pop(rid, None)
             self.where.pop(rid, None)
+
+    def after_step(self, step_id, layers: list[PagedLayer]) -> None:
+        """Step ``step_id``'s rounds for every layer that deferred them, as one batch (the engine calls this once its
+        forward is done; a layer's round touches only its own state, so when it runs within the step changes
+        nothing). The layers' positions and importance move into one tensor each the first time, so that the
+        batch is a few operations on all of them, not a few dozen per layer."""
+        plan = self.cached(step_id)
+        waiting = [layer for layer in layers if layer.defer_rounds and layer.kv_cache is not None]
+        if plan is None or plan.round_window is None or plan.round_seen is None or not waiting:
+            return
+        stacked = self._stacked(waiting)
+        if stacked is None:  # layers of unlike shapes: each alone
+            for layer in waiting:
+                layer._round(plan.round_window, plan.round_seen, layer.kv_cache, layer.block)
+            return
+        round_layers(waiting, stacked[0], stacked[1], [layer.kv_cache for layer in waiting], plan.round_window,
+                     plan.round_seen, waiting[0].block)
+
+    def _stacked(self, layers: list[PagedLayer]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The layers' positions (L, slots, H_kv) and importance (L, NB, num_blocks, H_kv, N) as one tensor each,
+        the layers' own now views of them; None if their shapes differ."""
+        if self._stack is not None and self._stack[0] == [id(layer) for layer in layers]:
+            return self._stack[1], self._stack[2]
+        pos = [layer.pos for layer in layers]
+        accs = [layer.acc for layer in layers]
+        shapes = {None if p is None else p.shape for p in pos}, {None if a is None else a.shape for a in accs}
+        if len(shapes[0]) != 1 or None in shapes[0] or len(shapes[1]) != 1 or len({x.block for x in layers}) != 1:
+            return None
+        pos_all = torch.stack(pos)  # type: ignore[arg-type]
+        acc_all = None if accs[0] is None else torch.stack(accs)  # type: ignore[arg-type]
+        for i, layer in enumerate(layers):
+            layer.pos = pos_all[i]
+            if acc_all is not None:
+                layer.acc = acc_all[i]
+        self._stack = ([id(layer) for layer in layers], pos_all, acc_all)
+        return pos_all, acc_all
 
     def cached(self, step_id) -> StepPlan | None:
         """The plan of step ``step_id`` if a layer has made it already."""
@@ -277,6 +314,9 @@ class PagedLayer:
         self.pos: torch.Tensor | None = None  # (num_blocks * N, H_kv) int32: each slot's token position
         self.rounds = 0
         self.block = 0  # vLLM's block size, known at the first step
+        self.kv_cache: torch.Tensor | None = None  # vLLM's cache of this layer, known at the first step
+        #: The engine's path: a step's rounds wait for :meth:`Planner.after_step`, which runs every layer's at once.
+        self.defer_rounds = False
 
     def _budgeted(self, store, prefill=None, rounds: bool = False) -> BudgetedKV:
         """A one-row core layer at these settings (a prompt's, or the transformers cache's in tests)."""
@@ -308,6 +348,7 @@ class PagedLayer:
             self._allocate(kv_cache)
         assert self.pos is not None
         block = self.block = kv_cache.shape[2]
+        self.kv_cache = kv_cache
         for i, a, b in plan.prefills:
             self._prefill(plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block, output[a:b])
         if plan.dec_tok is not None and plan.dec_last is not None:
@@ -318,7 +359,7 @@ class PagedLayer:
                         plan.dec_restart, self.acc, ctx, self.budget, self.scale, self.softcap, count, self.layout,
                         self.fp8, self.k_scale, self.v_scale)
             output.index_copy_(0, plan.dec_tok, ctx.to(output.dtype))
-        if plan.round_window is not None and plan.round_seen is not None:
+        if plan.round_window is not None and plan.round_seen is not None and not self.defer_rounds:
             self._round(plan.round_window, plan.round_seen, kv_cache, block)
 
     def _prefill(self, table_row, q, k, v, kv_cache, block: int, out) -> None:
@@ -395,53 +436,8 @@ class PagedLayer:
     def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int) -> None:
         """Each rounding row picks ``drop`` victims per KV head and swaps them into its window's leaving slots."""
         assert self.pos is not None
-        rr, b_ = window.shape
-        m, h = self.drop, self.kv_heads
-        pos = self.pos[window].permute(0, 2, 1).long()  # (Rr, H_kv, B) each logical slot's token position
-        order = pos.argsort(dim=-1)  # position order: the core's stored order
-        positions = pos.gather(-1, order)
-        blk, off = window // block, window % block  # (Rr, B)
-        state = None
-        if self.acc is not None:
-            assert self.importance is not None
-            state = ImportanceState(self.importance.form, self.importance.bucket_steps, self.importance.n_buckets,
-                                    self.importance.value_weighted)
-            acc = self.acc[:, blk, :, off].permute(2, 0, 3, 1)  # (Rr, B, NB, H_kv) -> (NB, Rr, H_kv, B)
-            state.acc = acc.gather(-1, order[None].expand_as(acc))
-            state._allocated = True
-
-        def read(length: int):
-            heads = torch.arange(h)[None, :, None]
-            slots = window[:, None, :].expand(rr, h, b_).gather(-1, order)
-            return self._read(kv_cache, slots // block, heads, slots % block)
-
-        view = LayerView(self.layer_idx, b_, self.rounds, state, _Slots(positions, seen), read)  # type: ignore[arg-type]
-        scores = self.method.score(view)  # (Rr, H_kv, B)
-        shield = None
-        for part in self.shields:
-            mask = part.mask(positions)
-            shield = mask if shield is None else shield | mask
-        full = torch.full((rr,), b_, dtype=torch.long)
-        victims = lowest(scores, full, self.recent, torch.full((rr,), m, dtype=torch.long), shield)
-        chosen = torch.sort((~victims).to(torch.uint8), dim=-1, stable=True).indices[..., :m]  # oldest first
-        vlog = order.gather(-1, chosen)  # (Rr, H_kv, m): the victims' logical slots
-        idx = torch.arange(b_)
-        isv = torch.zeros(rr, h, b_, dtype=torch.bool).scatter_(-1, vlog, True)
-        displaced = ~isv & (idx < m)  # kept tokens in the leaving slots
-        free = isv & (idx >= m)  # victims' slots outside them
-        d_list = torch.sort(torch.where(displaced, idx, b_ + idx), dim=-1).indices[..., :m]
-        f_list = torch.sort(torch.where(free, idx, b_ + idx), dim=-1).indices[..., :m]
-        valid = torch.arange(m) < displaced.sum(-1, keepdim=True)
-        dst = torch.cat([idx[:m].expand(rr, h, m), torch.where(valid, f_list, 0)], dim=-1)  # (Rr, H_kv, 2m)
-        src = torch.cat([vlog, torch.where(valid, d_list, vlog[..., :1])], dim=-1)  # padding repeats pair 0
-        wide = window[:, None, :].expand(rr, h, b_)
-        pd, ps = wide.gather(-1, dst), wide.gather(-1, src)
-        heads = torch.arange(h)[None, :, None].expand_as(pd)
-        copy_slots(kv_cache, self.layout, ps, pd, heads, block)
-        self.pos[pd, heads] = self.pos[ps, heads]
-        if self.acc is not None:
-            self.acc[:, pd // block, heads, pd % block] = self.acc[:, ps // block, heads, ps % block]
-        self.rounds += 1
+        round_layers([self], self.pos[None], None if self.acc is None else self.acc[None], [kv_cache], window, seen,
+                     block)
 
     def _read(self, kv_cache, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the slots as the model sees them: float32 from fp8 bytes, else in the cache's dtype."""
@@ -461,3 +457,93 @@ class PagedLayer:
     def _phys(table_row: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
         """Physical slots of logical ``positions`` (any shape) through one request's block table."""
         return table_row.long()[positions // block] * block + positions % block
+
+
+def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,
+                 window: torch.Tensor, seen: torch.Tensor, block: int) -> None:
+    """One step's rounds for several layers at once: each rounding row of each layer picks ``drop`` victims per KV
+    head and swaps them into its window's leaving slots.
+
+    ``pos`` (L, slots, H_kv) and ``acc`` (L, NB, num_blocks, H_kv, N) hold the layers' positions and importance
+    stacked (each layer's own tensors are views of them), ``kv_caches`` their caches, ``window`` (Rr, B) the
+    rounding rows' physical slots oldest first (one block table serves every layer), ``seen`` (Rr,) their lengths.
+    The layers' rows are scored, selected and moved as one batch of ``L * Rr`` rows: what a layer's round gives
+    alone, for a method whose scores read no layer index (``EvictionMethod.stackable``); other methods score each
+    layer on its own view, and only the selection and the moves are batched.
+    """
+    first = layers[0]
+    nl, (rr, b_) = len(layers), window.shape
+    m, h = first.drop, first.kv_heads
+    pos_w = pos[:, window].permute(0, 1, 3, 2).reshape(nl * rr, h, b_).long()  # (L*Rr, H_kv, B) by logical slot
+    order = pos_w.argsort(dim=-1)  # position order: the core's stored order
+    positions = pos_w.gather(-1, order)
+    seen_all = seen.repeat(nl)
+    blk, off = window // block, window % block  # (Rr, B)
+    state_acc = None
+    if acc is not None:
+        nbk = acc.shape[1]
+        gathered = acc.permute(0, 2, 4, 3, 1)[:, blk, off]  # (L, Rr, B, H_kv, NB)
+        gathered = gathered.permute(4, 0, 1, 3, 2).reshape(nbk, nl * rr, h, b_)
+        state_acc = gathered.gather(-1, order[None].expand_as(gathered))
+
+    def view(rows: slice, group: list[int]) -> LayerView:
+        """The method's view of the rows of the layers ``group`` (indices into ``layers``), stacked in that order."""
+        layer = layers[group[0]]
+        state = None
+        if state_acc is not None:
+            assert layer.importance is not None
+            imp = layer.importance
+            state = ImportanceState(imp.form, imp.bucket_steps, imp.n_buckets, imp.value_weighted)
+            state.acc = state_acc[:, rows]
+            state._allocated = True
+
+        def read(length: int):
+            heads = torch.arange(h)[None, :, None]
+            slots = window[:, None, :].expand(rr, h, b_)
+            ks, vs = [], []
+            for i in group:
+                mine = slots.gather(-1, order[i * rr:(i + 1) * rr])
+                k, v = layers[i]._read(kv_caches[i], mine // block, heads, mine % block)
+                ks.append(k)
+                vs.append(v)
+            return torch.cat(ks), torch.cat(vs)
+
+        table = _Slots(positions[rows], seen_all[rows])
+        return LayerView(layer.layer_idx, b_, layer.rounds, state, table, read)  # type: ignore[arg-type]
+
+    if nl == 1 or type(first.method).stackable:
+        scores = first.method.score(view(slice(None), list(range(nl))))  # (L*Rr, H_kv, B)
+    else:
+        scores = torch.cat([layer.method.score(view(slice(i * rr, (i + 1) * rr), [i]))
+                            for i, layer in enumerate(layers)])
+    shield = None
+    for part in first.shields:
+        mask = part.mask(positions)
+        shield = mask if shield is None else shield | mask
+    n_rows = nl * rr
+    full = torch.full((n_rows,), b_, dtype=torch.long)
+    victims = lowest(scores, full, first.recent, torch.full((n_rows,), m, dtype=torch.long), shield)
+    chosen = torch.sort((~victims).to(torch.uint8), dim=-1, stable=True).indices[..., :m]  # oldest first
+    vlog = order.gather(-1, chosen)  # (L*Rr, H_kv, m): the victims' logical slots
+    idx = torch.arange(b_)
+    isv = torch.zeros(n_rows, h, b_, dtype=torch.bool).scatter_(-1, vlog, True)
+    displaced = ~isv & (idx < m)  # kept tokens in the leaving slots
+    free = isv & (idx >= m)  # victims' slots outside them
+    d_list = torch.sort(torch.where(displaced, idx, b_ + idx), dim=-1).indices[..., :m]
+    f_list = torch.sort(torch.where(free, idx, b_ + idx), dim=-1).indices[..., :m]
+    valid = torch.arange(m) < displaced.sum(-1, keepdim=True)
+    dst = torch.cat([idx[:m].expand(n_rows, h, m), torch.where(valid, f_list, 0)], dim=-1)  # (L*Rr, H_kv, 2m)
+    src = torch.cat([vlog, torch.where(valid, d_list, vlog[..., :1])], dim=-1)  # padding repeats pair 0
+    wide = window.repeat(nl, 1)[:, None, :].expand(n_rows, h, b_)
+    pd = wide.gather(-1, dst).view(nl, rr, h, 2 * m)
+    ps = wide.gather(-1, src).view(nl, rr, h, 2 * m)
+    heads = torch.arange(h)[None, None, :, None].expand_as(pd)
+    lay = torch.arange(nl)[:, None, None, None].expand_as(pd)
+    for i, layer in enumerate(layers):
+        copy_slots(kv_caches[i], layer.layout, ps[i], pd[i], heads[i], block)
+    pos[lay, pd, heads] = pos[lay, ps, heads]
+    if acc is not None:
+        moved = acc.permute(0, 2, 4, 3, 1)  # (L, num_blocks, N, H_kv, NB), a view
+        moved[lay, pd // block, pd % block, heads] = moved[lay, ps // block, ps % block, heads]
+    for layer in layers:
+        layer.rounds += 1

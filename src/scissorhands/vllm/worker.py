@@ -2,8 +2,9 @@
 
 vLLM's attention metadata carries no request ids; the plugin's worker (a
 ``CPUWorker`` whose only change is to publish them) records the model runner,
-numbers the steps (every budgeted layer reuses its step's one plan), and hands
-finished requests to the planner.
+numbers the steps (every budgeted layer reuses its step's one plan), hands
+finished requests to the planner, and runs the step's rounds for every layer at
+once when the model's forward is done.
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ class ScissorhandsWorker(CPUWorker):
         if "planner" in PLANNER:
             PLANNER["planner"].release(finished)
         try:
-            return super().execute_model(scheduler_output)
+            output = super().execute_model(scheduler_output)
+            if "planner" in PLANNER:  # the forward is done: every layer's rounds of this step, at once
+                PLANNER["planner"].after_step(_STEP["id"], LAYERS)
+            return output
         finally:
             _STEP.pop("runner", None)
 

@@ -98,6 +98,10 @@ class EvictionMethod:
         unbounded window); they override the shared :class:`CacheSettings`.
     is_full : bool
         True only for the full cache, which evicts nothing.
+    stackable : bool
+        True when :meth:`score` treats each row alone and reads neither ``layer_idx`` nor ``compressions``, so the
+        views of several layers stacked along the rows score as each layer alone would: the vLLM plugin then
+        scores every layer's round of a step in one call. False (the safe default): one call per layer.
 
     Parameters
     ----------
@@ -109,6 +113,7 @@ class EvictionMethod:
     description: ClassVar[str] = ""
     settings: ClassVar[dict[str, object]] = {}
     is_full: ClassVar[bool] = False
+    stackable: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0):
         self.seed = seed

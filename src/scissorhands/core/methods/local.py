@@ -11,6 +11,7 @@ from .registry import register
 @register
 class Local(EvictionMethod):
     name = "local"
+    stackable = True  # rows alone, no layer index
     description = "the most recent tokens only"
 
     def score(self, view: LayerView) -> torch.Tensor:

@@ -13,6 +13,7 @@ from .registry import register
 @register
 class Scissorhands(EvictionMethod):
     name = "scissorhands"
+    stackable = True  # rows alone, no layer index
     description = ("attention over the last w steps, in the configured importance form "
                    "(default: summed probabilities)")
 

@@ -11,6 +11,7 @@ from .registry import register
 @register
 class Streaming(EvictionMethod):
     name = "streaming"
+    stackable = True  # rows alone, no layer index
     description = "StreamingLLM: 4 attention-sink tokens + the most recent tokens"
     sinks = 4
 
