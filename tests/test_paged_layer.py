@@ -131,7 +131,8 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
         for i, rid in enumerate(running):
             a, b = int(starts[i]), int(starts[i + 1])
             for out in outs:
-                assert not torch.isnan(out[a:b]).any(), f"{rid} step {step}: a row left unwritten, or a freed block read"
+                assert not torch.isnan(out[a:b]).any(), \
+                    f"{rid} step {step}: a row left unwritten, or a freed block read"
             if check is not None:
                 check(rid, step, layers[0], blocks, rows[rid], seen[rid], q[a:b], held[0][a:b], held[1][a:b],
                       outs[0][a:b])
