@@ -20,6 +20,7 @@ from scissorhands import EvictionMethod, LayerView, ScissorhandsCache, Scissorha
 from scissorhands.core.importance import ImportanceState
 from scissorhands.core.methods import METHODS, unregister
 from scissorhands.core.prefill import PREFILLS, Prefill, Streamed, register_prefill, unregister_prefill
+from scissorhands.core.static import DECODES, StaticDecode, register_decode, unregister_decode
 from scissorhands.core.stores import DenseKVStore, KVStore, register_store, unregister_store
 from test_scoring import BASE as SCORING_BASE
 from test_scoring import assert_scorer_equals_decoding
@@ -316,3 +317,48 @@ def test_a_new_prefill_mode_is_one_class_registered_from_outside(coarse, tmp_pat
     with pytest.raises(ValueError, match="^prefill: must be a registered prefill mode .*'test-coarse'"):
         ScissorhandsConfig(budget=budget, prefill="test-coarse")
     assert issubclass(Coarse, Prefill)
+
+
+class Counted(StaticDecode):
+    """A decode mode of this file's own: the shipped static step, counting the steps it takes."""
+
+    name = "test-counted"
+    steps = 0
+
+    def step(self, query, key, value, scaling, softcap):
+        type(self).steps += 1
+        return super().step(query, key, value, scaling, softcap)
+
+
+def test_a_new_decode_mode_is_one_class_registered_from_outside():
+    """Defined and registered in this file only: ``decode="test-counted"`` gives every layer its step, which takes
+    every decode step and keeps what the shipped static step keeps (equal tokens, equal kept positions); an
+    unknown name is a one-line error naming ``decode``, as is the mode once unregistered."""
+    register_decode(Counted)
+    try:
+        assert DECODES["test-counted"] is Counted
+        model = tiny_model("llama", torch.float32)
+        ids = torch.randint(3, 200, (2, 30), generator=torch.Generator().manual_seed(4))
+        new = 8
+
+        def run(decode):
+            cache = ScissorhandsCache(model, ScissorhandsConfig(budget=16, recent=2, drop=2, decode=decode))
+            with torch.no_grad():
+                out = model.generate(ids, cache=cache, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            return out, cache
+
+        Counted.steps = 0
+        mine, cache = run("test-counted")
+        shipped, reference = run("static")
+        assert all(isinstance(layer.kv.static, Counted) for layer in cache.budgeted_layers)
+        assert Counted.steps == (new - 1) * len(cache.budgeted_layers)  # every decode step of every layer
+        assert torch.equal(mine, shipped)
+        for a, b in zip(cache.budgeted_layers, reference.budgeted_layers):
+            for row in range(2):
+                assert torch.equal(a.stored_positions(row), b.stored_positions(row))
+        with pytest.raises(ValueError, match="^decode: must be a registered decode mode .*'no-such-mode'"):
+            ScissorhandsConfig(budget=16, decode="no-such-mode")
+    finally:
+        unregister_decode(Counted.name)
+    with pytest.raises(ValueError, match="^decode: must be a registered decode mode .*'test-counted'"):
+        ScissorhandsConfig(budget=16, decode="test-counted")

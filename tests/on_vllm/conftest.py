@@ -100,13 +100,19 @@ class Engine:
         gc.collect()
 
 
-def kept_now() -> dict[str, list]:
-    """Per live request: per budgeted layer, the positions each KV head stores (sorted)."""
-    from scissorhands.vllm import worker
+def plugin_state(llm):
+    """The plugin's state in an in-process engine's worker (``scissorhands.vllm.worker.EngineState``)."""
+    state = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.scissorhands
+    assert state is not None, "the engine runs without the plugin"
+    return state
 
+
+def kept_now(engine: Engine) -> dict[str, list]:
+    """Per live request: per budgeted layer, the positions each KV head stores (sorted)."""
+    state = plugin_state(engine.llm)
     out: dict[str, list] = {}
-    planner = worker.PLANNER["planner"]
-    for layer in worker.LAYERS:
+    planner = state.planner
+    for layer in state.layers:
         for rid, (table_row, seen) in planner.where.items():
             # The engine's own request ids are the caller's with a suffix ("0-ae8a9492").
             out.setdefault(rid.rsplit("-", 1)[0], []).append(layer.stored_positions(table_row, seen).tolist())

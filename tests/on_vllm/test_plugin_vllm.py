@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BLOCK, Engine, kept_now, prompts, reference
+from conftest import BLOCK, Engine, kept_now, plugin_state, prompts, reference
 
 LENGTHS = (100, 61, 140)  # prompts longer than the budget, of different lengths, batched together
 NEW = 24
@@ -25,7 +25,7 @@ def _compare(folder, plugin, tmp_path, lengths=LENGTHS, new=NEW, **engine_args):
     try:
         token_prompts = prompts(*lengths)
         got = engine.generate(token_prompts, new)
-        kept = kept_now()
+        kept = kept_now(engine)
     finally:
         engine.close()
     want = reference(folder, plugin, token_prompts, [g["tokens"] for g in got], tmp_path)
@@ -77,16 +77,14 @@ def test_a_budget_that_covers_the_sequence_changes_nothing(tiny_folder):
 def _full_window_and_eviction(folder, read, **engine_args):
     """vLLM alone, the plugin with a budget that covers the sequence, and the plugin at budget 48 (recent 4), on
     the same prompts: each run's outputs, what ``read(layer)`` gives over the plugin's layers, the last kept."""
-    from scissorhands.vllm import worker
-
     runs, seen, kept = [], set(), {}
     for plugin in (None, {"budget": 400}, {"budget": 48, "recent": 4}):
         engine = Engine(folder, plugin, **engine_args)
         try:
             runs.append(engine.generate(prompts(*LENGTHS), NEW))
             if plugin is not None:
-                seen |= {read(layer) for layer in worker.LAYERS}
-                kept = kept_now()
+                seen |= {read(layer) for layer in plugin_state(engine.llm).layers}
+                kept = kept_now(engine)
         finally:
             engine.close()
     return runs, seen, kept
@@ -175,8 +173,6 @@ def test_blocks_go_back_to_the_pool_and_every_layer_holds_its_budget(tiny_folder
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from scissorhands.vllm import worker
-
     held = {}
     for plugin in (None, {"budget": 64}):
         engine = Engine(tiny_folder, plugin, num_gpu_blocks_override=200)
@@ -189,9 +185,10 @@ def test_blocks_go_back_to_the_pool_and_every_layer_holds_its_budget(tiny_folder
                 engine.llm.llm_engine.step()
             held[plugin is None] = total - engine.free_blocks()
             if plugin is not None:
-                planner = worker.PLANNER["planner"]
+                state = plugin_state(engine.llm)
+                planner = state.planner
                 assert len(planner.where) == 3
-                for layer in worker.LAYERS:
+                for layer in state.layers:
                     for table_row, seen in planner.where.values():
                         assert layer.stored_positions(table_row, seen).shape[-1] <= 64
         finally:
@@ -213,8 +210,6 @@ def test_preemption_starts_the_sequence_again(tiny_folder):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from scissorhands.vllm import worker
-
     plugin = {"budget": 48, "recent": 4}
     token_prompts = prompts(*LENGTHS)
     engine = Engine(tiny_folder, plugin)
@@ -233,7 +228,7 @@ def test_preemption_starts_the_sequence_again(tiny_folder):
                 victim = scheduler.running.pop(0)
                 had = len(victim.output_token_ids)
                 scheduler._preempt_request(victim, time.monotonic())  # frees its blocks, back to waiting
-        restarts = [worker.PLANNER["planner"].restarts]
+        restarts = [plugin_state(engine.llm).planner.restarts]
     finally:
         engine.close()
     assert restarts and all(r == 1 for r in restarts) and had is not None and 0 < had < NEW
@@ -315,6 +310,7 @@ def test_lm_evals_own_vllm_model_type_scores_a_task_under_eviction(monkeypatch):
 
     import lm_eval
     import vllm._custom_ops  # noqa: F401  vLLM picks its platform and kernels first, by its own name
+    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
     # lm-eval's vllm module reads the version of the distribution "vllm" when imported; the CPU build's
@@ -326,23 +322,24 @@ def test_lm_evals_own_vllm_model_type_scores_a_task_under_eviction(monkeypatch):
 
     from conftest import reference_python
     from scissorhands.tools.lm_eval_help import shipped_tasks_folder
-    from scissorhands.vllm import worker
     from scissorhands.vllm.settings import parse
 
     folder = subprocess.run([reference_python(), "-c", "from scissorhands.tools.models import cache_dir, load_model; "
                              "load_model('smollm2-135m'); print(cache_dir() / 'smollm2-135m-instruct')"],
                             capture_output=True, text=True, check=True, timeout=600).stdout.strip().splitlines()[-1]
     plugin = {"budget": 48, "method": "h2o", "recent": 8}
+    # lm-eval's model type "vllm" built from these arguments as ``simple_evaluate(model="vllm", model_args=...)``
+    # builds it, kept here so that its engine's plugin state can be read after the evaluation.
+    lm = get_model("vllm").create_from_arg_obj(
+        {"pretrained": folder, "dtype": "float32", "enforce_eager": True, "max_model_len": 1024,
+         "enable_prefix_caching": False, "additional_config": {"scissorhands": plugin}})
     results = lm_eval.simple_evaluate(
-        model="vllm", model_args={"pretrained": folder, "dtype": "float32", "enforce_eager": True,
-                                  "max_model_len": 1024, "enable_prefix_caching": False,
-                                  "additional_config": {"scissorhands": plugin}},
-        tasks=["scissorhands_tiny_gen"], task_manager=TaskManager(include_path=str(shipped_tasks_folder())),
+        model=lm, tasks=["scissorhands_tiny_gen"], task_manager=TaskManager(include_path=str(shipped_tasks_folder())),
         limit=4, log_samples=True)
     score = results["results"]["scissorhands_tiny_gen"]
     assert 0.0 <= score["exact_match,first_words"] <= 1.0
     assert len(results["samples"]["scissorhands_tiny_gen"]) == 4
-    layers = worker.LAYERS
+    layers = plugin_state(lm.model).layers
     assert len(layers) == 30 and all(layer.budget == 48 for layer in layers)
     want = parse(plugin)
     assert layers[0].settings.config == want.config and layers[0].settings.method.name == want.method.name == "h2o"

@@ -45,7 +45,7 @@ from .rounds import RoundState
 from .selection import keep_order, lowest
 from .slots import SlotTable
 from .state import TokenState
-from .static import StaticDecode
+from .static import make_decode
 from .stores.base import DenseKVStore, KVStore
 
 
@@ -123,7 +123,7 @@ class BudgetedKV:
             if method.is_full:
                 raise ValueError("kv_demote: the full cache scores no tokens, so it cannot demote any")
             self.tiers.bind(budget, recent, drop)
-        self.static = None if decode == "dynamic" else StaticDecode(self, decode)
+        self.static = make_decode(self, decode)
         self.rounds: RoundState | None = None
         if rounds:
             if self.merge is not None or self.tiers is not None or self.static is not None:

@@ -25,7 +25,7 @@ from .tiers import check_tiers, parse_tiers
 IMPORTANCE_FORMS = ("sum", "count", "mean")
 SCHEDULES = ("uniform", "increasing")
 PREFILL_MODES = ("stream", "prompt-aware")  # the shipped modes; any registered one is taken (core/prefill.py)
-DECODE_MODES = ("dynamic", "static", "compiled")
+DECODE_MODES = ("dynamic", "static", "compiled")  # the shipped modes; any registered one is taken (core/static.py)
 KV_BITS = (2, 4, 8, 16)
 
 DEFAULT_RESIDUAL = 32
@@ -85,6 +85,15 @@ def _prefill_name(name, value):
     names = tuple(getattr(prefill, "PREFILLS", PREFILL_MODES))
     if not isinstance(value, str) or value not in names:
         raise ValueError(f"{name}: must be a registered prefill mode ({', '.join(names)}), got {value!r}")
+    return value
+
+
+def _decode_name(name, value):
+    # As for prefill modes: the registry is read where core/static.py is already imported, never imported here.
+    static = sys.modules.get(f"{__package__}.static")
+    names = tuple(getattr(static, "DECODES", DECODE_MODES))
+    if not isinstance(value, str) or value not in names:
+        raise ValueError(f"{name}: must be a registered decode mode ({', '.join(names)}), got {value!r}")
     return value
 
 
@@ -164,7 +173,7 @@ class CacheSettings:
         "dynamic", '`"dynamic"` (compact slots planned on the host), `"static"` (fixed shapes and no host '
         'synchronisation: ready for GPUs and graph capture) or `"compiled"` (the static step under `torch.compile`); '
         "the same tokens are kept ([below](#a-decode-step-with-fixed-shapes))", s.parse_text,
-        s.one_of(DECODE_MODES), metavar="|".join(DECODE_MODES))
+        _decode_name, metavar="|".join(DECODE_MODES))
     observe: int = setting(32, "prompt-aware prefill: how many of the prompt's last queries score it", s.parse_int,
                            s.integer(1), group=_PREFILL, metavar="N")
     prompt_chunk: int | None = setting(
@@ -237,7 +246,8 @@ class CacheSettings:
         if self.prompt_chunk is not None and self.prefill != "prompt-aware":
             raise ValueError(f"prompt_chunk: needs prefill='prompt-aware' (a streamed prefill already holds at most "
                              f"the budget), got prefill={self.prefill!r}")
-        if self.decode != "dynamic":
+        # The shipped fixed-shape step's needs; a registered mode checks its own when it makes a layer's step.
+        if self.decode in ("static", "compiled"):
             for name, bad in (("kv_bits", self.quantized), ("kv_store", self.kv_store not in (None, "dense")),
                               ("merge", self.merge), ("value_weighted", self.value_weighted)):
                 if bad:

@@ -46,15 +46,63 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from .importance import ImportanceState, queries_in_window
 from .kernel import attention_output, attention_probs
 from .protect import in_spans
+from .registry import Registry
 from .stores.base import DenseKVStore
 
-STATIC_MODES = ("dynamic", "static", "compiled")
+
+class DecodeMode:
+    """How a budgeted layer takes its one-token steps, chosen by the ``decode`` setting (a plug-in axis).
+
+    :meth:`for_layer` returns the object that takes the layer's decode steps, or None for the layer's own
+    compact step (``"dynamic"``). Such an object offers ``ready()`` (whether the next step can be its),
+    ``step(query, key, value, scaling, softcap)`` (the attention output), ``settle()`` (the slots back in the
+    layout every other path reads) and ``active`` (whether it holds the layer now); :class:`StaticDecode` is the
+    shipped one. Register a new mode with :func:`register_decode` and select it by name.
+    """
+
+    name: ClassVar[str] = "base"
+
+    @classmethod
+    def for_layer(cls, kv):
+        """The decode step of the layer ``kv`` (a one-line ``ValueError`` naming ``decode`` if it cannot serve)."""
+        return cls(kv)
+
+
+class Dynamic(DecodeMode):
+    """The default: the layer's own step (:func:`.streaming._decode_step`), compact slots planned on the host."""
+
+    name = "dynamic"
+
+    @classmethod
+    def for_layer(cls, kv):
+        return None
+
+
+DECODES: Registry[type[DecodeMode]] = Registry("register_decode", DecodeMode)
+
+
+def register_decode(cls: type[DecodeMode]) -> type[DecodeMode]:
+    """Class decorator: make ``cls`` available as ``decode=cls.name``."""
+    return DECODES.register(cls)
+
+
+def unregister_decode(name: str) -> None:
+    """Remove a registered decode mode (for tests and experiments)."""
+    DECODES.unregister(name)
+
+
+def make_decode(kv, name: str):
+    """The decode step ``name`` gives the layer ``kv``, or None for the layer's own."""
+    if name not in DECODES:
+        raise ValueError(f"decode: unknown decode mode {name!r}; choose from {', '.join(DECODES)}")
+    return DECODES[name].for_layer(kv)
 
 
 def check_static(kv, mode: str = "static") -> None:
@@ -183,21 +231,27 @@ def compiled_step() -> Callable:
     return torch.compile(static_step, fullgraph=True, dynamic=False)
 
 
-class StaticDecode:
+class StaticDecode(DecodeMode):
     """The static decode step of one :class:`~.budgeted.BudgetedKV`, and the hand-over to and from it.
 
     Parameters
     ----------
     kv : BudgetedKV
         The layer (checked with :func:`check_static`).
-    mode : {"static", "compiled"}
-        Eager, or the step under ``torch.compile(fullgraph=True)``.
+
+    Class attributes
+    ----------------
+    compiled : bool
+        The step under ``torch.compile(fullgraph=True)`` (``"compiled"``), else eager (``"static"``).
     """
 
-    def __init__(self, kv, mode: str = "static"):
-        check_static(kv, mode)
+    name = "static"
+    compiled: ClassVar[bool] = False
+
+    def __init__(self, kv):
+        check_static(kv, self.name)
         self.kv = kv
-        self.mode = mode
+        self.mode = self.name
         self.active = False
         self.seen: torch.Tensor | None = None  # (B,) on the device while active
         self.spans: torch.Tensor | None = None
@@ -237,7 +291,7 @@ class StaticDecode:
         # there, exactly `drop` tokens (the config guarantees enough candidates).
         full = None if slots.uniform is not None else slots.lengths >= kv.budget  # CPU, a ragged batch
         evict = slots.uniform[0] >= kv.budget if full is None else bool(full.any())
-        fn = compiled_step() if self.mode == "compiled" else static_step
+        fn = compiled_step() if self.compiled else static_step
         out = fn(kv.store.keys, kv.store.values, slots.positions, state.acc, self.seen, self.spans,
                  query, key, value, budget=kv.budget, recent=kv.recent, drop=kv.drop, form=state.form,
                  bucket_steps=state.bucket_steps, scaling=scaling, softcap=softcap, evict=evict)
@@ -267,3 +321,15 @@ class StaticDecode:
         positions.copy_(positions.gather(2, order))
         self.active = False
         self.seen = None
+
+
+class CompiledDecode(StaticDecode):
+    """The static step under ``torch.compile(fullgraph=True)``: ``decode="compiled"``."""
+
+    name = "compiled"
+    compiled = True
+
+
+register_decode(Dynamic)
+register_decode(StaticDecode)
+register_decode(CompiledDecode)

@@ -15,16 +15,16 @@ from __future__ import annotations
 import logging
 
 logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
-_DONE: dict[str, bool] = {}
 
 
 def register() -> None:
     """Called by vLLM (entry point ``scissorhands``) in the front end, the engine core and each worker."""
-    if _DONE.get("registered"):
-        return
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if getattr(CpuPlatform.check_and_update_config, "scissorhands", False):  # registered in this process already
+        return
 
     from .settings import from_vllm
 
@@ -41,9 +41,9 @@ def register() -> None:
         from_vllm(self.additional_config)
         return create(self, *args, **kwargs)
 
+    check_and_update_config.scissorhands = True  # type: ignore[attr-defined]
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     EngineArgs.create_engine_config = create_engine_config
-    _DONE["registered"] = True
 
 
 def prepare_config(vllm_config) -> None:

@@ -36,6 +36,7 @@ What the adapter fixes, and why (each given otherwise is a one-line error):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, replace
@@ -122,7 +123,9 @@ def parse(given: dict) -> PluginSettings:
 
 
 def from_vllm(additional_config) -> PluginSettings | None:
-    """This engine's settings, or None when the plugin is off (no ``scissorhands`` key, no ``SCISSORHANDS_VLLM``)."""
+    """This engine's settings, or None when the plugin is off (no ``scissorhands`` key, no ``SCISSORHANDS_VLLM``).
+
+    vLLM's front end, its config step and each worker ask in turn; equal settings are parsed once per process."""
     given = None
     if isinstance(additional_config, dict) and KEY in additional_config:
         given = additional_config[KEY]
@@ -131,7 +134,18 @@ def from_vllm(additional_config) -> PluginSettings | None:
             given = json.loads(os.environ[ENV])
         except json.JSONDecodeError as e:
             raise ValueError(f"{ENV}: not a JSON object ({e.msg})") from None
-    return None if given is None else parse(given)
+    if given is None:
+        return None
+    try:
+        text = json.dumps(given, sort_keys=True)
+    except (TypeError, ValueError):  # not JSON (a Python object given to LLM(...)): parse names what is wrong
+        return parse(given)
+    return _parsed(text)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(text: str) -> PluginSettings:
+    return parse(json.loads(text))
 
 
 def with_budget(settings: PluginSettings, budget: int) -> PluginSettings:

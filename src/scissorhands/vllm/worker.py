@@ -1,66 +1,105 @@
-"""The worker side's view of a step: which request each batch row is, which step this is, what finished.
+"""The plugin's worker: it owns the engine's eviction state and hands it to the attention layers.
 
-vLLM's attention metadata carries no request ids; the plugin's worker (a
-``CPUWorker`` whose only change is to publish them) records the model runner,
-numbers the steps (every budgeted layer reuses its step's one plan), hands
-finished requests to the planner, and runs the step's rounds for every layer at
-once when the model's forward is done.
+vLLM builds attention layers with no handle to their worker, and its attention
+metadata carries no request ids. The plugin's worker (a ``CPUWorker``) closes
+both gaps without module globals: after the model loads it parses the plugin's
+settings once, finds the model's full-attention layers through vLLM's own
+registry of them (``get_layers_from_vllm_config``) and attaches one
+:class:`EngineState` to each (the layer becomes a window of the budget, so
+vLLM's block manager frees what falls behind it); for every step it publishes
+the runner (whose input batch holds the request ids in row order) and a step
+number (every budgeted layer reuses its step's one plan), hands finished
+requests to the planner, and runs the step's rounds for every layer at once
+when the model's forward is done.
 """
 
 from __future__ import annotations
 
+from vllm.config import get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-#: Every budgeted layer of this process, and the one planner they share.
-LAYERS: list = []
-PLANNER: dict = {}
-_STEP: dict = {"id": 0}
+from .paged import PagedLayer, Planner
+from .settings import PluginSettings, from_vllm
 
 
-def request_ids() -> list[str] | None:
-    """The running step's request ids in batch-row order, or None outside a step."""
-    runner = _STEP.get("runner")
-    return None if runner is None else list(runner.input_batch.req_ids)
+class EngineState:
+    """One engine's eviction state in one worker process: its settings, budgeted layers, planner and step."""
 
+    def __init__(self, settings: PluginSettings):
+        self.settings = settings
+        self.layers: list[PagedLayer] = []  # made by each budgeted layer at its first step, in the model's order
+        self.planner = Planner(settings)
+        self.runner = None  # the model runner while a step runs; None in warm-up and profiling runs
+        self.step = 0
 
-def in_step() -> bool:
-    """Whether an engine step is running (warm-up and profiling runs are not steps)."""
-    return "runner" in _STEP
+    @property
+    def in_step(self) -> bool:
+        """Whether an engine step is running (warm-up and profiling runs are not steps)."""
+        return self.runner is not None
 
-
-def step_id() -> int:
-    """A number that changes with every engine step (the plan's key)."""
-    return _STEP["id"]
+    def request_ids(self) -> list[str]:
+        """The running step's request ids in batch-row order."""
+        return [] if self.runner is None else list(self.runner.input_batch.req_ids)
 
 
 class ScissorhandsWorker(CPUWorker):
-    """``CPUWorker``, publishing each step's request ids and finished requests to the budgeted layers."""
+    """``CPUWorker``, with the plugin's state attached to the model's attention layers and advanced each step."""
 
-    def __init__(self, *args, **kwargs):
-        LAYERS.clear()  # a new engine in this process: the layers it builds replace any earlier engine's
-        PLANNER.clear()
-        super().__init__(*args, **kwargs)
+    scissorhands: EngineState | None = None
+    _budgeted: frozenset[str] = frozenset()
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        settings = from_vllm(self.vllm_config.additional_config)
+        if settings is None:
+            return
+        from .backend import ScissorhandsImpl
+
+        self.scissorhands = EngineState(settings)
+        names = []
+        for name, layer in get_layers_from_vllm_config(self.vllm_config, Attention).items():
+            if isinstance(layer.impl, ScissorhandsImpl) and layer.impl.attach(self.scissorhands, name):
+                names.append(name)
+        self._budgeted = frozenset(names)
+
+    def get_kv_cache_spec(self):
+        """vLLM's specs, each budgeted layer's a sliding window of the budget: its block manager then frees every
+        block behind the window, and the blocks of evicted tokens go back."""
+        specs = super().get_kv_cache_spec()
+        if self.scissorhands is None:
+            return specs
+        budget = self.scissorhands.settings.budget
+        for name in self._budgeted:
+            spec = specs.get(name)
+            if type(spec) is FullAttentionSpec:
+                specs[name] = SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                                head_size=spec.head_size, head_size_v=spec.head_size_v,
+                                                dtype=spec.dtype, kv_quant_mode=spec.kv_quant_mode,
+                                                sliding_window=budget)
+        return specs
 
     def execute_model(self, scheduler_output):
-        _STEP["runner"] = self.model_runner
-        _STEP["id"] += 1
-        finished = getattr(scheduler_output, "finished_req_ids", None) or ()
-        if "planner" in PLANNER:
-            PLANNER["planner"].release(finished)
+        state = self.scissorhands
+        if state is None:
+            return super().execute_model(scheduler_output)
+        state.runner = self.model_runner
+        state.step += 1
+        state.planner.release(getattr(scheduler_output, "finished_req_ids", None) or ())
         try:
             output = super().execute_model(scheduler_output)
-            if "planner" in PLANNER:  # the forward is done: every layer's rounds of this step, at once
-                PLANNER["planner"].after_step(_STEP["id"], LAYERS)
+            state.planner.after_step(state.step, state.layers)  # the forward is done: every layer's rounds at once
             return output
         finally:
-            _STEP.pop("runner", None)
+            state.runner = None
 
     def scissorhands_kept(self) -> dict[str, list]:
         """Per live request, per budgeted layer of this worker, the positions each of its KV heads stores
         (ascending): what ``LLM.collective_rpc("scissorhands_kept")`` returns per rank, for tests and audits.
         Under tensor parallelism a rank holds its shard of the KV heads."""
-        planner = PLANNER.get("planner")
-        if planner is None:
+        state = self.scissorhands
+        if state is None:
             return {}
-        return {rid: [layer.stored_positions(row, seen).tolist() for layer in LAYERS]
-                for rid, (row, seen) in planner.where.items()}
+        return {rid: [layer.stored_positions(row, seen).tolist() for layer in state.layers]
+                for rid, (row, seen) in state.planner.where.items()}
