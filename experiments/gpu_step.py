@@ -20,7 +20,7 @@ it against the project's own semantics:
   within 2e-2 relative, for the ``sum``, ``count`` and no-importance forms, with and without a soft cap;
 * **rounds**: a few requests served through a synthetic paged cache on the device (prompts within the budget,
   attended by the core; decode steps by the kernel; rounds by batched torch ops with the core's
-  :func:`~scissorhands.core.selection.lowest` on the device's tensors), each request fed alone to a one-row core
+  :func:`~scissorhands.core.tokens.selection.lowest` on the device's tensors), each request fed alone to a one-row core
   layer in rounds on the CPU: the outputs and the positions each KV head's window holds must be the core's;
 * **timings** (CUDA events, medians): the Triton step against torch's ``scaled_dot_product_attention`` over the
   same windows held contiguously, and one round over 32 rows.
@@ -49,12 +49,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from scissorhands.core.importance import ImportanceState
+from scissorhands.core.attend.prefill import make_prefill
+from scissorhands.core.attend.streaming import attend
 from scissorhands.core.methods.base import LayerView
-from scissorhands.core.prefill import make_prefill
-from scissorhands.core.selection import lowest
 from scissorhands.core.stores.base import DenseKVStore
-from scissorhands.core.streaming import attend
+from scissorhands.core.tokens.importance import ImportanceState
+from scissorhands.core.tokens.selection import lowest
 from scissorhands.vllm.paged import PagedLayer, Planner, StepPlan, _Slots
 from scissorhands.vllm.settings import PluginSettings, parse
 

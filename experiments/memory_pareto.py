@@ -4,7 +4,7 @@ Each argument after the options is an ``eval --out`` folder of ``ppl`` rows scor
 as the ``--full`` folder's full-cache row (same text, ``--seq-len``, ``--num-samples`` and ``--seed``).
 A row's bytes are its exact peak over the budgeted layers, everything stored counted (K/V, packed or
 not, scales and zero-points, the residual, a tiered store's pools and indices, the importance state and
-the positions), as :func:`scissorhands.core.memory_budget.peak_bytes` computes them and the cache
+the positions), as :func:`scissorhands.core.planning.memory_target.peak_bytes` computes them and the cache
 allocates them (tests/test_demotion.py checks the two agree). A row that evicts nothing (the scorer's
 packed full cache) keeps no importance state. The full cache counts its K/V alone.
 
@@ -39,8 +39,8 @@ def _store(config: dict) -> str:
 
 def rows_of(folder: Path, full_items: list[float], shape, length: int, method: str = "scissorhands") -> list[dict]:
     """Every ppl row of ``method`` in an eval folder, with its exact peak bytes and its ΔNLL against ``full_items``."""
-    from scissorhands.core.config import ScissorhandsConfig
-    from scissorhands.core.memory_budget import peak_bytes, store_bytes
+    from scissorhands.core.planning.memory_target import peak_bytes, store_bytes
+    from scissorhands.core.settings.config import ScissorhandsConfig
 
     out = []
     for r in load_results(folder / "results.jsonl"):

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from scissorhands.core.config import DEFAULTS, PRESETS
+from scissorhands.core.settings.config import DEFAULTS, PRESETS
 from scissorhands.tools.eval.runner import load_results
 from scissorhands.tools.stats import paired_difference, plus_minus
 

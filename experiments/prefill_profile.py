@@ -28,11 +28,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
-import scissorhands.core.blocks as blocks
-import scissorhands.core.budgeted as budgeted
+import scissorhands.core.attend.blocks as blocks
+import scissorhands.core.layer.budgeted as budgeted
 from scissorhands import ScissorhandsCache, ScissorhandsConfig, resolve_budget
-from scissorhands.core.importance import ImportanceState
 from scissorhands.core.methods.scissorhands import Scissorhands
+from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.tools.generation import demo_prompt
 from scissorhands.tools.models import load_model
 

@@ -1,15 +1,15 @@
-"""One place assembles a cache (core/assembly.py): every entry point's layers are the plan's."""
+"""One place assembles a cache (core/planning/assembly.py): every entry point's layers are the plan's."""
 
 import pytest
 
 from conftest import tiny_model
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
-from scissorhands.core.assembly import plan
-from scissorhands.core.config import CacheSettings
 from scissorhands.core.methods import get_method
-from scissorhands.core.protect import Protection
-from scissorhands.core.schedule import layer_budgets
+from scissorhands.core.planning.assembly import plan
+from scissorhands.core.settings.config import CacheSettings
+from scissorhands.core.settings.schedule import layer_budgets
 from scissorhands.core.stores import PackedKVStore, ResidualStore
+from scissorhands.core.tokens.protect import Protection
 from scissorhands.hf.cache import cache_plan
 
 

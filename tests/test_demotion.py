@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 from conftest import batch_and_alone, left_padded, run_cli, save_tiny_model, tiny_model
 from reference import reference_stream
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
-from scissorhands.core.importance import ImportanceState
+from scissorhands.core.attend.prefill import Streamed
 from scissorhands.core.methods import get_method
 from scissorhands.core.methods.scissorhands import Scissorhands
-from scissorhands.core.prefill import Streamed
 from scissorhands.core.stores import ResidualStore, make_store
 from scissorhands.core.stores.tiered import TieredKVStore
+from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.hf.cache import ScissorhandsLayer
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 from test_reference import chunk_mask, kept_of, make_inputs
@@ -274,7 +274,7 @@ def test_cli_generate_with_demotion_reports_it(capsys, tmp_path):
 
 def test_peak_bytes_of_a_tiered_cache_are_what_it_allocates():
     """memory_budget.peak_bytes counts the tiered store's pools, planes and indices as the cache allocates them."""
-    from scissorhands.core.memory_budget import peak_bytes
+    from scissorhands.core.planning.memory_target import peak_bytes
     from scissorhands.hf.cache import memory_shape
 
     model = tiny_model("llama")
@@ -292,7 +292,7 @@ def test_peak_bytes_of_a_tiered_cache_are_what_it_allocates():
 def test_memory_takes_the_demotion_chain_where_its_measured_curve_is_lowest():
     """On a SmolLM2-135M-shaped float32 cache at 2,048 tokens, a fifth of the bytes leaves room beyond a 4-bit
     cache of the whole sequence: the frontier's 8 → 4 chain measured lowest there, and memory= takes it."""
-    from scissorhands.core.memory_budget import Shape, choose, load_frontier
+    from scissorhands.core.planning.memory_target import Shape, choose, load_frontier
 
     shape = Shape(layers=30, kv_heads=3, head_dim_k=64, head_dim_v=64, itemsize=4)
     chain = next(f for f in load_frontier() if f.kv_demote)

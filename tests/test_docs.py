@@ -22,17 +22,18 @@ def test_usage_guide_lists_the_registered_methods():
 
 def test_usage_guide_settings_table_is_the_declarations():
     """docs/usage.md's settings table is generated from the fields' declarations (default, help)."""
-    from scissorhands.core.config import readme_table
+    from scissorhands.core.settings.config import readme_table
 
     assert _between(USAGE.read_text(), "settings").strip() == readme_table(), (
-        "docs/usage.md's settings table is out of date; regenerate it from scissorhands.core.config.readme_table()")
+        "docs/usage.md's settings table is out of date; regenerate it from "
+        "scissorhands.core.settings.config.readme_table()")
     assert "<!-- settings -->" not in README.read_text()  # one table, in one place
 
 
 def test_every_setting_has_a_flag_and_an_lm_eval_argument():
     """The CLI and the lm-eval backend take every declared setting, under its own name."""
-    from scissorhands.core.config import CacheSettings
-    from scissorhands.core.settings import declared, from_strings
+    from scissorhands.core.settings.config import CacheSettings
+    from scissorhands.core.settings.declare import declared, from_strings
     from scissorhands.tools.cli import build_parser
 
     names = [name for name, _, _ in declared(CacheSettings)]

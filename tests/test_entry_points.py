@@ -117,7 +117,7 @@ def test_the_vllm_plugin_resolves_the_same_settings(name):
 def test_every_entry_point_makes_the_same_memory_choice(name, memory):
     """``memory=`` through the Python API, the CLI's generate, eval's grid and the lm-eval backend: one store,
     one token budget, one configuration (the method's own settings included)."""
-    from scissorhands.core.memory_budget import choose, parse_memory
+    from scissorhands.core.planning.memory_target import choose, parse_memory
     from scissorhands.hf.cache import memory_shape
     from scissorhands.tools.eval.runner import MemorySpec, _choose
 

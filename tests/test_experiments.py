@@ -166,7 +166,7 @@ def test_passkey_grid_resumes_its_own_run_and_refuses_other_lengths(tmp_path):
 
 def test_peer_table_pairs_each_row_with_its_groups_full_cache(tmp_path, capsys):
     """Rows from two folders of one group (a peers run, a --preset paper run) are paired with the one full row."""
-    from scissorhands.core.config import DEFAULTS, PRESETS
+    from scissorhands.core.settings.config import DEFAULTS, PRESETS
 
     peer_table = script("peer_table")
     paper = {**DEFAULTS.as_dict(), **PRESETS["paper"]}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import scissorhands
-from scissorhands.core.names import BUILTIN_METHODS
+from scissorhands.core.settings.names import BUILTIN_METHODS
 
 SRC = str(Path(scissorhands.__file__).resolve().parents[1])
 

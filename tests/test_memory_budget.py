@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import run_cli, save_tiny_model, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache
-from scissorhands.core.memory_budget import choose, load_frontier, parse_memory
+from scissorhands.core.planning.memory_target import choose, load_frontier, parse_memory
 from scissorhands.hf.cache import memory_shape
 
 
@@ -166,8 +166,8 @@ def test_lm_eval_memory_argument_errors_are_one_line():
 def test_each_stores_byte_model_is_what_it_allocates(store_settings, tokens):
     """``KVStore.bytes_for`` (the pure byte model ``memory=`` plans with) equals the bytes a store of that kind
     holds once sized to ``tokens`` slots, per KV head and row, for float32 and bfloat16 models."""
-    from scissorhands.core.config import ScissorhandsConfig
-    from scissorhands.core.memory_budget import Shape
+    from scissorhands.core.planning.memory_target import Shape
+    from scissorhands.core.settings.config import ScissorhandsConfig
     from scissorhands.core.stores import STORES, make_store, store_name
 
     config = ScissorhandsConfig(budget=tokens, recent=8, drop=2, kv_residual=0, **store_settings)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import left_padded, scored_and_decoded, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig, get_method
-from scissorhands.core.config import PRESETS
+from scissorhands.core.settings.config import PRESETS
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 from test_reference import cases, check_case
 from test_scoring import decode_logprobs

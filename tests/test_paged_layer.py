@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scissorhands.core.prefill import make_prefill
+from scissorhands.core.attend.prefill import make_prefill
+from scissorhands.core.attend.streaming import attend
 from scissorhands.core.stores.base import DenseKVStore
-from scissorhands.core.streaming import attend
 from scissorhands.vllm import kernels
 from scissorhands.vllm.paged import PagedLayer, Planner, read_kv, write_kv
 from scissorhands.vllm.settings import parse

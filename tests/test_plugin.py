@@ -17,11 +17,11 @@ import torch
 
 from conftest import left_padded, tiny_model
 from scissorhands import EvictionMethod, LayerView, ScissorhandsCache, ScissorhandsConfig, TokenState, register
-from scissorhands.core.importance import ImportanceState
+from scissorhands.core.attend.prefill import PREFILLS, Prefill, Streamed, register_prefill, unregister_prefill
+from scissorhands.core.layer.decode import DECODES, StaticDecode, register_decode, unregister_decode
 from scissorhands.core.methods import METHODS, unregister
-from scissorhands.core.prefill import PREFILLS, Prefill, Streamed, register_prefill, unregister_prefill
-from scissorhands.core.static import DECODES, StaticDecode, register_decode, unregister_decode
 from scissorhands.core.stores import DenseKVStore, KVStore, register_store, unregister_store
+from scissorhands.core.tokens.importance import ImportanceState
 from test_scoring import BASE as SCORING_BASE
 from test_scoring import assert_scorer_equals_decoding
 
@@ -247,6 +247,11 @@ def test_stores_are_checked_when_made_and_named():
         ScissorhandsConfig(budget=12, kv_store="no-such-store")
     with pytest.raises(ValueError, match="already registered"):
         register_store(type("Clash", (DenseKVStore,), {"name": "packed"}))
+    # The settings name the shipped stores without importing them (no torch); the two lists are one.
+    from scissorhands.core.settings.config import STORE_NAMES
+    from scissorhands.core.stores import STORES
+
+    assert {n for n in STORES if not n.startswith("test-")} == set(STORE_NAMES)
 
 
 class Coarse(Streamed):

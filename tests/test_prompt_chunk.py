@@ -14,10 +14,10 @@ import torch
 
 from conftest import batch_and_alone, left_padded, scored_and_decoded, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
-from scissorhands.core.importance import ImportanceState
+from scissorhands.core.attend.prefill import PromptAware
 from scissorhands.core.methods import get_method
 from scissorhands.core.methods.scissorhands import Scissorhands
-from scissorhands.core.prefill import PromptAware
+from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.hf.cache import ScissorhandsLayer
 from scissorhands.hf.scoring import ScoreSetup
 

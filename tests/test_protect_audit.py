@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 from conftest import byte_tokenizer_fast, save_tiny_model
 from reference import reference_stream
 from scissorhands import EvictionAudit, Protection, ScissorhandsCache, ScissorhandsConfig, get_method
-from scissorhands.core.importance import ImportanceState
 from scissorhands.core.methods.scissorhands import Scissorhands
-from scissorhands.core.protect import check_room
+from scissorhands.core.tokens.importance import ImportanceState
+from scissorhands.core.tokens.protect import check_room
 from scissorhands.hf.cache import ScissorhandsLayer
 from scissorhands.tools.cli import main
 from scissorhands.tools.generation import generate

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import batch_and_alone, left_padded, run_cli, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
-from scissorhands.core.budgeted import BudgetedKV
+from scissorhands.core.layer.budgeted import BudgetedKV
 from scissorhands.core.methods import get_method
 from scissorhands.core.stores import ResidualStore, make_store
 from scissorhands.core.stores.base import DenseKVStore
@@ -230,7 +230,7 @@ class ReadSpy:
 def test_tiled_attention_equals_reading_the_whole_layer(length, tile, n, seed, scaling, softcap, masked, dtype):
     """Key tiles into the logits, one softmax, value tiles summed: the same probabilities and output as one read
     of every slot, and no read wider than a tile."""
-    from scissorhands.core.kernel import attend_stored
+    from scissorhands.core.layer.kernel import attend_stored
 
     gen = torch.Generator().manual_seed(seed)
     b, h, g, d = 2, 2, 2, 16
@@ -560,7 +560,7 @@ def _exact_reference(q, packed_k, packed_v, exact_k, exact_v, limits, r, scaling
 def test_residual_attention_equals_the_naive_per_query_choice(first, new, r, tile, seed):
     """Rows of different lengths get a block of new tokens; every query of the block reads its own last r slots
     exact and the older ones packed, as a naive per-query loop does."""
-    from scissorhands.core.kernel import attend_stored
+    from scissorhands.core.layer.kernel import attend_stored
 
     gen = torch.Generator().manual_seed(seed)
     b, h, g, d = len(first), 2, 2, 16
@@ -597,7 +597,7 @@ def test_residual_attention_equals_the_naive_per_query_choice(first, new, r, til
 def test_residual_holds_each_rows_newest_tokens_through_evictions(steps, r, seed):
     """Ragged appends and evictions that keep the recent window: the tail always reads back, exact, the last r
     stored tokens of every row, and it holds exactly r per row once settled."""
-    from scissorhands.core.selection import keep_order
+    from scissorhands.core.tokens.selection import keep_order
 
     gen = torch.Generator().manual_seed(seed)
     b, h, d, recent = 2, 2, 8, 4
@@ -735,7 +735,7 @@ def test_residual_must_fit_the_recent_window_of_every_layer():
 def test_default_residual_is_32_tokens_capped_by_each_layers_recent_window():
     """kv_residual=None (the default): 32 exact tokens with packed K/V, at most the recent window of a layer that
     evicts; none without packing, with merge, or in the paper preset; an explicit number is taken as given."""
-    from scissorhands.core.config import DEFAULT_RESIDUAL
+    from scissorhands.core.settings.config import DEFAULT_RESIDUAL
 
     assert DEFAULT_RESIDUAL == 32 and CacheSettings().kv_residual is None
     assert CacheSettings(kv_bits=4).residual_for(400) == 32

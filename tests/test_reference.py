@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reference import reference_stream
-from scissorhands.core.importance import ImportanceState
+from scissorhands.core.attend.prefill import Streamed
 from scissorhands.core.methods.scissorhands import Scissorhands
-from scissorhands.core.prefill import Streamed
+from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.hf.cache import ScissorhandsLayer
 
 

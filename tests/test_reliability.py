@@ -31,7 +31,7 @@ from conftest import (
 )
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.methods import get_method
-from scissorhands.core.schedule import load_schedule
+from scissorhands.core.settings.schedule import load_schedule
 from scissorhands.tools import models as models_module
 from scissorhands.tools.cli import memory_line
 from scissorhands.tools.eval import run_grid

@@ -5,8 +5,8 @@ import torch
 
 from conftest import tiny_model
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
-from scissorhands.core.budget import resolve_budget
 from scissorhands.core.methods import METHODS, get_method
+from scissorhands.core.settings.budget import resolve_budget
 from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 
 BASE = ScissorhandsConfig(budget=16, recent=3, drop=5, window=8, window_buckets=4)

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scissorhands.core.selection import keep_order
+from scissorhands.core.tokens.selection import keep_order
 
 
 def test_lowest_scores_go_recent_and_shielded_stay_ties_keep_the_newer():
@@ -70,7 +70,7 @@ def _sorted_reference(scores, lengths, recent, n, shield=None):
 def test_dropping_one_slot_at_most_equals_the_sorted_selection(b, h, length, recent, per_head, shielded, seed):
     """Decode steps that drop one token (drop=1, the vLLM adapter) take argmin instead of two sorts: the same slots,
     ties (few distinct scores), empty slots, shields and rows that drop nothing included."""
-    from scissorhands.core.selection import lowest
+    from scissorhands.core.tokens.selection import lowest
 
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, length + 1, (b,), generator=gen)

@@ -15,28 +15,28 @@ from typing import TYPE_CHECKING
 from .lazy import lazy_names
 
 if TYPE_CHECKING:
-    from .audit import EvictionAudit
-    from .budget import resolve_budget
-    from .budgeted import BudgetedKV
-    from .config import DEFAULTS, CacheSettings, ScissorhandsConfig
     from .facts import ModelFacts
+    from .layer.audit import EvictionAudit
+    from .layer.budgeted import BudgetedKV
     from .methods import METHODS, EvictionMethod, LayerView, get_method, register
-    from .protect import Protection
-    from .schedule import layer_budgets
-    from .state import TokenState
+    from .settings.budget import resolve_budget
+    from .settings.config import DEFAULTS, CacheSettings, ScissorhandsConfig
+    from .settings.schedule import layer_budgets
+    from .tokens.protect import Protection
+    from .tokens.state import TokenState
 
 # Each public name and the module that defines it, imported on first use (PEP 562), so that
 # importing the package (or a light module in it, such as the settings) does not import torch.
 __getattr__ = lazy_names(__name__, globals(), {
-    ".audit": ("EvictionAudit",),
-    ".budget": ("resolve_budget",),
-    ".budgeted": ("BudgetedKV",),
-    ".config": ("DEFAULTS", "CacheSettings", "ScissorhandsConfig",),
+    ".layer.audit": ("EvictionAudit",),
+    ".settings.budget": ("resolve_budget",),
+    ".layer.budgeted": ("BudgetedKV",),
+    ".settings.config": ("DEFAULTS", "CacheSettings", "ScissorhandsConfig",),
     ".facts": ("ModelFacts",),
     ".methods": ("METHODS", "EvictionMethod", "LayerView", "get_method", "register",),
-    ".protect": ("Protection",),
-    ".schedule": ("layer_budgets",),
-    ".state": ("TokenState",),
+    ".tokens.protect": ("Protection",),
+    ".settings.schedule": ("layer_budgets",),
+    ".tokens.state": ("TokenState",),
 })
 
 

@@ -2,7 +2,7 @@
 
 Only this package touches transformers. :class:`~scissorhands.hf.cache.ScissorhandsCache`
 is a ``transformers.Cache`` whose full-attention layers each drive one
-:class:`~scissorhands.core.budgeted.BudgetedKV`.
+:class:`~scissorhands.core.layer.budgeted.BudgetedKV`.
 """
 
 from .attention import enable

@@ -1,11 +1,11 @@
 """ScissorhandsCache: a transformers ``Cache`` whose full-attention layers hold a fixed token budget.
 
 This module is the adapter to transformers' layered cache API and nothing
-more. Each :class:`ScissorhandsLayer` wraps a :class:`~scissorhands.core.budgeted.BudgetedKV`
+more. Each :class:`ScissorhandsLayer` wraps a :class:`~scissorhands.core.layer.budgeted.BudgetedKV`
 (storage, slots, per-token state, eviction). Its ``update`` only hands the new
 chunk to the registered attention function (see :mod:`scissorhands.hf.attention`),
 which calls :meth:`ScissorhandsLayer.attend`; that streams the chunk through
-the budgeted storage (:mod:`scissorhands.core.streaming`).
+the budgeted storage (:mod:`scissorhands.core.attend.streaming`).
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
-from scissorhands.core.assembly import CachePlan, plan
-from scissorhands.core.audit import EvictionAudit
-from scissorhands.core.budgeted import BudgetedKV
-from scissorhands.core.centers import load_key_centers
-from scissorhands.core.config import DEFAULTS, CacheSettings, ScissorhandsConfig
-from scissorhands.core.memory import layer_memory
+from scissorhands.core.attend.streaming import attend
+from scissorhands.core.layer.audit import EvictionAudit
+from scissorhands.core.layer.budgeted import BudgetedKV
+from scissorhands.core.layer.footprint import layer_memory
 from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.methods.scissorhands import Scissorhands
-from scissorhands.core.protect import Protection, SpanSpec
-from scissorhands.core.slots import SlotTable
-from scissorhands.core.state import TokenState
-from scissorhands.core.streaming import attend
+from scissorhands.core.planning.assembly import CachePlan, plan
+from scissorhands.core.settings.config import DEFAULTS, CacheSettings, ScissorhandsConfig
+from scissorhands.core.stores.centers import load_key_centers
+from scissorhands.core.tokens.protect import Protection, SpanSpec
+from scissorhands.core.tokens.slots import SlotTable
+from scissorhands.core.tokens.state import TokenState
 
 from .attention import enable
 from .guard import ModelGuard, check_continues, reuse_message
@@ -35,7 +35,7 @@ from .modelinfo import FULL, model_facts
 from .report import cache_memory_report
 
 if TYPE_CHECKING:
-    from scissorhands.core.memory_budget import MemoryChoice
+    from scissorhands.core.planning.memory_target import MemoryChoice
 
 
 class ScissorhandsLayer(CacheLayerMixin):
@@ -55,7 +55,8 @@ class ScissorhandsLayer(CacheLayerMixin):
     layer_idx : int
         The model layer this is.
     **options
-        ``sinks``, ``merge``, ``prefill``, ``observe``, ``store``: see :class:`~scissorhands.core.budgeted.BudgetedKV`.
+        ``sinks``, ``merge``, ``prefill``, ``observe``, ``store``: see
+        :class:`~scissorhands.core.layer.budgeted.BudgetedKV`.
     """
 
     is_sliding = False
@@ -143,7 +144,7 @@ class ScissorhandsLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
-        """Stream the chunk handed to :meth:`update` through the budget (see :mod:`~scissorhands.core.streaming`)."""
+        """Stream the chunk handed to :meth:`update` through the budget (:mod:`~scissorhands.core.attend.streaming`)."""
         if self._pending != key.shape[-2]:
             raise RuntimeError("scissorhands attention called without a matching cache update")
         self._pending = None
@@ -194,8 +195,8 @@ class ScissorhandsLayer(CacheLayerMixin):
 
 
 def memory_shape(model):
-    """What a memory budget's bytes depend on, for this model (see :mod:`scissorhands.core.memory_budget`)."""
-    from scissorhands.core.memory_budget import Shape
+    """What a memory budget's bytes depend on, for this model (see :mod:`scissorhands.core.planning.memory_target`)."""
+    from scissorhands.core.planning.memory_target import Shape
 
     facts = model_facts(model)
     itemsize = next(model.parameters()).element_size()
@@ -212,8 +213,8 @@ def choose_memory(model, settings: CacheSettings, method: EvictionMethod, memory
 
 
 def cache_plan(model, settings: CacheSettings, method: EvictionMethod | None = None, **options) -> CachePlan:
-    """:func:`scissorhands.core.assembly.plan` for a transformers model (or its config): its budgeted layers and
-    K/V shape filled in; ``options`` are the plan's (``protection``, ``protect_name``, ``memory``, ``length``)."""
+    """:func:`scissorhands.core.planning.assembly.plan` for a transformers model (or its config): its budgeted layers
+    and K/V shape filled in; ``options`` are the plan's (``protection``, ``protect_name``, ``memory``, ``length``)."""
     shape = memory_shape(model) if options.get("memory") is not None else None  # reads the weights' dtype
     return plan(settings, len(model_facts(model).full_layers), method or Scissorhands(), shape=shape, **options)
 
@@ -238,11 +239,11 @@ class ScissorhandsCache(Cache):
     method : EvictionMethod, optional
         Scoring rule (see :mod:`scissorhands.core.methods`); default Scissorhands.
     protect : list of (start, end), or one such list per sequence, optional
-        Token spans never evicted in any layer (see :mod:`scissorhands.core.protect`);
+        Token spans never evicted in any layer (see :mod:`scissorhands.core.tokens.protect`);
         they count against the budget, and a protection that leaves a layer
         no room to evict is refused.
     audit : EvictionAudit, optional
-        Records every eviction (see :mod:`scissorhands.core.audit`).
+        Records every eviction (see :mod:`scissorhands.core.layer.audit`).
 
     Examples
     --------
@@ -330,7 +331,7 @@ class ScissorhandsCache(Cache):
         """A cache whose peak bytes fit ``memory`` for a sequence of ``length`` tokens (prompt + new tokens).
 
         ``memory`` is a fraction of the full cache's K/V bytes (``0.2``: a fifth) or a size per sequence
-        (``"64MiB"``); the store and token budget are chosen by :func:`scissorhands.core.memory_budget.choose`
+        (``"64MiB"``); the store and token budget are chosen by :func:`scissorhands.core.planning.memory_target.choose`
         and kept as ``cache.memory_choice`` (also in :meth:`memory_report`). Other arguments are the
         constructor's.
         """

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from scissorhands.core.slots import SlotTable
+from scissorhands.core.tokens.slots import SlotTable
 
 from .modelinfo import ModelFacts, model_facts
 

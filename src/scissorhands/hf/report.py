@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scissorhands.core.memory import layer_memory
+from scissorhands.core.layer.footprint import layer_memory
 
 
 def cache_memory_report(cache) -> dict:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from scissorhands.core.config import CacheSettings
 from scissorhands.core.methods import EvictionMethod, get_method
+from scissorhands.core.settings.config import CacheSettings
 
 from .cache import ScissorhandsCache
 
@@ -37,7 +37,7 @@ class ScoreSetup:
     seed : int
         For methods that draw random numbers.
     protect : tuple of (start, end), optional
-        Token spans of the scored sequence that no layer evicts (see :mod:`scissorhands.core.protect`), e.g.
+        Token spans of the scored sequence that no layer evicts (see :mod:`scissorhands.core.tokens.protect`), e.g.
         the facts a retrieval task planted.
     """
 

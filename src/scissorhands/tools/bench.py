@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from scissorhands.core.config import PREFILL_MODES, CacheSettings, ScissorhandsConfig
-from scissorhands.core.memory_budget import Shape, store_bytes
 from scissorhands.core.methods import get_method
+from scissorhands.core.planning.memory_target import Shape, store_bytes
+from scissorhands.core.settings.config import PREFILL_MODES, CacheSettings, ScissorhandsConfig
 from scissorhands.core.stores.packed import packed_bytes_per_token_head
 from scissorhands.hf.cache import ScissorhandsCache
 from scissorhands.hf.modelinfo import FULL, model_facts, text_config

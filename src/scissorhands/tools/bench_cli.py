@@ -101,7 +101,7 @@ def _memories(text: str | None) -> tuple:
     """``--memory``: each spec checked now (a one-line error naming ``memory``)."""
     if text is None:
         return ()
-    from scissorhands.core.memory_budget import parse_memory
+    from scissorhands.core.planning.memory_target import parse_memory
 
     specs = tuple(parse_memory(m.strip()) for m in text.split(",") if m.strip())
     if not specs:

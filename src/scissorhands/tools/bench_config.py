@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from scissorhands.core.config import CacheSettings
+from scissorhands.core.settings.config import CacheSettings
 
 PARTS = ("decode", "prefill", "maxbatch", "soak")
 FIT_MODES = ("rss", "cache")

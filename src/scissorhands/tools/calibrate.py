@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from scissorhands.core.centers import FORMAT
 from scissorhands.core.stores.base import DenseKVStore
+from scissorhands.core.stores.centers import FORMAT
 from scissorhands.hf.modelinfo import model_facts
 
 
@@ -48,8 +48,8 @@ def measure_key_centers(model, tokenizer, text: str, tokens: int = 2048) -> dict
 
     Returns the JSON-ready record :func:`save_key_centers` writes.
     """
-    from scissorhands.core.config import CacheSettings
     from scissorhands.core.methods import get_method
+    from scissorhands.core.settings.config import CacheSettings
     from scissorhands.hf.cache import ScissorhandsCache
 
     ids = tokenizer(text)["input_ids"][:tokens]

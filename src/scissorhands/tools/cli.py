@@ -23,10 +23,10 @@ if __name__ == "__main__":  # run as ``python -m``: quiet from the first import 
     signal.signal(signal.SIGINT, _interrupted_while_importing)
 
 from scissorhands import __version__
-from scissorhands.core.budget import check_budget_spec, resolve_budget
-from scissorhands.core.config import CacheSettings, ScissorhandsConfig
-from scissorhands.core.names import method_names
-from scissorhands.core.settings import declared
+from scissorhands.core.settings.budget import check_budget_spec, resolve_budget
+from scissorhands.core.settings.config import CacheSettings, ScissorhandsConfig
+from scissorhands.core.settings.declare import declared
+from scissorhands.core.settings.names import method_names
 
 from .cliargs import Parser, add_cache_args, add_model_args, alias
 from .paths import check_apart
@@ -212,7 +212,7 @@ def _chat(args, tokenizer, prompt: str) -> tuple[str, int | None]:
 
 def _protection(args, model, tokenizer, prompt: str, n_system: int | None, config, method) -> tuple[list, dict]:
     """The spans to pin and the spans to audit."""
-    from scissorhands.core.protect import Protection
+    from scissorhands.core.tokens.protect import Protection
     from scissorhands.hf.cache import cache_plan
 
     spans: list[tuple[int, int]] = []
@@ -266,7 +266,7 @@ def _check_model_args(args) -> None:
 def _check_schedule_file(settings: CacheSettings) -> None:
     """A JSON schedule is read now, so a bad file is reported before the model loads."""
     if isinstance(settings.schedule, str) and settings.schedule.endswith(".json"):
-        from scissorhands.core.schedule import load_schedule
+        from scissorhands.core.settings.schedule import load_schedule
 
         load_schedule(settings.schedule)
 
@@ -374,7 +374,7 @@ def generate_config(args, length: int | None = None) -> ScissorhandsConfig | Non
     if getattr(args, "memory", None) is not None:
         if args.budget is not None:
             raise ValueError("memory: give --memory or --budget, not both")
-        from scissorhands.core.memory_budget import parse_memory
+        from scissorhands.core.planning.memory_target import parse_memory
 
         parse_memory(args.memory)  # checked now; chosen once the model and the prompt's length are known
         return None
@@ -422,7 +422,7 @@ def _run_generate(args, prompt, label_budget: str) -> int:
     spans, watched = _protection(args, model, tokenizer, prompt, n_system, config, method(seed=args.seed))
     audit = None
     if args.audit is not None:
-        from scissorhands.core.audit import EvictionAudit
+        from scissorhands.core.layer.audit import EvictionAudit
 
         audit = EvictionAudit(events=args.audit_events, spans=watched)
     prompt_name = "prompt-file" if getattr(args, "prompt_file", None) is not None else "prompt"
@@ -506,14 +506,14 @@ def _names(text: str, name: str) -> list[str]:
 
 def _eval_budgets(args, base: CacheSettings, methods) -> list[float | int]:
     """``--budgets`` checked against the settings: finite, distinct, and token counts above the protected tokens."""
-    from scissorhands.core.budget import check_budget_spec
+    from scissorhands.core.settings.budget import check_budget_spec
 
     if args.budgets is None:
         args.budgets = "" if args.memory is not None else "0.1,0.2,0.33,0.5"
     budgets: list = ([check_budget_spec(b, "budgets") for b in _floats(args.budgets, "budgets")]
                      if args.budgets else [])
     if args.memory is not None:
-        from scissorhands.core.memory_budget import parse_memory
+        from scissorhands.core.planning.memory_target import parse_memory
 
         from .eval.runner import MemorySpec
 

@@ -12,9 +12,9 @@ import math
 import re
 import sys
 
-from scissorhands.core.config import CacheSettings
-from scissorhands.core.names import method_names
-from scissorhands.core.settings import declared, parse_count_or_fraction, parse_float, parse_int
+from scissorhands.core.settings.config import CacheSettings
+from scissorhands.core.settings.declare import declared, parse_count_or_fraction, parse_float, parse_int
+from scissorhands.core.settings.names import method_names
 
 
 class _Deprecated(argparse.Action):
@@ -64,7 +64,7 @@ def _plain(text: str) -> str:
 
 
 def add_cache_args(p: argparse.ArgumentParser, budget_default: int | None = None, with_budget: bool = True) -> None:
-    """One flag per declared cache setting (:mod:`scissorhands.core.settings`): help, type and default from there.
+    """One flag per declared cache setting (:mod:`scissorhands.core.settings.declare`): help, type and default.
 
     A flag that is not given is absent from the namespace, so only what the user typed overrides the preset
     (or the library defaults).

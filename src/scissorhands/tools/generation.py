@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from scissorhands.core.config import ScissorhandsConfig
 from scissorhands.core.methods import EvictionMethod
+from scissorhands.core.settings.config import ScissorhandsConfig
 from scissorhands.hf.cache import ScissorhandsCache
 from scissorhands.hf.modelinfo import model_facts
 
@@ -201,10 +201,10 @@ def generate(
     prompt_name : str
         The parameter the prompt came from, for error messages.
     protect : list of (start, end), or one list per prompt, optional
-        Token spans never evicted (see :mod:`scissorhands.core.protect`); positions
+        Token spans never evicted (see :mod:`scissorhands.core.tokens.protect`); positions
         count each prompt's own tokens from 0, padding excluded.
     audit : EvictionAudit, optional
-        Records what the cache evicted (see :mod:`scissorhands.core.audit`).
+        Records what the cache evicted (see :mod:`scissorhands.core.layer.audit`).
 
     Returns
     -------

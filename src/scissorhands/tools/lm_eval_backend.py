@@ -17,7 +17,7 @@ lm-eval's three request kinds is then computed through the budgeted cache:
 The budget given as ``budget=`` is resolved per sequence: a value up to 1 is a
 fraction of that sequence's own length (context + continuation tokens, a
 rolling window's tokens, or prompt + ``max_gen_toks`` for generation), a
-value above 1 is a token count (see :func:`scissorhands.core.budget.resolve_budget`).
+value above 1 is a token count (see :func:`scissorhands.core.settings.budget.resolve_budget`).
 
 Tokenisation follows lm-eval's Hugging Face backend (``--model hf``), so
 ``method=full`` reproduces its numbers: trailing whitespace of a context moves
@@ -69,10 +69,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "scissorhands.tools.lm_eval_backend needs lm-evaluation-harness: pip install 'scissorhands[lmeval]'"
     ) from exc
 
-from scissorhands.core.budget import check_budget_spec, resolve_budget
-from scissorhands.core.config import CacheSettings
 from scissorhands.core.methods import METHODS, EvictionMethod
-from scissorhands.core.settings import from_strings
+from scissorhands.core.settings.budget import check_budget_spec, resolve_budget
+from scissorhands.core.settings.config import CacheSettings
+from scissorhands.core.settings.declare import from_strings
 from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 
 from .lm_eval_tokens import RequestTokens
@@ -203,7 +203,7 @@ class ScissorhandsLM(LM):
         sequence's own length; above 1: a token count. Never below
         ``recent + 1``. Required unless ``method=full`` or ``memory`` is given.
     memory : float, int or str, optional
-        A byte budget instead (:mod:`scissorhands.core.memory_budget`): a fraction of the full cache's
+        A byte budget instead (:mod:`scissorhands.core.planning.memory_target`): a fraction of the full cache's
         K/V bytes, or a size per sequence such as ``"64MiB"``; the store and the token budget are chosen
         for each request's length.
     **settings
@@ -260,7 +260,7 @@ class ScissorhandsLM(LM):
         self.method = METHODS[method]
         self.memory = None
         if memory is not None:
-            from scissorhands.core.memory_budget import parse_memory
+            from scissorhands.core.planning.memory_target import parse_memory
 
             if budget is not None:
                 raise ValueError("memory: give memory or budget, not both")

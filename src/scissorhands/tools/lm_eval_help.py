@@ -15,9 +15,9 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from scissorhands.core.config import CacheSettings
-from scissorhands.core.names import method_names
-from scissorhands.core.settings import REQUIRED, declared, show
+from scissorhands.core.settings.config import CacheSettings
+from scissorhands.core.settings.declare import REQUIRED, declared, show
+from scissorhands.core.settings.names import method_names
 
 #: The backend's own arguments, beside the cache settings: name and meaning (the default is read from the code).
 OWN_ARGUMENTS = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scissorhands.core.audit import held_map
+from scissorhands.core.layer.audit import held_map
 
 
 def plot_held_map(cache, path: str | Path, row: int = 0, spans: dict[str, tuple[int, int]] | None = None) -> None:

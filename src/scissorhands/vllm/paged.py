@@ -8,14 +8,14 @@ machine and dtype: "vec" (K transposed, ``[D, N]``, then V ``[N, D]``) or
 presents a budgeted layer to vLLM as a sliding window of ``B`` slots (the
 budget), so vLLM's own block manager frees every block that falls behind the
 window. What this module adds is *which tokens live in those slots*, with the
-core's semantics of eviction in rounds (:mod:`scissorhands.core.rounds`), and
+core's semantics of eviction in rounds (:mod:`scissorhands.core.tokens.rounds`), and
 the layer's attention itself, which replaces vLLM's kernel call:
 
 * **A round.** When a request's window is full and no victim is pending, the
   layer scores the window's tokens with the method (the core's
   :class:`~scissorhands.core.methods.base.LayerView` over them, in position
   order), picks the ``drop`` lowest with the core's
-  :func:`~scissorhands.core.selection.lowest` (recent window and protected
+  :func:`~scissorhands.core.tokens.selection.lowest` (recent window and protected
   spans shielded, older first among equals), and swaps them into the ``drop``
   slots that leave the window next, oldest victim first. The window then
   drops one victim per step with no move, and whole blocks leave it: vLLM
@@ -51,14 +51,14 @@ from dataclasses import dataclass
 
 import torch
 
-from scissorhands.core.budgeted import BudgetedKV
-from scissorhands.core.importance import ImportanceState
+from scissorhands.core.attend.prefill import PromptAware, make_prefill
+from scissorhands.core.attend.streaming import attend
+from scissorhands.core.layer.budgeted import BudgetedKV
 from scissorhands.core.methods.base import LayerView
-from scissorhands.core.prefill import PromptAware, make_prefill
-from scissorhands.core.protect import Protection
-from scissorhands.core.selection import lowest
 from scissorhands.core.stores.base import DenseKVStore
-from scissorhands.core.streaming import attend
+from scissorhands.core.tokens.importance import ImportanceState
+from scissorhands.core.tokens.protect import Protection
+from scissorhands.core.tokens.selection import lowest
 
 from . import kernels
 from .settings import PluginSettings

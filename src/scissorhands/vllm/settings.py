@@ -8,14 +8,14 @@ is installed but off, and vLLM runs exactly as without it.
 
 The keys are ``method``, ``budget`` (tokens per layer and KV head),
 ``protect_prefix`` (the first N tokens of every prompt are never evicted) and
-every field of :class:`~scissorhands.core.config.CacheSettings`, parsed and
+every field of :class:`~scissorhands.core.settings.config.CacheSettings`, parsed and
 checked by its declaration, as the CLI and the lm-eval backend do. The same
 method and settings give the same configuration here as through
 ``ScissorhandsCache(model, config, method)`` (a test holds the two equal).
 
 What the adapter fixes, and why (each given otherwise is a one-line error):
 
-* ``rounds`` is on (:mod:`scissorhands.core.rounds`): the layer is presented
+* ``rounds`` is on (:mod:`scissorhands.core.tokens.rounds`): the layer is presented
   to vLLM as a sliding window of ``budget`` slots, which frees each block as
   soon as it is behind the window; a slot inside the window is always attended,
   so a full layer holds exactly ``budget`` tokens, and every ``drop`` steps it
@@ -41,12 +41,12 @@ import json
 import os
 from dataclasses import dataclass, replace
 
-from scissorhands.core.assembly import plan
-from scissorhands.core.config import CacheSettings, ScissorhandsConfig
-from scissorhands.core.importance import ImportanceState
 from scissorhands.core.methods import EvictionMethod, get_method
-from scissorhands.core.protect import Protection
-from scissorhands.core.settings import from_strings
+from scissorhands.core.planning.assembly import plan
+from scissorhands.core.settings.config import CacheSettings, ScissorhandsConfig
+from scissorhands.core.settings.declare import from_strings
+from scissorhands.core.tokens.importance import ImportanceState
+from scissorhands.core.tokens.protect import Protection
 
 KEY = "scissorhands"
 ENV = "SCISSORHANDS_VLLM"

@@ -4,7 +4,7 @@ Selection (drop the lowest scores, at least ``m`` at a time, never the recent
 window or protected slots, ties towards the newer token) and the gather that
 compacts K/V and every per-token state live once, in the layer. A method only
 says how much each stored token is worth keeping, and, if it needs memory of
-its own, supplies a :class:`~scissorhands.core.state.TokenState` that the layer
+its own, supplies a :class:`~scissorhands.core.tokens.state.TokenState` that the layer
 keeps aligned with K/V.
 """
 
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
-from ..config import DEFAULTS, CacheSettings, ScissorhandsConfig
-from ..state import TokenState
+from ..settings.config import DEFAULTS, CacheSettings, ScissorhandsConfig
+from ..tokens.state import TokenState
 
 if TYPE_CHECKING:
-    from ..slots import SlotTable
+    from ..tokens.slots import SlotTable
 
 logger = logging.getLogger(__name__)
 Settings = TypeVar("Settings", bound=CacheSettings)
@@ -43,7 +43,7 @@ class LayerView:
     prompt_attention : Tensor of shape (B, H_kv, length), or None
         Set only while a prompt-aware prefill scores the prompt it holds: the
         attention the prompt's last ``observe`` queries paid each slot, summed
-        over a group's query heads (:class:`~scissorhands.core.prefill.PromptAware`).
+        over a group's query heads (:class:`~scissorhands.core.attend.prefill.PromptAware`).
         Methods that score by attention score by it then.
     """
 

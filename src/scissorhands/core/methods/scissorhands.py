@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import CacheSettings
-from ..importance import ImportanceState
+from ..settings.config import CacheSettings
+from ..tokens.importance import ImportanceState
 from .base import EvictionMethod, LayerView
 from .registry import register
 

@@ -66,13 +66,16 @@ class KVStore(ABC):
 
     @classmethod
     def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> KVStore:
-        """The store for these :class:`~scissorhands.core.config.CacheSettings` (``key_center``: one layer's)."""
+        """The store for these :class:`~scissorhands.core.settings.config.CacheSettings`.
+
+        ``key_center``: one layer's key centres.
+        """
         return cls()
 
     @classmethod
     def bytes_for(cls, settings, shape, tokens: int) -> int | None:
         """The store's byte model: bytes one KV head of one layer holds with ``tokens`` slots, for these
-        settings and a model of this ``shape`` (:class:`~scissorhands.core.memory_budget.Shape`), before any
+        settings and a model of this ``shape`` (:class:`~scissorhands.core.planning.memory_target.Shape`), before any
         residual. A pure function, checked against what the store allocates (tests/test_memory_budget.py);
         ``memory=`` chooses budgets by it. None: this store declares none (``memory=`` then refuses it)."""
         return None

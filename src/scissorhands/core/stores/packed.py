@@ -233,7 +233,7 @@ class PackedKVStore(KVStore):
         the transient dense copy is one tile of K or V, never the whole layer.
     key_center : Tensor, optional
         (H_kv, D): each key channel's offset, taken off before quantising and
-        added back when reading (see :mod:`scissorhands.core.centers`).
+        added back when reading (see :mod:`scissorhands.core.stores.centers`).
 
     A full-precision residual of the newest tokens is a wrapper over this
     store (:class:`~.residual.ResidualStore`), as over any other.

@@ -5,7 +5,7 @@ A :class:`TieredKVStore` keeps K/V at a chain of widths, for example
 When more tokens hold a width than that width's share of the layer budget
 allows, the layer demotes the lowest-scoring ones a step down; eviction then
 only ever drops tokens at the bottom of the chain (see
-:class:`~scissorhands.core.budgeted.BudgetedKV`, "tiers").
+:class:`~scissorhands.core.layer.budgeted.BudgetedKV`, "tiers").
 
 Layout: bit planes, so that a demotion re-packs nothing.
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tiers import check_tiers, parse_tiers, share_caps, tier_caps
+from ..settings.tiers import check_tiers, parse_tiers, share_caps, tier_caps
 from .base import KVStore, gather_rows
 from .packed import (
     PackedKVStore,

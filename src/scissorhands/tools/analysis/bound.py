@@ -17,8 +17,8 @@ import logging
 
 import torch
 
-from scissorhands.core.budget import resolve_budget
-from scissorhands.core.config import DEFAULTS, CacheSettings
+from scissorhands.core.settings.budget import resolve_budget
+from scissorhands.core.settings.config import DEFAULTS, CacheSettings
 from scissorhands.hf.cache import ScissorhandsCache
 
 from .capture import capture_attention_outputs

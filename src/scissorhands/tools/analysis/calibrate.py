@@ -4,7 +4,7 @@ Rule: ``weight_l = (1 - p_l) + weight_floor`` where ``p_l`` is layer ``l``'s
 persistence (form (b), mean over heads); budgets are proportional to the
 weights, add up to ``budget * n_layers`` exactly, and every layer gets at
 least ``recent + 1`` (largest-remainder rounding, the same rounding
-:func:`scissorhands.core.schedule.layer_budgets` applies when it rescales a JSON
+:func:`scissorhands.core.settings.schedule.layer_budgets` applies when it rescales a JSON
 schedule to another total).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 # The rounding the library uses to rescale a loaded schedule; sharing it keeps
 # a calibrated schedule unchanged when it is loaded back at the same total.
-from scissorhands.core.schedule import round_to_total
+from scissorhands.core.settings.schedule import round_to_total
 
 METHOD = "weight = (1 - persistence) + weight_floor, normalised to budget * n_layers, floor recent + 1"
 

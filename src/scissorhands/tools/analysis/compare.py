@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from scissorhands.core.budget import resolve_budget
-from scissorhands.core.config import DEFAULTS, CacheSettings
 from scissorhands.core.methods import get_method
+from scissorhands.core.settings.budget import resolve_budget
+from scissorhands.core.settings.config import DEFAULTS, CacheSettings
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 
 from ..stats import paired_difference

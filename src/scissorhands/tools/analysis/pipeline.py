@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from scissorhands.core.budget import resolve_budget
-from scissorhands.core.config import DEFAULTS
+from scissorhands.core.settings.budget import resolve_budget
+from scissorhands.core.settings.config import DEFAULTS
 
 from ..text import corpus_tokens, windows
 from .bound import deviation_vs_budget

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scissorhands.core.config import check_int
+from scissorhands.core.settings.config import check_int
 
 PARTS = ("persistence", "powerlaw", "calibrate", "bound", "ppl")
 

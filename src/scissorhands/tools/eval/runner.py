@@ -15,12 +15,12 @@ import torch
 from tqdm.auto import tqdm
 
 from scissorhands import __version__
-from scissorhands.core.budget import resolve_budget
-from scissorhands.core.config import CacheSettings
 from scissorhands.core.methods import EvictionMethod
-from scissorhands.core.schedule import layer_budgets
+from scissorhands.core.settings.budget import resolve_budget
+from scissorhands.core.settings.config import CacheSettings
+from scissorhands.core.settings.schedule import layer_budgets
+from scissorhands.core.settings.tiers import tier_caps
 from scissorhands.core.stores.packed import packed_bytes_per_token_head
-from scissorhands.core.tiers import tier_caps
 from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup
 
@@ -47,7 +47,7 @@ def kv_bytes_per_token(model, settings=None) -> int:
 
 def _tiered_bytes(model, settings, budget: float) -> int:
     """K/V store bytes of a demoting (tiered) cache at a token budget: planes, pools, scales, residual, indices."""
-    from scissorhands.core.memory_budget import store_bytes
+    from scissorhands.core.planning.memory_target import store_bytes
     from scissorhands.hf.cache import memory_shape
 
     return store_bytes(settings.with_budget(max(1, round(budget))), memory_shape(model))

@@ -3,7 +3,7 @@
 :class:`CacheSettings` holds everything but the budget: what callers that
 resolve a budget per sequence (the evaluation grid, the lm-eval backend, the
 analysis) carry around. :class:`ScissorhandsConfig` adds the budget. Each
-field is declared once (:func:`~.settings.setting`): its default, its help,
+field is declared once (:func:`~.declare.setting`): its default, its help,
 how it is parsed from text and how it is checked. The CLI flags, the lm-eval
 and vLLM arguments and docs/usage.md's settings table are derived from those declarations.
 Every bad value raises ``ValueError`` whose message starts with the parameter's
@@ -18,15 +18,16 @@ import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from . import settings as s
-from .settings import REQUIRED, declared, setting, settings_table
+from . import declare as s
+from .declare import REQUIRED, declared, setting, settings_table
 from .tiers import check_tiers, parse_tiers
 
 IMPORTANCE_FORMS = ("sum", "count", "mean")
 SCHEDULES = ("uniform", "increasing")
-PREFILL_MODES = ("stream", "prompt-aware")  # the shipped modes; any registered one is taken (core/prefill.py)
-DECODE_MODES = ("dynamic", "static", "compiled")  # the shipped modes; any registered one is taken (core/static.py)
+PREFILL_MODES = ("stream", "prompt-aware")  # the shipped modes; any registered one is taken (core/attend/prefill.py)
+DECODE_MODES = ("dynamic", "static", "compiled")  # the shipped modes; any registered one is taken (layer/decode.py)
 KV_BITS = (2, 4, 8, 16)
+STORE_NAMES = ("dense", "packed", "tiered")  # the shipped stores; any registered one is taken (core/stores)
 
 DEFAULT_RESIDUAL = 32
 """Tokens of full-precision residual a packed cache keeps by default (``kv_residual=None``).
@@ -71,17 +72,19 @@ def _odd(name, value):
 def _store_name(name, value):
     if value is None:
         return value
-    from .stores import STORES  # the registry fills as stores register; read it when checking (imports torch)
-
-    if not isinstance(value, str) or value not in STORES:
-        raise ValueError(f"{name}: must be a registered store ({', '.join(STORES)}) or None, got {value!r}")
+    # As for prefill and decode modes: a store registers by importing core/stores, so the registry is read where
+    # it already is; before that only the shipped stores exist (importing it here would import torch).
+    stores = sys.modules.get("scissorhands.core.stores")
+    names = tuple(getattr(stores, "STORES", STORE_NAMES))
+    if not isinstance(value, str) or value not in names:
+        raise ValueError(f"{name}: must be a registered store ({', '.join(names)}) or None, got {value!r}")
     return value
 
 
 def _prefill_name(name, value):
-    # A mode registers by importing core/prefill.py; until that module is imported only the shipped modes exist,
-    # so it is read where it already is and never imported from here (it imports torch and the layer).
-    prefill = sys.modules.get(f"{__package__}.prefill")
+    # A mode registers by importing core/attend/prefill.py; until that module is imported only the shipped
+    # modes exist, so it is read where it already is and never imported from here (it imports torch and the layer).
+    prefill = sys.modules.get("scissorhands.core.attend.prefill")
     names = tuple(getattr(prefill, "PREFILLS", PREFILL_MODES))
     if not isinstance(value, str) or value not in names:
         raise ValueError(f"{name}: must be a registered prefill mode ({', '.join(names)}), got {value!r}")
@@ -89,8 +92,8 @@ def _prefill_name(name, value):
 
 
 def _decode_name(name, value):
-    # As for prefill modes: the registry is read where core/static.py is already imported, never imported here.
-    static = sys.modules.get(f"{__package__}.static")
+    # As for prefill modes: the registry is read where core/layer/decode.py is already imported, never imported here.
+    static = sys.modules.get("scissorhands.core.layer.decode")
     names = tuple(getattr(static, "DECODES", DECODE_MODES))
     if not isinstance(value, str) or value not in names:
         raise ValueError(f"{name}: must be a registered decode mode ({', '.join(names)}), got {value!r}")
@@ -122,7 +125,7 @@ class CacheSettings:
 
     Every field's meaning, default and range is in its declaration below (and
     in docs/usage.md's settings table, which is generated from them). Read
-    :mod:`scissorhands.core.importance` for the bucketed window, and
+    :mod:`scissorhands.core.tokens.importance` for the bucketed window, and
     docs/quantization.md for packed K/V.
     """
 

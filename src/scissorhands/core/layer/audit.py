@@ -12,7 +12,7 @@
 A *step* is the number of tokens the sequence had seen when the eviction was
 made, i.e. the position of the token about to be stored. Positions are a
 sequence's own token positions (0 = first real token), as in
-:mod:`scissorhands.core.protect`.
+:mod:`scissorhands.core.tokens.protect`.
 
 :func:`held_map` reads a cache after generation: for each layer, the fraction
 of KV heads still holding each position. :meth:`EvictionAudit.summary` answers

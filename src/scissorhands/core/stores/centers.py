@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .facts import ModelFacts
+from ..facts import ModelFacts
 
 FORMAT = "scissorhands-key-centers/1"
 

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..registry import Registry
 from .blocks import attend_block
-from .registry import Registry
 
 if TYPE_CHECKING:
-    from .budgeted import BudgetedKV
-    from .config import CacheSettings
+    from ..layer.budgeted import BudgetedKV
+    from ..settings.config import CacheSettings
 
 
 class Prefill:

@@ -1,6 +1,6 @@
 """How a setting is declared: once, with its default, its help, its parsing from text and its check.
 
-Every field of :class:`~scissorhands.core.config.CacheSettings` is made with
+Every field of :class:`~scissorhands.core.settings.config.CacheSettings` is made with
 :func:`setting`. What reads settings derives everything from those
 declarations: the dataclass validates each field with its ``check``, the CLI
 builds one flag per field (help, metavar and parsing included), the lm-eval

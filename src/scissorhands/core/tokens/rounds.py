@@ -4,7 +4,7 @@ The per-step semantics (``rounds=False``) drop ``drop`` tokens when an append
 would exceed the budget, so a full layer's stored count falls to ``B - drop``
 and climbs back. In rounds, a full row with no victim pending scores its
 tokens and marks its ``drop`` lowest (by the rules of
-:func:`~scissorhands.core.selection.lowest`: recent window, protected spans,
+:func:`~scissorhands.core.tokens.selection.lowest`: recent window, protected spans,
 older first among equals) as victims, ranked by position, oldest first. Each
 new token then evicts the oldest pending victim, so the row holds exactly
 ``B`` tokens, and the victims are still attended until they leave.
@@ -15,7 +15,7 @@ scoring runs once per ``drop`` steps and the window frees whole blocks with no
 move per step (:mod:`scissorhands.vllm.paged`). The transformers cache runs the
 same mode, so both keep the same positions.
 
-:class:`RoundState` is a :class:`~scissorhands.core.state.TokenState`: each
+:class:`RoundState` is a :class:`~scissorhands.core.tokens.state.TokenState`: each
 slot's leave rank (-1: not a victim) moves with the slot on every compaction.
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from ..stores.base import gather_rows
 from .state import TokenState
-from .stores.base import gather_rows
 
 
 class RoundState(TokenState):

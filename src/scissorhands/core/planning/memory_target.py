@@ -41,8 +41,8 @@ import re
 from dataclasses import dataclass, replace
 from importlib import resources
 
-from .config import CacheSettings, ScissorhandsConfig
-from .tiers import tier_caps
+from ..settings.config import CacheSettings, ScissorhandsConfig
+from ..settings.tiers import tier_caps
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -199,7 +199,7 @@ def peak_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) ->
 def store_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -> int:
     """Peak bytes of the K/V store alone, by the store's own byte model (``KVStore.bytes_for``: elements, packed
     or not, scales and zero-points, a tiered store's pools and indices), plus the full-precision residual."""
-    from .stores import STORES, store_name  # torch: imported on use
+    from ..stores import STORES, store_name  # torch: imported on use
 
     name = store_name(config)
     per_head = STORES[name].bytes_for(config, shape, config.budget)

@@ -1,22 +1,22 @@
 """One layer's budgeted K/V: storage, slot bookkeeping, per-token state and eviction, without transformers.
 
 :class:`BudgetedKV` owns four parts and keeps them aligned: the K/V store
-(:mod:`.stores`), the slot table (:mod:`.slots`), the method's per-token state
-(:mod:`.state`), and the method that scores tokens (:mod:`.methods`). Appending
+(:mod:`..stores`), the slot table (:mod:`..tokens.slots`), the method's per-token state
+(:mod:`..tokens.state`), and the method that scores tokens (:mod:`..methods`). Appending
 writes all of them; an eviction asks the method for scores, picks the kept
-slots with :func:`~scissorhands.core.selection.keep_order`, and compacts all of
-them with the same index. The attention that feeds it lives in :mod:`.streaming`.
+slots with :func:`~scissorhands.core.tokens.selection.keep_order`, and compacts all of
+them with the same index. The attention that feeds it lives in :mod:`..attend.streaming`.
 
 Two extension points let features join an eviction without editing it:
 
 * ``shields``: objects with ``mask(positions) -> bool`` (slots never to
   drop), ``select_batch(index)`` and ``for_batch(batch)`` (the shield for a
   batch of that many rows, expanded for beams or refused); attention sinks and
-  protected spans are shields (:class:`~scissorhands.core.protect.Protection`);
+  protected spans are shields (:class:`~scissorhands.core.tokens.protect.Protection`);
 * ``listeners``: objects told of every eviction, ``evicted_tokens(layer_idx,
   seen, positions, scores, dropped)``, and of row reordering,
   ``select_batch(layer_idx, index)``; the eviction audit is one
-  (:class:`~scissorhands.core.audit.EvictionAudit`).
+  (:class:`~scissorhands.core.layer.audit.EvictionAudit`).
 
 Tiers (demotion before eviction), when the store keeps a chain of bit widths
 (:class:`~scissorhands.core.stores.tiered.TieredKVStore`, ``kv_demote``):
@@ -38,15 +38,15 @@ from __future__ import annotations
 
 import torch
 
-from .merging import MergeState
-from .methods.base import EvictionMethod, LayerView
-from .protect import Protection
-from .rounds import RoundState
-from .selection import keep_order, lowest
-from .slots import SlotTable
-from .state import TokenState
-from .static import make_decode
-from .stores.base import DenseKVStore, KVStore
+from ..methods.base import EvictionMethod, LayerView
+from ..stores.base import DenseKVStore, KVStore
+from ..tokens.merging import MergeState
+from ..tokens.protect import Protection
+from ..tokens.rounds import RoundState
+from ..tokens.selection import keep_order, lowest
+from ..tokens.slots import SlotTable
+from ..tokens.state import TokenState
+from .decode import make_decode
 
 
 def _whole_batch(keep: torch.Tensor, sel: torch.Tensor, batch: int) -> torch.Tensor:
@@ -80,14 +80,14 @@ class BudgetedKV:
     protect : Protection, optional
         Further spans never evicted.
     merge : bool
-        Fold evicted tokens into their nearest kept token (see :mod:`.merging`).
-    prefill : scissorhands.core.prefill.Prefill, optional
-        How a chunk of new tokens is taken (:mod:`.prefill`; default streamed).
+        Fold evicted tokens into their nearest kept token (see :mod:`..tokens.merging`).
+    prefill : scissorhands.core.attend.prefill.Prefill, optional
+        How a chunk of new tokens is taken (:mod:`..attend.prefill`; default streamed).
     decode : {"dynamic", "static", "compiled"}
         How a decode step runs: compact slots planned on the host (``dynamic``), or fixed shapes with no
-        host synchronisation, eager or under ``torch.compile`` (:mod:`.static`).
+        host synchronisation, eager or under ``torch.compile`` (:mod:`.decode`).
     rounds : bool
-        Evict in rounds (:mod:`.rounds`): a full row chooses ``drop`` victims at once, and each new token
+        Evict in rounds (:mod:`..tokens.rounds`): a full row chooses ``drop`` victims at once, and each new token
         evicts the oldest of them.
     """
 
@@ -103,7 +103,7 @@ class BudgetedKV:
         if residual and merge:
             raise ValueError("kv_residual: cannot be combined with merge")
         self.budget, self.recent, self.drop = budget, recent, drop
-        self.prefill = prefill  # None: streamed (see :func:`.streaming.attend`)
+        self.prefill = prefill  # None: streamed (see :func:`..attend.streaming.attend`)
         self.method = method
         self.state = state if state is not None else TokenState()
         self.layer_idx = layer_idx
@@ -159,7 +159,7 @@ class BudgetedKV:
         self.tier_counts = torch.zeros(0, 0, dtype=torch.long)  # (B, widths above the base), CPU
 
     def to_stored_order(self) -> None:
-        """Slots back in stored order after static decode steps (see :mod:`.static`); a no-op otherwise."""
+        """Slots back in stored order after static decode steps (see :mod:`.decode`); a no-op otherwise."""
         if self.static is not None:
             self.static.settle()
 
@@ -241,7 +241,7 @@ class BudgetedKV:
         return length + 1
 
     def view(self, prompt_attention: torch.Tensor | None = None) -> LayerView:
-        """The read-only view a method scores (``prompt_attention``: see :class:`.prefill.PromptAware`)."""
+        """The read-only view a method scores (``prompt_attention``: see :class:`..attend.prefill.PromptAware`)."""
         return LayerView(self.layer_idx, self.slots.length, self.compressions, self.state, self.slots,
                          self.store.read, prompt_attention)
 

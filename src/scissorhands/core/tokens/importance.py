@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..stores.base import gather_rows
 from .state import TokenState
-from .stores.base import gather_rows
 
 
 def tile_buckets(steps: torch.Tensor, valid: torch.Tensor, bucket_steps: int | None,
@@ -108,7 +108,7 @@ class ImportanceState(TokenState):
 
     @classmethod
     def from_settings(cls, settings) -> ImportanceState:
-        """The state a :class:`~scissorhands.core.config.CacheSettings` describes."""
+        """The state a :class:`~scissorhands.core.settings.config.CacheSettings` describes."""
         return cls(settings.importance, settings.bucket_steps(), settings.n_buckets(), settings.value_weighted)
 
     # -- storage -------------------------------------------------------------------------

@@ -8,7 +8,7 @@ sequence of a batch, or once per sequence:
     protect=[(0, 40)]                       # the first 40 tokens of every sequence
     protect=[[(0, 40)], [(0, 12), (90, 95)]]  # per sequence of a batch of two
 
-Protection is a *shield* of the layer (:class:`~scissorhands.core.budgeted.BudgetedKV`):
+Protection is a *shield* of the layer (:class:`~scissorhands.core.layer.budgeted.BudgetedKV`):
 at each eviction it marks the stored slots whose positions fall in a span, and
 the selection never drops them. Protected tokens count against the budget;
 :func:`check_room` rejects a protection that would leave a layer unable to

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .kernel import attend_stored
+from ..layer.kernel import attend_stored
 
 if TYPE_CHECKING:
-    from .budgeted import BudgetedKV
+    from ..layer.budgeted import BudgetedKV
 
 
 def attend_block(kv: BudgetedKV, q, out, base, cum, valid, scaling, softcap, query_tile, snap=None) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .budgeted import BudgetedKV
-from .config import DEFAULTS
-from .kernel import attend_stored
+from ..layer.budgeted import BudgetedKV
+from ..layer.kernel import attend_stored
+from ..settings.config import DEFAULTS
 from .prefill import Streamed
 
 STREAMED = Streamed()

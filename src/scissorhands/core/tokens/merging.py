@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..stores.base import gather_rows
 from .state import TokenState
-from .stores.base import gather_rows
 
 
 class MergeState(TokenState):
@@ -73,7 +73,7 @@ class MergeState(TokenState):
         keys, values : Tensor, shape (B, H_kv, L, D)
             The stored K and V (dense), in slot order.
         keep : LongTensor, shape (B, H_kv, L)
-            From :func:`~scissorhands.core.selection.keep_order`: kept slots first, then dropped.
+            From :func:`~scissorhands.core.tokens.selection.keep_order`: kept slots first, then dropped.
         lengths, n_drop : LongTensor, shape (B,)
 
         Returns

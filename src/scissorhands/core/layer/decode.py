@@ -1,6 +1,6 @@
 """A decode step with fixed shapes and no host synchronisation: ``decode="static"``.
 
-The default decode step (:func:`.streaming._decode_step`) keeps each row's
+The default decode step (:func:`..attend.streaming._decode_step`) keeps each row's
 slots compact and in stored order, and plans with Python integers: the stored
 length is read on the host, an eviction runs only when a row is full, and
 compaction gathers K/V into their new order. On a CPU that costs nothing. On
@@ -20,7 +20,7 @@ This step keeps the same tokens with a different layout:
   two graphs, a step that may evict and one that cannot, each of fixed shapes;
 * the positions and the steps seen live in tensors on the device.
 
-The rule is the layer's (:mod:`.budgeted`, :func:`.selection.lowest`): drop
+The rule is the layer's (:mod:`.budgeted`, :func:`..tokens.selection.lowest`): drop
 the ``drop`` lowest-scoring tokens, never the ``recent`` newest ones, an empty
 slot or a shielded one, and among equal scores the older token first. Since
 slots are not in stored order here, "older" is read from the positions: the
@@ -36,7 +36,7 @@ step would have left, up to float rounding: attention sums the same slots in
 another order.
 
 What it takes: a dense store, a method whose state is
-:class:`~.importance.ImportanceState` (scissorhands, its count form, h2o,
+:class:`~..tokens.importance.ImportanceState` (scissorhands, its count form, h2o,
 tova), no merging, no tiers, and no listeners (an audit is told of every
 eviction on the host). :func:`check_static` says why, in one line, when a
 layer cannot.
@@ -50,11 +50,11 @@ from typing import ClassVar
 
 import torch
 
-from .importance import ImportanceState, queries_in_window
+from ..registry import Registry
+from ..stores.base import DenseKVStore
+from ..tokens.importance import ImportanceState, queries_in_window
+from ..tokens.protect import in_spans
 from .kernel import attention_output, attention_probs
-from .protect import in_spans
-from .registry import Registry
-from .stores.base import DenseKVStore
 
 
 class DecodeMode:
@@ -76,7 +76,7 @@ class DecodeMode:
 
 
 class Dynamic(DecodeMode):
-    """The default: the layer's own step (:func:`.streaming._decode_step`), compact slots planned on the host."""
+    """The default: the layer's own step (:func:`..attend.streaming._decode_step`), slots planned on the host."""
 
     name = "dynamic"
 
@@ -138,7 +138,7 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
     positions : IntTensor, shape (B, H_kv, C)
         Each slot's position, -1 when empty.
     acc : Tensor, shape (NB, B, H_kv, C)
-        The importance accumulators (:class:`~.importance.ImportanceState`).
+        The importance accumulators (:class:`~..tokens.importance.ImportanceState`).
     seen : LongTensor, shape (B,)
         Tokens each row has seen: the new token's position. Advanced by one.
     spans : LongTensor, shape (R, S, 2), R in {1, B}, or None

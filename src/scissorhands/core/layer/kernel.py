@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .stores.residual import ResidualStore
+from ..stores.residual import ResidualStore
 
 
 def attention_probs(
@@ -115,7 +115,7 @@ def attend_stored(
     probability anyway), then value tiles are dequantised one at a time and
     their products summed. So no more than one tile of K or V is ever dense.
 
-    A residual store (:class:`~.stores.residual.ResidualStore`, R = ``store.residual``) needs ``limits``, the
+    A residual store (:class:`~..stores.residual.ResidualStore`, R = ``store.residual``) needs ``limits``, the
     slots each query sees (an int for all, or (B, n) for the ``n`` queries of
     ``shape`` = (B, H_kv, g, n, L)), and ``ends``, each row's stored length:
     a query that sees ``limit`` slots reads slots ``[limit - R, limit)`` exact

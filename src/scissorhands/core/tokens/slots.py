@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .stores.base import gather_rows
+from ..stores.base import gather_rows
 
 
 class SlotTable:

@@ -13,18 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .config import CacheSettings, ScissorhandsConfig
-from .protect import Protection, check_room
-from .schedule import layer_budgets
+from ..settings.config import CacheSettings, ScissorhandsConfig
+from ..settings.schedule import layer_budgets
+from ..tokens.protect import Protection, check_room
 
 if TYPE_CHECKING:
     import torch
 
-    from .memory_budget import MemoryChoice, Shape
-    from .methods.base import EvictionMethod
-    from .prefill import Prefill
-    from .state import TokenState
-    from .stores.base import KVStore
+    from ..attend.prefill import Prefill
+    from ..methods.base import EvictionMethod
+    from ..stores.base import KVStore
+    from ..tokens.state import TokenState
+    from .memory_target import MemoryChoice, Shape
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,13 @@ class CachePlan:
 
     def store(self, layer: int, key_center: torch.Tensor | None = None) -> KVStore:
         """Layer ``layer``'s K/V store (the settings' store, wrapped in its residual)."""
-        from .stores import make_store
+        from ..stores import make_store
 
         return make_store(self.config, key_center, self.layers[layer].residual)
 
     def prefill(self, layer: int) -> Prefill:
         """Layer ``layer``'s prefill mode, with its settings."""
-        from .prefill import make_prefill
+        from ..attend.prefill import make_prefill
 
         return make_prefill(self.config, self.layers[layer].budget)
 
@@ -85,17 +85,17 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
     memory, shape, length
         A memory target (a fraction of the full cache's K/V bytes, or a size per sequence), the model's K/V
         shape and the sequence length: the store and token budget are chosen for them
-        (:func:`scissorhands.core.memory_budget.choose`) and kept as ``memory_choice``.
+        (:func:`scissorhands.core.planning.memory_target.choose`) and kept as ``memory_choice``.
     """
     if method is None:
-        from .methods.scissorhands import Scissorhands
+        from ..methods.scissorhands import Scissorhands
 
         method = Scissorhands()
     elif isinstance(method, type):  # a method class, as the registry holds them
         method = method()
     choice = None
     if memory is not None:
-        from .memory_budget import choose
+        from .memory_target import choose
 
         if shape is None or length is None:
             raise ValueError("memory: needs the model's K/V shape and the sequence length to choose a budget")

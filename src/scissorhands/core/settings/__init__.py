@@ -1,0 +1,1 @@
+"""What users set, declared once: the settings, budgets and schedules (imports no torch)."""
