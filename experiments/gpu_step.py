@@ -67,7 +67,7 @@ except ImportError:  # --help and the torch reference need no Triton
 #: Triton's interpreter runs the kernels on the CPU (read when ``triton.jit`` decorates them, at import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-#: The plugin settings served in the rounds check (tests/test_paged_layer.py's, all of which the device runs).
+#: The plugin settings served in the rounds check (tests/vllm/test_paged_layer.py's, all of which the device runs).
 PLUGINS = {
     "defaults": {"budget": 12},
     "drop4": {"budget": 12, "drop": 4},

@@ -5,7 +5,7 @@ as the ``--full`` folder's full-cache row (same text, ``--seq-len``, ``--num-sam
 A row's bytes are its exact peak over the budgeted layers, everything stored counted (K/V, packed or
 not, scales and zero-points, the residual, a tiered store's pools and indices, the importance state and
 the positions), as :func:`scissorhands.core.planning.memory_target.peak_bytes` computes them and the cache
-allocates them (tests/test_demotion.py checks the two agree). A row that evicts nothing (the scorer's
+allocates them (tests/core/test_demotion.py checks the two agree). A row that evicts nothing (the scorer's
 packed full cache) keeps no importance state. The full cache counts its K/V alone.
 
     python experiments/memory_pareto.py --model smollm2-135m --full docs/results/memory \\

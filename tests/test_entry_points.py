@@ -174,7 +174,7 @@ def test_demotion_settings_are_the_same_through_every_entry_point_and_refused_by
 @pytest.mark.parametrize("decode", ["static", "compiled"])
 def test_static_decode_is_the_same_through_every_entry_point(decode):
     """``decode`` through the Python API, generate's flag, the scorer, eval's flag and lm-eval's argument: every
-    budgeted layer gets the same step. vLLM runs its own step and refuses it (tests/test_static_decode.py)."""
+    budgeted layer gets the same step. vLLM runs its own step and refuses it (tests/core/test_decode_modes.py)."""
     model = tiny_model("llama")
     method = get_method("scissorhands")
     flags = [*_cli_flags(), "--decode", decode]

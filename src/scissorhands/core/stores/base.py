@@ -76,7 +76,7 @@ class KVStore(ABC):
     def bytes_for(cls, settings, shape, tokens: int) -> int | None:
         """The store's byte model: bytes one KV head of one layer holds with ``tokens`` slots, for these
         settings and a model of this ``shape`` (:class:`~scissorhands.core.planning.memory_target.Shape`), before any
-        residual. A pure function, checked against what the store allocates (tests/test_memory_budget.py);
+        residual. A pure function, checked against what the store allocates (tests/core/test_memory_target.py);
         ``memory=`` chooses budgets by it. None: this store declares none (``memory=`` then refuses it)."""
         return None
 

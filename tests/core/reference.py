@@ -31,7 +31,7 @@ def width_table(k, v, widths, group):
     """K/V of every token at every width of a demotion chain: ``{width: (k, v)}``.
 
     Every token is quantised once at the chain's widest packed width (by the
-    library's quantiser, tested on its own in test_quant.py); a token at width
+    library's quantiser, tested on its own in test_packed.py); a token at width
     ``w`` reads its top ``w`` bits with the missing bits at their midpoint. 16
     is the token itself.
     """

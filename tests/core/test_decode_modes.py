@@ -9,16 +9,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import reference_stream
+from test_reference import cases, kept_of, make_inputs, run_layer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import batch_and_alone, left_padded, run_cli, tiny_model
-from reference import reference_stream
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.layer.audit import EvictionAudit
 from scissorhands.core.layer.decode import static_step
 from scissorhands.core.methods import get_method
 from scissorhands.core.tokens.protect import Protection
-from test_reference import cases, kept_of, make_inputs, run_layer
 
 SYNCS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default",
          "aten.masked_select.default", "aten.unique_consecutive.default"}

@@ -11,13 +11,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_reference import cases, check_case
+from test_scoring import decode_logprobs
 
 from conftest import left_padded, scored_and_decoded, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig, get_method
 from scissorhands.core.settings.config import PRESETS
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
-from test_reference import cases, check_case
-from test_scoring import decode_logprobs
 
 
 @st.composite

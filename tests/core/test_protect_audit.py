@@ -7,10 +7,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import reference_stream
+from test_reference import chunk_mask, make_inputs
 from transformers import AutoModelForCausalLM
 
 from conftest import byte_tokenizer_fast, save_tiny_model
-from reference import reference_stream
 from scissorhands import EvictionAudit, Protection, ScissorhandsCache, ScissorhandsConfig, get_method
 from scissorhands.core.methods.scissorhands import Scissorhands
 from scissorhands.core.tokens.importance import ImportanceState
@@ -18,7 +19,6 @@ from scissorhands.core.tokens.protect import check_room
 from scissorhands.hf.cache import ScissorhandsLayer
 from scissorhands.tools.cli import main
 from scissorhands.tools.generation import generate
-from test_reference import chunk_mask, make_inputs
 
 CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}")

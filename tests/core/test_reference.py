@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from reference import reference_stream
+
 from scissorhands.core.attend.prefill import Streamed
 from scissorhands.core.methods.scissorhands import Scissorhands
 from scissorhands.core.tokens.importance import ImportanceState

@@ -25,7 +25,7 @@ from scissorhands.tools.models import load_model
 
 pytestmark = pytest.mark.slow  # the tokenizer comes from the embedded default model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEXT = ("Scissorhands keeps the pivotal tokens of the key-value cache and drops the rest, so that memory "
         "stays bounded while the quality of the model holds up on long inputs.")
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_scoring import BASE, decode_logprobs
 
 from conftest import batch_and_alone, left_padded, run_cli, tiny_model
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
@@ -16,7 +17,6 @@ from scissorhands.core.stores.base import DenseKVStore
 from scissorhands.core.stores.packed import PackedKVStore, dequantize, pack, quantize, unpack
 from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
-from test_scoring import BASE, decode_logprobs
 
 BITS = [2, 4, 8]
 

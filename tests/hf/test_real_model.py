@@ -42,7 +42,7 @@ def test_packed_prefill_matches_token_by_token_in_the_mean_on_real_model(smollm,
 
     Not bitwise: the two paths compute K/V with different matmul shapes, which differ in the last float
     bits, and quantisation turns a rare last-bit difference at a rounding boundary into a whole step (then
-    eviction choices can follow). Tiny models show the paths equal to 1e-5 (tests/test_quant.py); here the
+    eviction choices can follow). Tiny models show the paths equal to 1e-5 (tests/core/test_packed.py); here the
     mean NLL of the two agrees and the budget holds. How far the step goes depends on the CPU's kernels:
     0.0126 nats on an AVX-512 AMD EPYC for 8/4 bits without a residual (0.0008 with it), under 0.01 on
     others, so the bound is 0.03. It still catches a gross error: 2-bit instead of 4-bit K/V moves the
@@ -84,7 +84,7 @@ def test_the_readme_python_snippet_evicts_and_prints_what_it_says(capsys):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = re.search(r"## Use it from Python\n\n```python\n(.*?)```", readme, re.S).group(1)
     promised = [line.split("# ", 1)[1].split(":")[0].strip() for line in block.splitlines()
                 if line.startswith("print(") and "# " in line]

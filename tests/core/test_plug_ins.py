@@ -14,6 +14,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_scoring import BASE as SCORING_BASE
+from test_scoring import assert_scorer_equals_decoding
 
 from conftest import left_padded, tiny_model
 from scissorhands import EvictionMethod, LayerView, ScissorhandsCache, ScissorhandsConfig, TokenState, register
@@ -22,8 +24,6 @@ from scissorhands.core.layer.decode import DECODES, StaticDecode, register_decod
 from scissorhands.core.methods import METHODS, unregister
 from scissorhands.core.stores import DenseKVStore, KVStore, register_store, unregister_store
 from scissorhands.core.tokens.importance import ImportanceState
-from test_scoring import BASE as SCORING_BASE
-from test_scoring import assert_scorer_equals_decoding
 
 
 class ValueWeighted(EvictionMethod):

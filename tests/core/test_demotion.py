@@ -6,9 +6,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import reference_stream
+from test_reference import chunk_mask, kept_of, make_inputs
+from test_scoring import BASE, decode_logprobs
 
 from conftest import batch_and_alone, left_padded, run_cli, save_tiny_model, tiny_model
-from reference import reference_stream
 from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.attend.prefill import Streamed
 from scissorhands.core.methods import get_method
@@ -18,8 +20,6 @@ from scissorhands.core.stores.tiered import TieredKVStore
 from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.hf.cache import ScissorhandsLayer
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
-from test_reference import chunk_mask, kept_of, make_inputs
-from test_scoring import BASE, decode_logprobs
 
 # (widths above the base, widest first; the base): every kind of chain the store takes.
 CHAINS = [((4,), 2), ((16, 4), 2), ((8, 4), 2), ((16,), 4), ((8,), 4), ((16, 8, 4), 2)]
