@@ -118,11 +118,12 @@ def test_no_import_circles():
     itself."""
     graph = _module_graph()
     assert not _circles(graph), _circles(graph)
-    # The check has teeth: the circle once found through a package's face (settings -> the stores' package ->
-    # a store -> settings) is caught when put back, and so is one inside a single package.
+    # The check has teeth: the circle once found through the stores (settings -> the stores' registry -> a store
+    # -> settings) is caught when put back, and so is one inside a single package.
     broken = {k: set(v) for k, v in graph.items()}
     broken["scissorhands.core.stores.tiered"].add("scissorhands.core.settings.config")
-    broken["scissorhands.core.settings.config"].add("scissorhands.core.stores")
-    assert ["scissorhands.core.settings.config", "scissorhands.core.stores", "scissorhands.core.stores.tiered",
-            "scissorhands.core.settings.config"] in _circles(broken)
-    assert "scissorhands.core.stores.tiered" in graph["scissorhands.core.stores"]  # the face's edges are read
+    broken["scissorhands.core.settings.config"].add("scissorhands.core.stores.registry")
+    assert ["scissorhands.core.settings.config", "scissorhands.core.stores.registry",
+            "scissorhands.core.stores.tiered", "scissorhands.core.settings.config"] in _circles(broken)
+    assert "scissorhands.core.stores.tiered" in graph["scissorhands.core.stores.registry"]
+    assert "scissorhands.core.methods.full" in graph["scissorhands.core.methods"]  # a face's edges are read

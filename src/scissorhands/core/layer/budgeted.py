@@ -40,6 +40,7 @@ import torch
 
 from ..methods.base import EvictionMethod, LayerView
 from ..stores.base import DenseKVStore, KVStore
+from ..stores.settings import check_demotion, check_residual
 from ..tokens.merging import MergeState
 from ..tokens.protect import Protection
 from ..tokens.rounds import RoundState
@@ -98,10 +99,7 @@ class BudgetedKV:
         if drop > budget - recent:
             raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
         residual = store.residual if store is not None else 0
-        if residual and not method.is_full and residual > recent:
-            raise ValueError(f"kv_residual: must be <= the recent window ({recent}) for this layer, got {residual}")
-        if residual and merge:
-            raise ValueError("kv_residual: cannot be combined with merge")
+        check_residual(residual, recent, merge=merge, evicts=not method.is_full)
         self.budget, self.recent, self.drop = budget, recent, drop
         self.prefill = prefill  # None: streamed (see :func:`..attend.streaming.attend`)
         self.method = method
@@ -118,10 +116,7 @@ class BudgetedKV:
         self.listeners: list = []
         self.tiers = self.store.tiered()  # the chain of widths, or None
         if self.tiers is not None:
-            if merge:
-                raise ValueError("kv_demote: cannot be combined with merge")
-            if method.is_full:
-                raise ValueError("kv_demote: the full cache scores no tokens, so it cannot demote any")
+            check_demotion(merge=merge, evicts=not method.is_full)
             self.tiers.bind(budget, recent, drop)
         self.static = make_decode(self, decode)
         self.rounds: RoundState | None = None

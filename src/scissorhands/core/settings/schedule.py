@@ -1,11 +1,50 @@
-"""Per-layer budgets: how the total ``budget * n_layers`` is split across layers."""
+"""Per-layer budgets: how the total ``budget * n_layers`` is split across layers, and the settings that say how.
+
+:class:`ScheduleSettings` is one group of :class:`~.config.CacheSettings`; :func:`layer_budgets` reads it.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .config import ScissorhandsConfig
+from . import declare as s
+from .declare import setting
+
+if TYPE_CHECKING:
+    from .config import ScissorhandsConfig
+
+SCHEDULES = ("uniform", "increasing")
+
+
+def _schedule(name, value):
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, tuple):
+        for b in value:
+            s.integer(1)(name, b)
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: must be a name, a list of budgets or a JSON path, got {value!r}")
+    if value not in SCHEDULES and not value.endswith(".json"):
+        raise ValueError(f"{name}: must be one of {SCHEDULES}, a list of budgets or a .json file, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """How the total budget is split across layers: evenly, rising with depth, or a list of budgets."""
+
+    schedule: str | tuple[int, ...] = setting(
+        "uniform", '`"uniform"`, `"increasing"` (later layers more, same total), a list of budgets, or a JSON file',
+        s.parse_schedule, _schedule, metavar="uniform|increasing|b1,b2,...|FILE.json")
+    increasing_slope: float = setting(
+        0.5, '`"increasing"` schedule: the last layer gets 1 + slope times the average, the first 1 - slope',
+        s.parse_float, s.real(0.0, 1.0))
 
 
 def round_to_total(weights: list[float], total: int, floor: int) -> list[int]:
@@ -13,8 +52,8 @@ def round_to_total(weights: list[float], total: int, floor: int) -> list[int]:
 
     Largest-remainder rounding, with every layer at least ``floor``.
     """
-    s = sum(weights)
-    raw = [max(floor, total * w / s) for w in weights]
+    weight = sum(weights)
+    raw = [max(floor, total * w / weight) for w in weights]
     # Re-normalise after flooring so the free part still sums to the total.
     excess = sum(raw) - total
     if excess > 0:

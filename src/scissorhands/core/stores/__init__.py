@@ -1,57 +1,35 @@
-"""Where a budgeted layer keeps K and V: the store interface, the registry, and the shipped stores.
+"""Where a budgeted layer keeps K and V: the store interface, the registry, the shipped stores, their settings.
 
 A store is registered by name, as a method is; the settings choose it
 (``kv_store``; by default ``dense``, or ``packed`` when ``kv_bits`` is below
 16), and the full-precision residual wraps whichever store that is. To add a
 store, subclass :class:`~.base.KVStore`, set ``name``, override
 ``from_settings`` if it reads settings, and decorate it with
-:func:`register_store`.
+:func:`register_store`. The storage settings (``kv_*``) and their checks are
+:mod:`.settings`, which imports no torch: this package's names are imported on
+first use, so the settings (and ``--help``) can read their own module alone.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from ..registry import Registry
-from .base import DenseKVStore, KVStore, gather_rows
-from .packed import PackedKVStore
-from .residual import ResidualStore
-from .tiered import TieredKVStore
+from ..lazy import lazy_names
 
-STORES: Registry[type[KVStore]] = Registry("register_store", KVStore)
+if TYPE_CHECKING:
+    from .base import DenseKVStore, KVStore, gather_rows
+    from .packed import PackedKVStore
+    from .registry import STORES, make_store, register_store, store_name, unregister_store
+    from .residual import ResidualStore
+    from .tiered import TieredKVStore
 
-
-def register_store(cls: type[KVStore]) -> type[KVStore]:
-    """Class decorator: make ``cls`` available as ``kv_store=cls.name``."""
-    return STORES.register(cls)
-
-
-def unregister_store(name: str) -> None:
-    """Remove a registered store (for tests and experiments)."""
-    STORES.unregister(name)
-
-
-def store_name(settings) -> str:
-    """The store the settings ask for: ``kv_store``, else packed for ``kv_bits`` below 16, else dense."""
-    if settings.kv_store is not None:
-        return settings.kv_store
-    if getattr(settings, "kv_demote", None) is not None:
-        return "tiered"
-    return "packed" if settings.quantized else "dense"
-
-
-def make_store(settings, key_center: torch.Tensor | None = None, residual: int = 0) -> KVStore:
-    """One layer's store for these settings, wrapped in a residual of ``residual`` tokens if that is > 0."""
-    name = store_name(settings)
-    if name not in STORES:
-        raise ValueError(f"kv_store: unknown store {name!r}; choose from {', '.join(STORES)}")
-    store = STORES[name].from_settings(settings, key_center)
-    return ResidualStore(store, residual) if residual else store
-
-
-register_store(DenseKVStore)
-register_store(PackedKVStore)
-register_store(TieredKVStore)
+__getattr__ = lazy_names(__name__, globals(), {
+    ".base": ("DenseKVStore", "KVStore", "gather_rows"),
+    ".packed": ("PackedKVStore",),
+    ".registry": ("STORES", "make_store", "register_store", "store_name", "unregister_store"),
+    ".residual": ("ResidualStore",),
+    ".tiered": ("TieredKVStore",),
+})
 
 __all__ = ["STORES", "DenseKVStore", "KVStore", "PackedKVStore", "ResidualStore", "TieredKVStore", "gather_rows",
            "make_store", "register_store", "store_name", "unregister_store"]

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import torch
 
-from ..settings.tiers import check_tiers, parse_tiers, share_caps, tier_caps
 from .base import KVStore, gather_rows
 from .packed import (
     PackedKVStore,
@@ -50,6 +49,7 @@ from .packed import (
     quantize_codes,
     unpack,
 )
+from .tiers import check_tiers, parse_tiers, share_caps, tier_caps
 
 
 class _Pool:

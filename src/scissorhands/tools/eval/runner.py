@@ -19,8 +19,8 @@ from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.settings.budget import resolve_budget
 from scissorhands.core.settings.config import CacheSettings
 from scissorhands.core.settings.schedule import layer_budgets
-from scissorhands.core.settings.tiers import tier_caps
 from scissorhands.core.stores.packed import packed_bytes_per_token_head
+from scissorhands.core.stores.tiers import tier_caps
 from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup
 

@@ -1,0 +1,63 @@
+"""The prefill settings: how a layer takes a prompt (the modes are :mod:`.prefill`).
+
+One group of :class:`~scissorhands.core.settings.config.CacheSettings`, declared here beside the modes it
+configures; this module imports no torch, so the settings (and ``--help``) read it alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from ..settings import declare as s
+from ..settings.declare import setting
+
+PREFILL_MODES = ("stream", "prompt-aware")  # the shipped modes; any registered one is taken (prefill.py)
+GROUP = "prefill"
+
+
+def _prefill_name(name, value):
+    # A mode registers by importing core/attend/prefill.py; until that module is imported only the shipped
+    # modes exist, so it is read where it already is and never imported from here (it imports torch).
+    prefill = sys.modules.get("scissorhands.core.attend.prefill")
+    names = tuple(getattr(prefill, "PREFILLS", PREFILL_MODES))
+    if not isinstance(value, str) or value not in names:
+        raise ValueError(f"{name}: must be a registered prefill mode ({', '.join(names)}), got {value!r}")
+    return value
+
+
+def _odd(name, value):
+    value = s.integer(1)(name, value)
+    if value % 2 == 0:
+        raise ValueError(f"{name}: must be odd (the pooled slot sits in the middle), got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    """How a prompt enters a layer: streamed at the budget, or held once and scored by its last queries."""
+
+    prefill: str = setting(
+        "stream", '`"stream"` (peak = budget) or `"prompt-aware"` (hold the prompt once, score it by its last queries)',
+        s.parse_text, _prefill_name, group=GROUP, metavar="|".join(PREFILL_MODES))
+    prefill_drop: float | int | None = setting(
+        None, "streamed prefill: tokens evicted at each compression event of a chunk of several tokens (a "
+        "fraction of the layer budget, or a count); `None` = `drop`, which makes a chunk exactly token-by-token "
+        "decoding. Larger means fewer, cheaper events; the peak stays the budget",
+        s.parse_optional_count_or_fraction, s.fraction_or_count(1, fraction_closed_low=False, allow_none=True),
+        metavar="M|none")
+    observe: int = setting(32, "prompt-aware prefill: how many of the prompt's last queries score it", s.parse_int,
+                           s.integer(1), group=GROUP, metavar="N")
+    prompt_chunk: int | None = setting(
+        None, "prompt-aware prefill: take the prompt this many tokens at a time, each chunk held beside the budget "
+        "and evicted back to it by its own last queries, so the peak is budget + chunk; `None` = the whole prompt "
+        "at once (peak = the prompt)", s.parse_optional_int, s.integer(1, allow_none=True), group=GROUP,
+        metavar="C|none")
+    pool: int = setting(7, "prompt-aware prefill: max-pool width over neighbouring slots (odd), so a fact spanning "
+                        "several tokens stays whole; 1 = none", s.parse_int, _odd, group=GROUP, metavar="N")
+
+    def check(self) -> None:
+        """The rules that tie this group's fields together."""
+        if self.prompt_chunk is not None and self.prefill != "prompt-aware":
+            raise ValueError(f"prompt_chunk: needs prefill='prompt-aware' (a streamed prefill already holds at most "
+                             f"the budget), got prefill={self.prefill!r}")

@@ -1,0 +1,37 @@
+"""The step settings: how a layer's decode step runs, and how many queries a block scores at once.
+
+One group of :class:`~scissorhands.core.settings.config.CacheSettings`, declared beside the decode modes
+(:mod:`.decode`); this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from ..settings import declare as s
+from ..settings.declare import setting
+
+DECODE_MODES = ("dynamic", "static", "compiled")  # the shipped modes; any registered one is taken (decode.py)
+
+
+def _decode_name(name, value):
+    # As for prefill modes: the registry is read where core/layer/decode.py is already imported, never imported here.
+    decode = sys.modules.get("scissorhands.core.layer.decode")
+    names = tuple(getattr(decode, "DECODES", DECODE_MODES))
+    if not isinstance(value, str) or value not in names:
+        raise ValueError(f"{name}: must be a registered decode mode ({', '.join(names)}), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """How the layer's steps run: the decode mode and the query tile (they change no kept token)."""
+
+    query_tile: int = setting(64, "most query rows scored at once (bounds a block's probabilities to tile x budget)",
+                              s.parse_int, s.integer(1), metavar="N")
+    decode: str = setting(
+        "dynamic", '`"dynamic"` (compact slots planned on the host), `"static"` (fixed shapes and no host '
+        'synchronisation: ready for GPUs and graph capture) or `"compiled"` (the static step under `torch.compile`); '
+        "the same tokens are kept ([below](#a-decode-step-with-fixed-shapes))", s.parse_text,
+        _decode_name, metavar="|".join(DECODE_MODES))
