@@ -91,7 +91,6 @@ def test_packed_sizes_are_the_expected_bytes(bits, group):
     assert store.scale_bytes() == scales
     assert store.nbytes() == data + scales
     assert store.bytes_per_token_head() * b * h * cap == data + scales
-    assert store.dense_bytes_per_token_head(torch.bfloat16) == (dk + dv) * 2
 
 
 def filled_pair(bits, group=8, b=3, h=2, length=20, d=16, seed=0):

@@ -36,6 +36,12 @@ def layer_memory(kv: BudgetedKV) -> dict:
     heads = slots.positions.shape[1]
     per_token_head = kv.store.bytes_per_token_head()
     token_heads = int(slots.seen.sum()) * heads
+    keys, values = kv.store.read(0)  # no slots: the compute dtype and head sizes, whatever the store
+
+    def dense(dtype: torch.dtype) -> int:
+        """What one token and KV head costs unpacked, K and V together, in ``dtype``."""
+        return (keys.shape[-1] + values.shape[-1]) * torch.empty(0, dtype=dtype).element_size()
+
     report: dict = {
         "budget": kv.budget,
         "stored": slots.length,
@@ -48,8 +54,8 @@ def layer_memory(kv: BudgetedKV) -> dict:
         "kv_residual_bytes": kv.store.residual_bytes(),
         "importance_bytes": kv.state.nbytes(),
         "position_bytes": slots.positions.nbytes,
-        "full_kv_bytes": token_heads * kv.store.dense_bytes_per_token_head(),
-        "bf16_full_kv_bytes": token_heads * kv.store.dense_bytes_per_token_head(torch.bfloat16),
+        "full_kv_bytes": token_heads * dense(keys.dtype),
+        "bf16_full_kv_bytes": token_heads * dense(torch.bfloat16),
         "kv_bytes_per_token_head": per_token_head,
         "importance_bytes_per_token_head": kv.state.bytes_per_token_head(),
     }

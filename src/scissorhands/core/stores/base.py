@@ -20,6 +20,12 @@ tensors. Its contract:
 * ``settle`` is called when a chunk's attention is done (a store may free
   what only that chunk's queries needed; nothing by default).
 
+Ten methods are abstract: ``allocate``, ``reset``, ``capacity``, ``resize``,
+``write``, ``write_at``, ``reorder``, ``read``, ``select_batch`` and ``nbytes``. The rest
+have defaults: tile reads (``read_keys``/``read_values``, a slice of ``read``),
+``settle``, ``tiered``, the parts of ``nbytes`` and ``bytes_per_token_head``,
+the byte model ``bytes_for`` and ``from_settings``.
+
 What a store can do beyond that is declared, never probed: ``read_tile``
 (reads cost a copy, so attention reads that many slots at a time) and
 ``residual`` (newest tokens of each row a query reads exact; only the
@@ -89,7 +95,8 @@ class KVStore(ABC):
         """Empty storage shaped after a chunk ``key``/``value`` (B, H_kv, T, D)."""
 
     @abstractmethod
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """Hold nothing (nothing allocated): the layer forgets its sequence."""
 
     @abstractmethod
     def resize(self, capacity: int) -> None:
@@ -137,13 +144,12 @@ class KVStore(ABC):
     def nbytes(self) -> int:
         """Bytes allocated now."""
 
-    @abstractmethod
     def bytes_per_token_head(self) -> int:
-        """Bytes one stored token costs per KV head (K and V together)."""
-
-    @abstractmethod
-    def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes one token per KV head would cost unpacked, in ``dtype`` (default: the compute dtype)."""
+        """Bytes one stored slot costs per KV head, K and V together: by default, what is allocated over the
+        slots (a store with storage beside its slots, as the tiered store's pools, says its own)."""
+        keys, _ = self.read(0)
+        slots = keys.shape[0] * keys.shape[1] * self.capacity
+        return self.nbytes() // slots if slots else 0
 
     # The parts of ``nbytes``: element data, per-group scales and zero-points, full-precision residual.
     def data_bytes(self) -> int:
@@ -212,10 +218,3 @@ class DenseKVStore(KVStore):
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
-
-    def bytes_per_token_head(self) -> int:
-        return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
-
-    def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
-        itemsize = self.keys.element_size() if dtype is None else torch.empty(0, dtype=dtype).element_size()
-        return (self.keys.shape[-1] + self.values.shape[-1]) * itemsize

@@ -336,11 +336,6 @@ class PackedKVStore(KVStore):
         k, v = self._parts()
         return k.bytes_per_token_head() + v.bytes_per_token_head()
 
-    def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
-        k, v = self._parts()
-        itemsize = torch.empty(0, dtype=dtype or self.dtype).element_size()
-        return (k.dim + v.dim) * itemsize
-
     @classmethod
     def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> PackedKVStore:
         return cls(settings.kv_bits, settings.kv_group_size, settings.kv_key_bits, settings.kv_tile, key_center)

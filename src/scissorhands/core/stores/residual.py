@@ -218,6 +218,3 @@ class ResidualStore(KVStore):
 
     def bytes_per_token_head(self) -> int:
         return self.inner.bytes_per_token_head()
-
-    def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
-        return self.inner.dense_bytes_per_token_head(dtype)

@@ -49,21 +49,8 @@ from .packed import (
     quantize_codes,
     unpack,
 )
+from .pools import WidthPool
 from .tiers import check_tiers, parse_tiers, share_caps, tier_caps
-
-
-class _Pool:
-    """One width above the base: a pool of ``cap`` entries per (row, KV head), and each slot's entry or -1."""
-
-    def __init__(self, bits: int, cap: int, dense: bool, plane: int = 0):
-        self.bits, self.cap, self.dense = bits, cap, dense
-        self.plane = plane  # bits of the code this pool adds (a packed width); 0 for dense rows
-        self.k = self.v = torch.empty(0)  # (B, H_kv, cap, W): packed plane bytes, or dense rows
-        self.where = torch.empty(0)  # (B, H_kv, capacity): the slot's entry, -1 for none
-        self.used = torch.empty(0)  # (B, H_kv, cap) bool
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v, self.where, self.used]
 
 
 class TieredKVStore(KVStore):
@@ -122,7 +109,7 @@ class TieredKVStore(KVStore):
 
     # -- allocation ------------------------------------------------------------------------------
     def reset(self) -> None:
-        self.pools: list[_Pool] = []
+        self.pools: list[WidthPool] = []
         self.base = self.scale_k = self.zero_k = self.scale_v = self.zero_v = torch.empty(0)
         self.base_v = torch.empty(0)
         self.dtype = torch.float32
@@ -144,18 +131,8 @@ class TieredKVStore(KVStore):
         self.scale_v = torch.zeros(b, h, 0, dv // self.groups[1], dtype=torch.float16, device=dev)
         self.zero_v = torch.zeros_like(self.scale_v)
         index = torch.int16 if max(caps) < 2**15 else torch.int32
-        self.pools = []
-        for (bits, _), cap, below in zip(self.tiers, caps, self.widths[1:]):
-            pool = _Pool(bits, cap, dense=bits == 16, plane=0 if bits == 16 else bits - below)
-            if pool.dense:
-                pool.k = key.new_zeros(b, h, cap, dk)
-                pool.v = value.new_zeros(b, h, cap, dv)
-            else:
-                pool.k = torch.zeros(b, h, cap, packed_width(dk, pool.plane), dtype=torch.uint8, device=dev)
-                pool.v = torch.zeros(b, h, cap, packed_width(dv, pool.plane), dtype=torch.uint8, device=dev)
-            pool.where = torch.full((b, h, 0), -1, dtype=index, device=dev)
-            pool.used = torch.zeros(b, h, cap, dtype=torch.bool, device=dev)
-            self.pools.append(pool)
+        self.pools = [WidthPool(bits, cap, below, key, value, index)
+                      for (bits, _), cap, below in zip(self.tiers, caps, self.widths[1:])]
 
     # What every slot holds, on the slot axis: the base planes of K and V, and their scales and zero-points.
     SLOT_PARTS = ("base", "base_v", "scale_k", "zero_k", "scale_v", "zero_v")
@@ -178,7 +155,7 @@ class TieredKVStore(KVStore):
 
         self._map_slots(resized)
         for pool in self.pools:
-            pool.where = resized(pool.where, -1)
+            pool.where = resized(pool.where, -1)  # each slot's entry moves with the slot; the pools stay
 
     # -- writing -----------------------------------------------------------------------------------
     def _codes(self, key: torch.Tensor, value: torch.Tensor):
@@ -186,21 +163,12 @@ class TieredKVStore(KVStore):
         return (quantize_codes(centred(key, self.center), self.top, self.groups[0]),
                 quantize_codes(value, self.top, self.groups[1]))
 
-    def _plane(self, code: torch.Tensor, pool: _Pool) -> torch.Tensor:
-        """The plane of ``pool`` cut from top-width codes: the ``pool.plane`` bits below its width's top bits."""
-        return pack((code >> (self.top - pool.bits)) & (2**pool.plane - 1), pool.plane)
-
-    def _free_entries(self, pool: _Pool, count: int) -> torch.Tensor:
-        """Each (row, head)'s first ``count`` free pool entries, in index order (B, H_kv, count).
-
-        Past the free ones come indices beyond the pool (``cap`` and up), so writing into a full pool, which
-        the layer's demotion rules out, fails loudly in the index instead of overwriting a live entry.
-        """
-        ar = torch.arange(pool.cap, device=pool.used.device)
-        key = torch.where(pool.used, ar + pool.cap, ar)
-        if count == 1:  # a decode step: no sort
-            return key.min(dim=-1, keepdim=True).values
-        return key.sort(dim=-1).values[:, :, :count]
+    def _entry(self, pool: WidthPool, key: torch.Tensor, value: torch.Tensor, qk: torch.Tensor, qv: torch.Tensor):
+        """What ``pool`` keeps of new tokens: dense rows, or its plane of K's and V's top-width codes (the
+        ``pool.plane`` bits below its width's top bits)."""
+        if pool.dense:
+            return key.to(pool.k.dtype), value.to(pool.v.dtype)
+        return tuple(pack((code >> (self.top - pool.bits)) & (2**pool.plane - 1), pool.plane) for code in (qk, qv))
 
     def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         c = key.shape[-2]
@@ -211,15 +179,7 @@ class TieredKVStore(KVStore):
         self.scale_k[:, :, start:end], self.zero_k[:, :, start:end] = sk, zk
         self.scale_v[:, :, start:end], self.zero_v[:, :, start:end] = sv, zv
         for pool in self.pools:
-            entries = self._free_entries(pool, c)  # (B, H_kv, c)
-            pool.used.scatter_(2, entries, True)
-            if pool.dense:
-                k_new, v_new = key.to(pool.k.dtype), value.to(pool.v.dtype)
-            else:
-                k_new, v_new = self._plane(qk, pool), self._plane(qv, pool)
-            pool.k.scatter_(2, entries[..., None].expand(-1, -1, -1, pool.k.shape[-1]), k_new)
-            pool.v.scatter_(2, entries[..., None].expand(-1, -1, -1, pool.v.shape[-1]), v_new)
-            pool.where[:, :, start:end] = entries.to(pool.where.dtype)
+            pool.put(start, *self._entry(pool, key, value, qk, qv))
 
     def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         (qk, sk, zk), (qv, sv, zv) = self._codes(key, value)  # (N, H_kv, ·)
@@ -233,29 +193,13 @@ class TieredKVStore(KVStore):
         rank = torch.arange(n, device=rows.device) - first[rows]  # (N,) the token's order within its row
         r, hh = rows[:, None], torch.arange(h, device=rows.device)[None, :]
         for pool in self.pools:
-            entries = self._free_entries(pool, pool.cap)[r, hh, rank[:, None]]  # (N, H_kv): the k-th free one
-            pool.used[r, hh, entries] = True
-            if pool.dense:
-                pool.k[r, hh, entries], pool.v[r, hh, entries] = key.to(pool.k.dtype), value.to(pool.v.dtype)
-            else:
-                pool.k[r, hh, entries], pool.v[r, hh, entries] = self._plane(qk, pool), self._plane(qv, pool)
-            pool.where[r, hh, slots[:, None]] = entries.to(pool.where.dtype)
+            pool.put_at(r, hh, rank, slots, *self._entry(pool, key, value, qk, qv))
 
     # -- demotion and eviction ------------------------------------------------------------------------
-    def _release(self, pool: _Pool, gone: torch.Tensor) -> None:
-        """Free the entries the slots ``gone`` (B, H_kv, L) hold in ``pool``; those slots then hold none."""
-        length = gone.shape[-1]
-        where = pool.where[:, :, :length]
-        gone = gone & (where >= 0)
-        hits = torch.zeros(pool.used.shape, dtype=torch.int32, device=gone.device)
-        hits.scatter_add_(2, where.clamp(min=0).long(), gone.to(torch.int32))
-        pool.used &= hits == 0
-        where.masked_fill_(gone, -1)
-
     def demote(self, level: int, slots: torch.Tensor) -> None:
         """Slots ``slots`` (B, H_kv, L) bool, at width ``widths[level]`` or wider, fall to ``widths[level + 1]``."""
         for pool in self.pools[: level + 1]:
-            self._release(pool, slots)
+            pool.release(slots)
 
     def forget(self, lengths: torch.Tensor) -> None:
         """Slots at or past each row's length (B,) hold nothing now: free their pool entries."""
@@ -265,7 +209,7 @@ class TieredKVStore(KVStore):
         dead = torch.arange(cap, device=self.base.device)[None, :] >= lengths.to(self.base.device)[:, None]
         dead = dead[:, None, :].expand(-1, self.base.shape[1], -1)
         for pool in self.pools:
-            self._release(pool, dead)
+            pool.release(dead)
 
     def head_counts(self) -> torch.Tensor:
         """Tokens per (row, KV head) at each width above the base, widest first: (B, H_kv, levels)."""
@@ -291,7 +235,7 @@ class TieredKVStore(KVStore):
     def select_batch(self, index: torch.Tensor) -> None:
         self._map_slots(lambda t: t.index_select(0, index))
         for pool in self.pools:
-            pool.k, pool.v, pool.where, pool.used = (t.index_select(0, index) for t in pool.tensors())
+            pool.select_batch(index)
 
     # -- reading ---------------------------------------------------------------------------------------
     def _read(self, which: int, start: int, end: int) -> torch.Tensor:
@@ -314,7 +258,7 @@ class TieredKVStore(KVStore):
                 continue
             where = pool.where[:, :, start:end]  # (B, H_kv, n)
             have = where >= 0
-            plane = unpack(self._entries(pool, which, where), pool.plane, dim)  # (B, H_kv, n, D) uint8
+            plane = unpack(pool.entries(which, where), pool.plane, dim)  # (B, H_kv, n, D) uint8
             q.mul_(2**pool.plane).add_(plane.mul_(have[..., None]))
             missing.add_((~have).to(torch.float32), alpha=pool.plane)
         groups = scale.shape[-1]
@@ -329,21 +273,9 @@ class TieredKVStore(KVStore):
         x = x.to(self.dtype)
         if dense_pool is not None:
             where = dense_pool.where[:, :, start:end]
-            exact = self._entries(dense_pool, which, where)
+            exact = dense_pool.entries(which, where)
             x = torch.where((where >= 0)[..., None], exact.to(x.dtype), x)
         return x
-
-    def _entries(self, pool: _Pool, which: int, where: torch.Tensor) -> torch.Tensor:
-        """The pool rows (B, H_kv, n, W) the slots' entries ``where`` (B, H_kv, n) point at (entry 0 for none).
-
-        One ``index_select`` of whole rows over the flattened (row, head, entry) axis: cheaper than a gather
-        along the entry axis with an index expanded over the row's bytes.
-        """
-        data = (pool.k, pool.v)[which]
-        b, h, cap, width = data.shape
-        base = torch.arange(b * h, device=where.device).view(b, h, 1) * cap
-        flat = (where.clamp(min=0).long() + base).reshape(-1)
-        return data.reshape(b * h * cap, width).index_select(0, flat).view(b, h, -1, width)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._read(0, 0, length), self._read(1, 0, length)
@@ -357,13 +289,13 @@ class TieredKVStore(KVStore):
     # -- bytes -------------------------------------------------------------------------------------------
     def data_bytes(self) -> int:
         """K/V element data: the base plane of every slot and every pool (planes, or dense rows)."""
-        return self.base.nbytes + self.base_v.nbytes + sum(p.k.nbytes + p.v.nbytes for p in self.pools)
+        return self.base.nbytes + self.base_v.nbytes + sum(p.data_bytes() for p in self.pools)
 
     def scale_bytes(self) -> int:
         """Scales and zero-points, key centres, and the tiers' bookkeeping (each slot's pool entries, occupancy)."""
         own = sum(t.nbytes for t in (self.scale_k, self.zero_k, self.scale_v, self.zero_v))
         own += 0 if self.center is None else self.center.nbytes
-        return own + sum(p.where.nbytes + p.used.nbytes for p in self.pools)
+        return own + sum(p.bookkeeping_bytes() for p in self.pools)
 
     def nbytes(self) -> int:
         return self.data_bytes() + self.scale_bytes()
@@ -374,10 +306,6 @@ class TieredKVStore(KVStore):
         per += 2 * (self.scale_k.shape[-1] + self.zero_k.shape[-1] + self.scale_v.shape[-1] + self.zero_v.shape[-1])
         return per + sum(p.where.element_size() for p in self.pools)
 
-    def dense_bytes_per_token_head(self, dtype: torch.dtype | None = None) -> int:
-        itemsize = torch.empty(0, dtype=dtype or self.dtype).element_size()
-        return sum(self.dims) * itemsize
-
     @classmethod
     def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> TieredKVStore:
         return cls(settings.kv_bits, settings.kv_demote, settings.kv_group_size, settings.kv_tile, key_center)
@@ -387,12 +315,9 @@ class TieredKVStore(KVStore):
         """Every slot's base plane with its scales, then each width's pool at its share (planes, or dense rows for
         16 bits) with its occupancy map, and one pool index per slot and width."""
         total = PackedKVStore.bytes_for(settings, shape, tokens)
-        dense = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
         chain = [b for b, _ in settings.kv_demote] + [int(settings.kv_bits or 16)]
         caps = share_caps(settings.kv_demote, tokens)
         index = 2 if max(caps) < 2**15 else 4
         for (bits, _), below, cap in zip(settings.kv_demote, chain[1:], caps):
-            entry = dense if bits == 16 else \
-                packed_width(shape.head_dim_k, bits - below) + packed_width(shape.head_dim_v, bits - below)
-            total += cap * (entry + 1) + tokens * index
+            total += WidthPool.bytes_for(bits, below, cap, shape, tokens, index)
         return total
