@@ -260,7 +260,7 @@ class ScissorhandsCache(Cache):
 
     def __init__(self, model, config: ScissorhandsConfig, method: EvictionMethod | None = None, *,
                  protect: SpanSpec | Protection | None = None, audit: EvictionAudit | None = None,
-                 _plan: CachePlan | None = None):
+                 protect_name: str = "protect", _plan: CachePlan | None = None):
         if not isinstance(config, ScissorhandsConfig):
             raise ValueError(f"config: must be a ScissorhandsConfig, got {type(config).__name__}")
         if method is not None and not isinstance(method, EvictionMethod):
@@ -273,13 +273,12 @@ class ScissorhandsCache(Cache):
         facts = model_facts(model)
         facts.check_supported()
         method = method or Scissorhands()
-        decode = (_plan.config if _plan is not None else method.resolve(config)).decode
-        if audit is not None and decode != "dynamic":
-            raise ValueError(f"decode: {decode!r} cannot tell an audit of each eviction without reading the "
-                             "device; use decode='dynamic' with an audit")
         if _plan is None:
-            _plan = plan(config, len(facts.full_layers), method, protection=protection)
+            _plan = plan(config, len(facts.full_layers), method, protection=protection, protect_name=protect_name)
         config = _plan.config
+        if audit is not None and config.decode != "dynamic":
+            raise ValueError(f"decode: {config.decode!r} cannot tell an audit of each eviction without reading the "
+                             "device; use decode='dynamic' with an audit")
         if hasattr(model, "set_attn_implementation"):
             self.attention = enable(model)
         self.method = _plan.method

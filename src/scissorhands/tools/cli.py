@@ -210,11 +210,8 @@ def _chat(args, tokenizer, prompt: str) -> tuple[str, int | None]:
     return chat_prompt(tokenizer, args.system, prompt)
 
 
-def _protection(args, model, tokenizer, prompt: str, n_system: int | None, config, method) -> tuple[list, dict]:
-    """The spans to pin and the spans to audit."""
-    from scissorhands.core.tokens.protect import Protection
-    from scissorhands.hf.cache import cache_plan
-
+def _protection(args, tokenizer, prompt: str, n_system: int | None) -> tuple[list, dict, str]:
+    """The spans to pin, the spans to audit, and the flags the pinned spans came from (for error messages)."""
     spans: list[tuple[int, int]] = []
     watched: dict[str, tuple[int, int]] = {}
     names = []
@@ -230,8 +227,7 @@ def _protection(args, model, tokenizer, prompt: str, n_system: int | None, confi
     watched = {"prompt": (0, n_prompt), **watched}
     if spans:
         watched["protected"] = (0, max(end for _, end in spans))
-        cache_plan(model, config, method, protection=Protection([spans]), protect_name="/".join(names))
-    return spans, watched
+    return spans, watched, "/".join(names)
 
 
 def _write_audit(args, audit, cache, watched: dict) -> None:
@@ -419,7 +415,7 @@ def _run_generate(args, prompt, label_budget: str) -> int:
     if isinstance(config.schedule, tuple):  # an explicit list fixes every layer's budget
         label_budget = (f"{','.join(str(b) for b in config.schedule)} per layer (an explicit --schedule; --budget "
                         f"{args.budget:g} is not used)")
-    spans, watched = _protection(args, model, tokenizer, prompt, n_system, config, method(seed=args.seed))
+    spans, watched, protect_name = _protection(args, tokenizer, prompt, n_system)
     audit = None
     if args.audit is not None:
         from scissorhands.core.layer.audit import EvictionAudit
@@ -430,7 +426,7 @@ def _run_generate(args, prompt, label_budget: str) -> int:
                     ignore_eos=args.ignore_eos)
     result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True,
                       method=method(seed=args.seed), prompt_name=prompt_name, protect=spans or None, audit=audit,
-                      **sampling)
+                      protect_name=protect_name, **sampling)
     budget_text = "none" if method.is_full else label_budget
     print(f"prompt: {result.prompt_tokens[0]} tokens; budget {budget_text}", file=sys.stderr)
     if args.compare_full:

@@ -183,6 +183,7 @@ def generate(
     prompt_name: str = "prompt",
     protect=None,
     audit=None,
+    protect_name: str = "protect",
 ) -> GenerationResult:
     """Generate from ``prompts`` with a budgeted cache (or the full cache if ``config`` is None).
 
@@ -203,6 +204,8 @@ def generate(
     protect : list of (start, end), or one list per prompt, optional
         Token spans never evicted (see :mod:`scissorhands.core.tokens.protect`); positions
         count each prompt's own tokens from 0, padding excluded.
+    protect_name : str
+        The parameter the spans came from, for error messages (a command line's ``protect-prefix``).
     audit : EvictionAudit, optional
         Records what the cache evicted (see :mod:`scissorhands.core.layer.audit`).
 
@@ -228,7 +231,8 @@ def generate(
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     check_positions(model, enc["input_ids"].shape[1], max_new_tokens, prompt_name)
     cache: ScissorhandsCache | DynamicCache = (
-        ScissorhandsCache(model, config, method, protect=protect, audit=audit) if config is not None
+        ScissorhandsCache(model, config, method, protect=protect, audit=audit, protect_name=protect_name)
+        if config is not None
         else DynamicCache(config=model.config))
     torch.manual_seed(seed)
     kwargs: dict = {"do_sample": do_sample}
