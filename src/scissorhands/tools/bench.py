@@ -43,7 +43,7 @@ from transformers import DynamicCache
 from scissorhands.core.methods import get_method
 from scissorhands.core.planning.memory_target import Shape, store_bytes
 from scissorhands.core.settings.config import PREFILL_MODES, CacheSettings, ScissorhandsConfig
-from scissorhands.core.stores.packed import packed_bytes_per_token_head
+from scissorhands.core.stores import STORES, store_name
 from scissorhands.hf.cache import ScissorhandsCache
 from scissorhands.hf.modelinfo import FULL, model_facts, text_config
 
@@ -122,25 +122,22 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
     elsize = next(model.parameters()).element_size()
     per_token = 2 * facts.num_kv_heads * facts.head_dim * elsize  # K and V, one layer
     budgets = [layer.budget for layer in getattr(cache, "budgeted_layers", [])]
-    budgeted_per_token = per_token
     config = getattr(cache, "config", None)
-    if config is not None and getattr(config, "kv_bits", None) not in (None, 16):
-        # Packed: ceil(D * bits / 8) data bytes, and an fp16 scale and zero-point per group, for K and for V.
-        d = facts.head_dim
-        budgeted_per_token = facts.num_kv_heads * packed_bytes_per_token_head(d, d, config.kv_bits,
-                                                                              config.kv_key_bits, config.kv_group_size)
+    one_layer = Shape(1, facts.num_kv_heads, facts.head_dim, facts.head_dim, elsize)
     kv, importance = 0, 0
     full_idx = 0
     layers = getattr(cache, "budgeted_layers", [])
     for layer_type, window in zip(facts.layer_types, facts.sliding_windows):
         if layer_type == FULL and budgets and config is not None and getattr(config, "kv_demote", None) is not None:
             # A demoting (tiered) store: base planes, pools at their shares, indices, residual.
-            one_layer = Shape(1, facts.num_kv_heads, facts.head_dim, facts.head_dim, elsize)
             kv += batch * store_bytes(replace(config, budget=budgets[full_idx]), one_layer)
             full_idx += 1
             continue
         if layer_type == FULL and budgets:
-            kv += batch * budgets[full_idx] * budgeted_per_token
+            # The store's own byte model (KVStore.bytes_for: packed data with its scales, or dense rows); a
+            # store that declares none is counted at the model's dtype.
+            held = STORES[store_name(config)].bytes_for(config, one_layer, budgets[full_idx])
+            kv += batch * (facts.num_kv_heads * held if held is not None else budgets[full_idx] * per_token)
             if config is not None and getattr(config, "kv_key_centers", None) is not None:
                 kv += facts.num_kv_heads * facts.head_dim * 4  # one float32 centre per KV head and channel
             # A full-precision residual: each row's newest tokens again, in the model's dtype.

@@ -16,11 +16,13 @@ from tqdm.auto import tqdm
 
 from scissorhands import __version__
 from scissorhands.core.methods import EvictionMethod
+from scissorhands.core.planning.memory_target import store_bytes
 from scissorhands.core.settings.budget import resolve_budget
 from scissorhands.core.settings.config import CacheSettings
 from scissorhands.core.settings.schedule import layer_budgets
-from scissorhands.core.stores.packed import packed_bytes_per_token_head
+from scissorhands.core.stores import STORES, store_name
 from scissorhands.core.stores.tiers import tier_caps
+from scissorhands.hf.cache import memory_shape
 from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup
 
@@ -31,26 +33,25 @@ from .base import Task
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(model, settings=None) -> int:
-    """Bytes of K and V per token, summed over the budgeted (full-attention) layers.
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V per token of a full cache, summed over the budgeted (full-attention) layers."""
+    return model_facts(model).kv_bytes_per_token(next(model.parameters()).element_size())
 
-    With packed K/V in ``settings`` (``kv_bits`` below 16): the packed bytes,
-    scales and zero-points included; otherwise the model's dtype.
+
+def kv_bytes(model, settings, budget: float, evicts: bool = True) -> float:
+    """Bytes of one sequence's K/V at an average ``budget``: the store's own byte model (``KVStore.bytes_for``,
+    what ``memory=`` plans with and a test holds against what each store allocates), plus the residual.
+
+    Dense and packed stores cost the same per token, so a fractional mean budget is exact; a demoting store's
+    pools are shares of a layer's budget, so it is sized at the nearest whole budget.
     """
-    facts = model_facts(model)
-    if settings is not None and settings.quantized:
-        d = facts.head_dim
-        per_head = packed_bytes_per_token_head(d, d, settings.kv_bits, settings.kv_key_bits, settings.kv_group_size)
-        return len(facts.full_layers) * facts.num_kv_heads * per_head
-    return facts.kv_bytes_per_token(next(model.parameters()).element_size())
-
-
-def _tiered_bytes(model, settings, budget: float) -> int:
-    """K/V store bytes of a demoting (tiered) cache at a token budget: planes, pools, scales, residual, indices."""
-    from scissorhands.core.planning.memory_target import store_bytes
-    from scissorhands.hf.cache import memory_shape
-
-    return store_bytes(settings.with_budget(max(1, round(budget))), memory_shape(model))
+    shape = memory_shape(model)
+    if settings.kv_demote is not None:
+        return store_bytes(settings.with_budget(max(1, round(budget))), shape, evicts)
+    per_head = STORES[store_name(settings)].bytes_for(settings, shape, 1)
+    if per_head is None:  # a store that declares no byte model: counted at the model's dtype
+        per_head = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
+    return budget * shape.layers * shape.kv_heads * per_head + kv_residual_bytes(model, settings, budget, evicts)
 
 
 def kv_residual_bytes(model, settings, budget: float, evicts: bool = True) -> float:
@@ -419,9 +420,7 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         "metric": task.main_metric, "value": metrics[task.main_metric], "metrics": metrics,
                         "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
                         "kv_bytes": (sum(c.peak_bytes for c in choices) / len(choices)) if choices else
-                        _tiered_bytes(model, method.resolve(base), mean_budget) if cell_base.kv_demote is not None
-                        else mean_budget * kv_bytes_per_token(model, method.resolve(base))
-                        + kv_residual_bytes(model, method.resolve(base), mean_budget, evicts=not method.is_full),
+                        kv_bytes(model, method.resolve(base), mean_budget, evicts=not method.is_full),
                         "full_kv_bytes": mean_len * per_token,
                         "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
                         "config": _jsonable(method.resolve(base).as_dict()),
