@@ -123,7 +123,8 @@ def test_no_import_circles():
     broken = {k: set(v) for k, v in graph.items()}
     broken["scissorhands.core.stores.tiered"].add("scissorhands.core.settings.config")
     broken["scissorhands.core.settings.config"].add("scissorhands.core.stores.registry")
-    assert ["scissorhands.core.settings.config", "scissorhands.core.stores.registry",
-            "scissorhands.core.stores.tiered", "scissorhands.core.settings.config"] in _circles(broken)
+    circle = {"scissorhands.core.settings.config", "scissorhands.core.stores.registry",
+              "scissorhands.core.stores.tiered"}
+    assert any(set(found) == circle for found in _circles(broken))  # wherever the search entered it
     assert "scissorhands.core.stores.tiered" in graph["scissorhands.core.stores.registry"]
     assert "scissorhands.core.methods.full" in graph["scissorhands.core.methods"]  # a face's edges are read

@@ -54,6 +54,8 @@ import numbers
 import operator
 import os
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -82,6 +84,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MODEL_NAME", "ScissorhandsLM", "main"]
 
+_T = TypeVar("_T")
+
 #: The name this backend is registered under with lm-eval (``--model scissorhands``).
 MODEL_NAME = "scissorhands"
 
@@ -103,6 +107,23 @@ def _check_budget(budget, method: type[EvictionMethod]) -> float | int | None:
             "(a fraction of each request's length up to 1, or a token count)"
         )
     return check_budget_spec(budget, "budget")
+
+
+def _eviction_args(method, budget, memory) -> tuple[type[EvictionMethod], float | int | None, float | int | None]:
+    """The ``method``, ``budget`` and ``memory`` model arguments checked: the method's class, the token budget
+    (``None`` for ``method=full`` or with a byte budget) and the byte budget (``None`` unless ``memory`` is given)."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method: unknown method {method!r}; choose from {', '.join(METHODS)}")
+    chosen = METHODS[method]
+    if memory is None:
+        return chosen, _check_budget(budget, chosen), None
+    from scissorhands.core.planning.memory_target import parse_memory
+
+    if budget is not None:
+        raise ValueError("memory: give memory or budget, not both")
+    if chosen.is_full:
+        raise ValueError("memory: method=full evicts nothing; give an evicting method")
+    return chosen, None, parse_memory(memory)
 
 
 def _check_int(name: str, value) -> int:
@@ -237,39 +258,13 @@ class ScissorhandsLM(LM):
         A one-line message naming the bad argument, e.g. ``"budget: must be > 0, got -1"``.
     """
 
-    def __init__(
-        self,
-        model="smollm2-135m",
-        tokenizer=None,
-        method: str = "scissorhands",
-        budget: float | int | None = None,
-        memory: float | int | str | None = None,
-        seed: int = 0,
-        dtype: str = "float32",
-        device: str | None = None,
-        max_length: int | None = None,
-        max_gen_toks: int = 256,
-        prefix_token_id: int | None = None,
-        batch_size: int | str | None = None,
-        max_batch_size: int | None = None,
-        **settings,
-    ):
+    def __init__(self, model="smollm2-135m", tokenizer=None, method: str = "scissorhands",
+                 budget: float | int | None = None, memory: float | int | str | None = None, seed: int = 0,
+                 dtype: str = "float32", device: str | None = None, max_length: int | None = None,
+                 max_gen_toks: int = 256, prefix_token_id: int | None = None, batch_size: int | str | None = None,
+                 max_batch_size: int | None = None, **settings):
         super().__init__()
-        if not isinstance(method, str) or method not in METHODS:
-            raise ValueError(f"method: unknown method {method!r}; choose from {', '.join(METHODS)}")
-        self.method = METHODS[method]
-        self.memory = None
-        if memory is not None:
-            from scissorhands.core.planning.memory_target import parse_memory
-
-            if budget is not None:
-                raise ValueError("memory: give memory or budget, not both")
-            if self.method.is_full:
-                raise ValueError("memory: method=full evicts nothing; give an evicting method")
-            self.memory = parse_memory(memory)
-            self.budget_spec = None
-        else:
-            self.budget_spec = _check_budget(budget, self.method)
+        self.method, self.budget_spec, self.memory = _eviction_args(method, budget, memory)
         # Every cache setting by its declaration: the same names, parsing and checks as the CLI's flags.
         self.base = CacheSettings(**from_strings(CacheSettings, settings, f"model argument for {MODEL_NAME}"))
         self.seed = _check_int("seed", seed)
@@ -375,18 +370,7 @@ class ScissorhandsLM(LM):
             window's budget is resolved against its own length (its tokens,
             conditioning ones included).
         """
-        from tqdm.auto import tqdm
-
-        out = []
-        for req in tqdm(requests, desc="scissorhands loglikelihood_rolling", disable=disable_tqdm):
-            total = 0.0
-            for ctx, pred in self.rolling_windows(req.args[0]):
-                ids = torch.tensor(ctx + pred)  # (T,)
-                logprobs, _ = token_logprobs(self._model, ids, self.setup_for(len(ids)))  # (T - 1,)
-                total += float(logprobs[-len(pred):].sum())
-            out.append(total)
-            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
-        return out
+        return _each(self, "loglikelihood_rolling", requests, disable_tqdm, lambda args: _text_logprob(self, args[0]))
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy generation through the compressed cache until a stop string.
@@ -403,19 +387,38 @@ class ScissorhandsLM(LM):
         list of str
             Each continuation, cut before its first stop string.
         """
-        from tqdm.auto import tqdm
+        def one(args) -> str:
+            context, gen_kwargs = args
+            return self.generate_one(context, dict(gen_kwargs or {}))
 
-        out = []
-        for req in tqdm(requests, desc="scissorhands generate_until", disable=disable_tqdm):
-            context, gen_kwargs = req.args
-            text = self.generate_one(context, dict(gen_kwargs or {}))
-            out.append(text)
-            self.cache_hook.add_partial("generate_until", req.args, text)
-        return out
+        return _each(self, "generate_until", requests, disable_tqdm, one)
 
     def generate_one(self, context: str, gen_kwargs: dict) -> str:
         """Greedy continuation of one prompt; see :meth:`generate_until`."""
         return _greedy(self, context, gen_kwargs)
+
+
+def _each(lm: ScissorhandsLM, kind: str, requests, disable_tqdm: bool, score: Callable[[tuple], _T]) -> list[_T]:
+    """``score(request.args)`` of each request of lm-eval's request kind ``kind``, in order, under a progress bar;
+    each result is also recorded in lm-eval's cache hook."""
+    from tqdm.auto import tqdm
+
+    out = []
+    for req in tqdm(requests, desc=f"scissorhands {kind}", disable=disable_tqdm):
+        out.append(score(req.args))
+        lm.cache_hook.add_partial(kind, req.args, out[-1])
+    return out
+
+
+def _text_logprob(lm: ScissorhandsLM, text: str) -> float:
+    """Log-prob of one whole text: over its rolling windows, each through a fresh compressed cache, the sum of the
+    log-probs of their predicted tokens."""
+    total = 0.0
+    for ctx, pred in lm.rolling_windows(text):
+        ids = torch.tensor(ctx + pred)  # (T,)
+        logprobs, _ = token_logprobs(lm._model, ids, lm.setup_for(len(ids)))  # (T - 1,)
+        total += float(logprobs[-len(pred):].sum())
+    return total
 
 
 @torch.no_grad()

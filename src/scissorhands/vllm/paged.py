@@ -306,7 +306,7 @@ class PagedLayer:
         if settings.protection() is not None:
             self.shields.append(settings.protection())  # type: ignore[arg-type]
         self.decode = kernels.decode if compiled else kernels.decode_reference
-        #: Prompts longer than the budget attended by torch's fused attention (:meth:`_hold_fused`); False: by the
+        #: Prompts longer than the budget attended by torch's fused attention (:func:`_hold_fused`); False: by the
         #: core's tiled pass, as the transformers cache attends them.
         self.fused_prompt = compiled
         self.prompts_fused = 0  # prompts attended that way (tests)
@@ -372,7 +372,10 @@ class PagedLayer:
         one = self._budgeted(DenseKVStore(), make_prefill(self.settings.config))
         k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
         one.allocate(k4, v4)
-        if not (self.fused_prompt and self._hold_fused(one, q, k4, v4, out)):
+        if self.fused_prompt and _hold_fused(one, q, k4, v4, out, self.scale, self.softcap,
+                                             self.settings.config.query_tile):
+            self.prompts_fused += 1
+        else:
             ctx = attend(one, q.transpose(0, 1)[None], k4, v4, None, self.scale, self.softcap,
                          self.settings.config.query_tile)  # (1, H_q, T, D)
             out.copy_(ctx[0].transpose(0, 1).reshape(out.shape).to(out.dtype))
@@ -395,43 +398,6 @@ class PagedLayer:
             state = one.state
             assert isinstance(state, ImportanceState)
             self.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
-
-    def _hold_fused(self, one: BudgetedKV, q, k4, v4, out) -> bool:
-        """A prompt longer than the budget, held whole as the core's prompt-aware prefill holds it, attended once
-        by the compiled prompt operator (:func:`.kernels.prompt`): its output, the importance the core's state
-        would have observed, and the snapshot the core's selection scores, in one pass; then the core's own
-        selection (``PromptAware.evict_held``). False (nothing done) where the core's path is needed: a short
-        prompt, a chunked one."""
-        prefill = one.prefill
-        t, h, g, d = q.shape[0], self.kv_heads, self.group, self.head_size
-        if not isinstance(prefill, PromptAware) or prefill.chunk is not None or t <= self.budget:
-            return False
-        qf = q.float().view(t, h, g, d).permute(1, 2, 0, 3).contiguous()  # (H, g, T, D)
-        kf, vf = k4[0].float().contiguous(), v4[0].float().contiguous()  # (H, T, D)
-        for each in one.states:  # allocated as the core's attend allocates them, then held as its prefill holds
-            each.allocate(1, h, one.capacity, group=g, device=q.device, dtype=torch.float32)
-        one.states_ready = True
-        one.reserve(t, limit=t)
-        one.append(k4, v4, None, torch.arange(1, t + 1)[None])
-        state = one.state if isinstance(one.state, ImportanceState) else None  # the one state that observes
-        acc = None if state is None else torch.empty(state.n_buckets, h, t)
-        snap = torch.empty(h, t)
-        ctx = torch.empty(t, h * g, d)
-        count = state is not None and state.form == "count"
-        kernels.prompt(qf, kf, vf, ctx, acc, snap, self.scale, self.softcap, count,
-                       None if state is None else state.bucket_steps, t - prefill.observe,
-                       self.settings.config.query_tile)
-        out.copy_(ctx.to(out.dtype))
-        if state is not None and acc is not None:
-            held = state.acc[:, 0, :, :t]
-            held.copy_(acc if held.dtype.is_floating_point else acc.round())
-        snapshot = torch.zeros(1, h, one.capacity)
-        snapshot[0, :, :t] = snap
-        prefill.evict_held(one, snapshot)
-        one.resize(one.budget)
-        one.store.settle()
-        self.prompts_fused += 1
-        return True
 
     def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int) -> None:
         """Each rounding row picks ``drop`` victims per KV head and swaps them into its window's leaving slots."""
@@ -457,6 +423,48 @@ class PagedLayer:
     def _phys(table_row: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
         """Physical slots of logical ``positions`` (any shape) through one request's block table."""
         return table_row.long()[positions // block] * block + positions % block
+
+
+def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, out: torch.Tensor,
+                scale: float, softcap: float | None, query_tile: int) -> bool:
+    """A prompt longer than the budget, held whole in the one-row layer ``one`` as the core's prompt-aware prefill
+    holds it, attended once by the compiled prompt operator (:func:`.kernels.prompt`): its output, the importance
+    the core's state would have observed, and the snapshot the core's selection scores, in one pass; then the core's
+    own selection (``PromptAware.evict_held``). False (nothing done) where the core's path is needed: a short
+    prompt, a chunked one.
+
+    ``q`` (T, H_q, D) is the prompt's queries, ``k4``/``v4`` (1, H_kv, T, D) its keys and values, ``out``
+    (T, H_q, D) receives its attention.
+    """
+    prefill = one.prefill
+    t, h, d = q.shape[0], k4.shape[1], q.shape[-1]
+    g = q.shape[1] // h
+    if not isinstance(prefill, PromptAware) or prefill.chunk is not None or t <= one.budget:
+        return False
+    qf = q.float().view(t, h, g, d).permute(1, 2, 0, 3).contiguous()  # (H, g, T, D)
+    kf, vf = k4[0].float().contiguous(), v4[0].float().contiguous()  # (H, T, D)
+    for each in one.states:  # allocated as the core's attend allocates them, then held as its prefill holds
+        each.allocate(1, h, one.capacity, group=g, device=q.device, dtype=torch.float32)
+    one.states_ready = True
+    one.reserve(t, limit=t)
+    one.append(k4, v4, None, torch.arange(1, t + 1)[None])
+    state = one.state if isinstance(one.state, ImportanceState) else None  # the one state that observes
+    acc = None if state is None else torch.empty(state.n_buckets, h, t)
+    snap = torch.empty(h, t)
+    ctx = torch.empty(t, h * g, d)
+    count = state is not None and state.form == "count"
+    kernels.prompt(qf, kf, vf, ctx, acc, snap, scale, softcap, count,
+                   None if state is None else state.bucket_steps, t - prefill.observe, query_tile)
+    out.copy_(ctx.to(out.dtype))
+    if state is not None and acc is not None:
+        held = state.acc[:, 0, :, :t]
+        held.copy_(acc if held.dtype.is_floating_point else acc.round())
+    snapshot = torch.zeros(1, h, one.capacity)
+    snapshot[0, :, :t] = snap
+    prefill.evict_held(one, snapshot)
+    one.resize(one.budget)
+    one.store.settle()
+    return True
 
 
 def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,

@@ -44,17 +44,11 @@ from ..stores.settings import check_demotion, check_residual
 from ..tokens.merging import MergeState
 from ..tokens.protect import Protection
 from ..tokens.rounds import RoundState
-from ..tokens.selection import keep_order, lowest
 from ..tokens.slots import SlotTable
 from ..tokens.state import TokenState
 from .decode import make_decode
-
-
-def _whole_batch(keep: torch.Tensor, sel: torch.Tensor, batch: int) -> torch.Tensor:
-    """``keep`` (len(sel), H_kv, L) widened to every row, the identity order elsewhere."""
-    b, h, length = batch, keep.shape[1], keep.shape[2]
-    order = torch.arange(length, device=keep.device).expand(b, h, length).clone()
-    return order.index_copy_(0, sel, keep)
+from .demotion import Demotion
+from .eviction import compress, evict
 
 
 class BudgetedKV:
@@ -115,6 +109,7 @@ class BudgetedKV:
         self.given_shields = list(self.shields)  # as given; each allocation fits them to its batch
         self.listeners: list = []
         self.tiers = self.store.tiered()  # the chain of widths, or None
+        self.demotion = None if self.tiers is None else Demotion(self.tiers)
         if self.tiers is not None:
             check_demotion(merge=merge, evicts=not method.is_full)
             self.tiers.bind(budget, recent, drop)
@@ -138,7 +133,8 @@ class BudgetedKV:
         self.compressions = 0
         self.allocated = True
         self.states_ready = False  # the states allocate at the first attention (they need the group size)
-        self.tier_counts = torch.zeros(b, 0 if self.tiers is None else len(self.tiers.tier_caps), dtype=torch.long)
+        if self.demotion is not None:
+            self.demotion.allocate(b)
 
     def reset(self) -> None:
         """Forget the sequence: storage, state and slots start empty (nothing allocated)."""
@@ -151,7 +147,8 @@ class BudgetedKV:
         self.compressions = 0
         self.allocated = False
         self.states_ready = False
-        self.tier_counts = torch.zeros(0, 0, dtype=torch.long)  # (B, widths above the base), CPU
+        if self.demotion is not None:
+            self.demotion.reset()
 
     def to_stored_order(self) -> None:
         """Slots back in stored order after static decode steps (see :mod:`.decode`); a no-op otherwise."""
@@ -162,19 +159,12 @@ class BudgetedKV:
         """Tokens each row (B,) can take before its next compression event (CPU): the budget's free slots, and
         with tiers the free entries of every width."""
         free = self.budget - self.slots.lengths
-        if self.tiers is None:
-            return free
-        caps = torch.tensor(self.tiers.tier_caps)
-        return torch.minimum(free, (caps[None, :] - self.tier_counts).min(dim=1).values)
+        return free if self.demotion is None else self.demotion.room(free)
 
     def room_uniform(self) -> int:
         """:meth:`room` when every row is aligned, as one integer (no tensor operation without tiers)."""
         free = self.budget - self.slots.uniform_state()[0]
-        if self.tiers is None:
-            return free
-        # Rows of equal length may differ in their widths' counts: the fullest decides (an event is a no-op for a
-        # row with room left, since it evicts only at the budget and demotes only at a full width).
-        return min(free, min(c - int(n) for c, n in zip(self.tiers.tier_caps, self.tier_counts.amax(dim=0))))
+        return free if self.demotion is None else self.demotion.room_uniform(free)
 
     @property
     def capacity(self) -> int:
@@ -217,8 +207,8 @@ class BudgetedKV:
             for state in self.states:
                 state.clear_slots(r, sl)
         slots.advance(added)
-        if self.tiers is not None:
-            self.tier_counts += added[:, None]
+        if self.demotion is not None:
+            self.demotion.added(added)
 
     def append_token(self, key: torch.Tensor, value: torch.Tensor) -> int:
         """Decode fast path: one token per row, all rows aligned; return the new stored length."""
@@ -231,8 +221,8 @@ class BudgetedKV:
         for state in self.states:
             state.clear(length, length + 1)
         slots.advance_uniform()
-        if self.tiers is not None:
-            self.tier_counts += 1
+        if self.demotion is not None:
+            self.demotion.added(1)
         return length + 1
 
     def view(self, prompt_attention: torch.Tensor | None = None) -> LayerView:
@@ -241,116 +231,14 @@ class BudgetedKV:
                          self.store.read, prompt_attention)
 
     def compress(self, rows: torch.Tensor, drop: int | None = None) -> None:
-        """Evict ``drop`` (default: the layer's) tokens from each KV head of the rows ``rows`` (CPU bool, (B,)).
-
-        With tiers, a row evicts only if it is at its budget, and demotes at every width whose cap it reached.
-        """
-        amount = self.drop if drop is None else drop
-        if self.rounds is not None:
-            self._round(rows, amount)
-            return
-        if self.tiers is None:
-            self.evict(self.method.score(self.view()), torch.where(rows, amount, 0))
-            return
-        scores = self.method.score(self.view())
-        n_drop = torch.where(rows & (self.slots.lengths >= self.budget), amount, 0)
-        if bool((n_drop > 0).any()):
-            order = self.evict(scores, n_drop)
-            scores = scores.gather(2, order.to(scores.device))[:, :, : self.slots.length]
-        self._demote(scores, rows, amount)
-
-    def _round(self, rows: torch.Tensor, amount: int) -> None:
-        """Rows ``rows`` with no victim pending choose ``amount``; then each of ``rows`` drops its oldest victim."""
-        assert self.rounds is not None
-        lengths = self.slots.lengths
-        start = rows & (self.rounds.pending(lengths) == 0)
-        if bool(start.any()):
-            scores = self.method.score(self.view())
-            shield = self._shield(self.slots.positions[:, :, : self.slots.length])
-            self.rounds.choose(lowest(scores, lengths, self.recent, torch.where(start, amount, 0), shield))
-        self.evict(self.rounds.next_out(lengths), torch.where(rows, 1, 0))
-
-    def _demote(self, scores: torch.Tensor, rows: torch.Tensor, amount: int) -> None:
-        """At each width whose cap a row of ``rows`` reached, demote its ``amount`` lowest ``scores`` a width down."""
-        tiers = self.tiers
-        assert tiers is not None
-        length = scores.shape[-1]
-        device = scores.device
-        counts = tiers.head_counts()  # (B, H_kv, levels): after the eviction
-        rows_d = rows.to(device)[:, None]
-        recent = torch.clamp(self.slots.lengths, max=self.recent).to(device)[:, None]  # (B, 1)
-        shield = self._shield(self.slots.positions[:, :, :length])
-        # Shielded tokens go only when nothing else is left: above every score, below the recent window.
-        ranked = scores if shield is None else scores.masked_fill(shield, torch.finfo(scores.dtype).max)
-        for level in reversed(range(len(tiers.tier_caps))):  # the widest pool first
-            # Each KV head demotes at a width only when its own count there reached the cap.
-            full = rows_d & (counts[..., level] >= tiers.tier_caps[level])  # (B, H_kv)
-            if not bool(full.any()):
-                continue
-            holds = tiers.pools[level].where[:, :, :length] >= 0  # (B, H_kv, L): at this width or wider
-            n = torch.where(full, torch.clamp(counts[..., level] - recent, max=amount), 0)
-            tiers.demote(level, lowest(ranked, self.slots.lengths, self.recent, n, ~holds) & holds)
-            counts = tiers.head_counts()
-        self.tier_counts = counts.amax(dim=1).cpu()
-
-    def _shield(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """Slots (B, H_kv, L) no eviction may drop: every shield's mask, or'ed."""
-        shield = None
-        for part in self.shields:
-            mask = part.mask(positions)
-            shield = mask if shield is None else shield | mask
-        return shield
+        """Evict ``drop`` (default: the layer's) tokens from each KV head of the rows ``rows`` (CPU bool, (B,));
+        see :func:`.eviction.compress`."""
+        compress(self, rows, drop)
 
     def evict(self, scores: torch.Tensor, n_drop: torch.Tensor) -> torch.Tensor:
-        """Drop the ``n_drop`` (B,) lowest ``scores`` (B, H_kv, L) of each row and KV head, and compact.
-
-        Returns the order the slots were compacted by, over every row (B, H_kv, L): kept slots first.
-        """
-        length = scores.shape[-1]
-        positions = self.slots.positions[:, :, :length]  # (B, H_kv, L)
-        shield = self._shield(positions)
-        ranked = scores
-        if self.tiers is not None:
-            # Only tokens at the base width are evicted while any is left: wider ones rank above every score.
-            ranked = scores.masked_fill(self.tiers.tier_mask(length), torch.finfo(scores.dtype).max)
-        # Only the rows that drop tokens are ranked and compacted (a ragged batch compresses its rows at
-        # different steps); merging folds across every row's slots, so it takes the whole batch.
-        dropping = n_drop > 0
-        rows = None if self.merge is not None or bool(dropping.all()) else dropping.nonzero().squeeze(1)
-        sel = None if rows is None else rows.to(scores.device)
-        if sel is None:
-            keep = keep_order(ranked, self.slots.lengths, self.recent, n_drop, shield)
-        else:
-            sub_shield = None if shield is None else shield.expand_as(scores)[sel]
-            keep = keep_order(ranked[sel], self.slots.lengths[rows], self.recent, n_drop[rows], sub_shield)
-        if self.listeners:
-            # Slot keep[b, h, j] is dropped when its rank j is among the last n_drop[b].
-            rank = torch.arange(length, device=keep.device)
-            sub_drop = n_drop if rows is None else n_drop[rows]
-            last = rank[None, None, :] >= (length - sub_drop.to(keep.device))[:, None, None]  # (B', 1, L)
-            dropped = torch.zeros_like(keep, dtype=torch.bool).scatter_(2, keep, last.expand_as(keep))
-            if sel is not None:
-                dropped = torch.zeros_like(scores, dtype=torch.bool).index_copy_(0, sel, dropped)  # (B, H_kv, L)
-            for listener in self.listeners:
-                listener.evicted_tokens(self.layer_idx, self.slots.seen, positions, scores, dropped)
-        if self.merge is not None:
-            keys, values = self.store.read(length)
-            self.store.write(0, keys, self.merge.fold(keys, values, keep, self.slots.lengths, n_drop))
-        self.store.reorder(keep, sel)
-        whole = None
-        for state in self.states:
-            if sel is None:
-                state.compact(keep)
-            elif state.compacts_rows:
-                state.compact(keep, sel)
-            else:  # a state that compacts whole batches only (it says so): the identity order in other rows
-                whole = _whole_batch(keep, sel, scores.shape[0]) if whole is None else whole
-                state.compact(whole)
-        self.slots.compact(keep, n_drop, sel)
-        self.compressions += 1
-        if self.tiers is not None:
-            self.tiers.forget(self.slots.lengths)
-        return keep if sel is None else _whole_batch(keep, sel, scores.shape[0])
+        """Drop the ``n_drop`` (B,) lowest ``scores`` (B, H_kv, L) of each row and KV head, and compact; return
+        the order the slots were compacted by (see :func:`.eviction.evict`)."""
+        return evict(self, scores, n_drop)
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (beam reordering, batch expansion)."""
@@ -365,4 +253,5 @@ class BudgetedKV:
         for state in self.states:
             state.select_batch(dev)
         self.slots.select_batch(index)
-        self.tier_counts = self.tier_counts.index_select(0, index.cpu())
+        if self.demotion is not None:
+            self.demotion.select_batch(index)

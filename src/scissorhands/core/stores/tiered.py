@@ -238,53 +238,14 @@ class TieredKVStore(KVStore):
             pool.select_batch(index)
 
     # -- reading ---------------------------------------------------------------------------------------
-    def _read(self, which: int, start: int, end: int) -> torch.Tensor:
-        """Dense K (``which`` 0) or V (1) of slots ``[start, end)``: (B, H_kv, n, D)."""
-        base = (self.base, self.base_v)[which][:, :, start:end]
-        scale = (self.scale_k, self.scale_v)[which][:, :, start:end]
-        zero = (self.zero_k, self.zero_v)[which][:, :, start:end]
-        dim, group = self.dims[which], self.groups[which]
-        # Built on the top width's scale in float32, where every code is exact: each plane above the base
-        # shifts the code left by its bits and adds them (zero where the slot no longer holds that width).
-        # The bits a slot lacks read at their midpoint, (2**m - 1) / 2 steps, folded into its zero-point:
-        # a (B, H_kv, n, groups) tensor rather than one per element.
-        q = unpack(base, self.bits, dim).to(torch.float32)  # (B, H_kv, n, D)
-        b, h, n = q.shape[:3]
-        missing = torch.zeros(b, h, n, dtype=torch.float32, device=q.device)
-        dense_pool = None
-        for pool in reversed(self.pools):  # from the plane just above the base upwards
-            if pool.dense:
-                dense_pool = pool
-                continue
-            where = pool.where[:, :, start:end]  # (B, H_kv, n)
-            have = where >= 0
-            plane = unpack(pool.entries(which, where), pool.plane, dim)  # (B, H_kv, n, D) uint8
-            q.mul_(2**pool.plane).add_(plane.mul_(have[..., None]))
-            missing.add_((~have).to(torch.float32), alpha=pool.plane)
-        groups = scale.shape[-1]
-        scale = scale.float().unsqueeze(-1)  # (B, H_kv, n, groups, 1)
-        zero = zero.float()
-        if self.pools:
-            zero = torch.addcmul(zero, (torch.exp2(missing) - 1).mul_(0.5)[..., None], scale[..., 0])
-        q = q.reshape(b, h, n, groups, group)
-        x = torch.addcmul(zero.unsqueeze(-1), q, scale).reshape(b, h, n, dim)
-        if which == 0 and self.center is not None:
-            x = x + self.center
-        x = x.to(self.dtype)
-        if dense_pool is not None:
-            where = dense_pool.where[:, :, start:end]
-            exact = dense_pool.entries(which, where)
-            x = torch.where((where >= 0)[..., None], exact.to(x.dtype), x)
-        return x
-
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._read(0, 0, length), self._read(1, 0, length)
+        return read_slots(self, 0, 0, length), read_slots(self, 1, 0, length)
 
     def read_keys(self, start: int, end: int) -> torch.Tensor:
-        return self._read(0, start, end)
+        return read_slots(self, 0, start, end)
 
     def read_values(self, start: int, end: int) -> torch.Tensor:
-        return self._read(1, start, end)
+        return read_slots(self, 1, start, end)
 
     # -- bytes -------------------------------------------------------------------------------------------
     def data_bytes(self) -> int:
@@ -321,3 +282,46 @@ class TieredKVStore(KVStore):
         for (bits, _), below, cap in zip(settings.kv_demote, chain[1:], caps):
             total += WidthPool.bytes_for(bits, below, cap, shape, tokens, index)
         return total
+
+
+def read_slots(store: TieredKVStore, which: int, start: int, end: int) -> torch.Tensor:
+    """Dense K (``which`` 0) or V (1) of a tiered store's slots ``[start, end)``: (B, H_kv, n, D).
+
+    Each slot reads back at the width it holds now: its base plane, every plane it still holds above it, and
+    the bits it lost at their midpoint."""
+    base = (store.base, store.base_v)[which][:, :, start:end]
+    scale = (store.scale_k, store.scale_v)[which][:, :, start:end]
+    zero = (store.zero_k, store.zero_v)[which][:, :, start:end]
+    dim, group = store.dims[which], store.groups[which]
+    # Built on the top width's scale in float32, where every code is exact: each plane above the base
+    # shifts the code left by its bits and adds them (zero where the slot no longer holds that width).
+    # The bits a slot lacks read at their midpoint, (2**m - 1) / 2 steps, folded into its zero-point:
+    # a (B, H_kv, n, groups) tensor rather than one per element.
+    q = unpack(base, store.bits, dim).to(torch.float32)  # (B, H_kv, n, D)
+    b, h, n = q.shape[:3]
+    missing = torch.zeros(b, h, n, dtype=torch.float32, device=q.device)
+    dense_pool = None
+    for pool in reversed(store.pools):  # from the plane just above the base upwards
+        if pool.dense:
+            dense_pool = pool
+            continue
+        where = pool.where[:, :, start:end]  # (B, H_kv, n)
+        have = where >= 0
+        plane = unpack(pool.entries(which, where), pool.plane, dim)  # (B, H_kv, n, D) uint8
+        q.mul_(2**pool.plane).add_(plane.mul_(have[..., None]))
+        missing.add_((~have).to(torch.float32), alpha=pool.plane)
+    groups = scale.shape[-1]
+    scale = scale.float().unsqueeze(-1)  # (B, H_kv, n, groups, 1)
+    zero = zero.float()
+    if store.pools:
+        zero = torch.addcmul(zero, (torch.exp2(missing) - 1).mul_(0.5)[..., None], scale[..., 0])
+    q = q.reshape(b, h, n, groups, group)
+    x = torch.addcmul(zero.unsqueeze(-1), q, scale).reshape(b, h, n, dim)
+    if which == 0 and store.center is not None:
+        x = x + store.center
+    x = x.to(store.dtype)
+    if dense_pool is not None:
+        where = dense_pool.where[:, :, start:end]
+        exact = dense_pool.entries(which, where)
+        x = torch.where((where >= 0)[..., None], exact.to(x.dtype), x)
+    return x
