@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import torch
 
-from ..methods.base import EvictionMethod, LayerView
+from ..methods.base import EvictionMethod
+from ..settings.storage import check_demotion, check_residual
 from ..stores.base import DenseKVStore, KVStore
-from ..stores.settings import check_demotion, check_residual
 from ..tokens.merging import MergeState
 from ..tokens.protect import Protection
 from ..tokens.rounds import RoundState
@@ -48,10 +48,10 @@ from ..tokens.slots import SlotTable
 from ..tokens.state import TokenState
 from .decode import make_decode
 from .demotion import Demotion
-from .eviction import compress, evict
+from .eviction import Eviction
 
 
-class BudgetedKV:
+class BudgetedKV(Eviction):
     """At most ``budget`` tokens per row and KV head, evicted ``drop`` at a time by ``method``.
 
     Parameters
@@ -224,21 +224,6 @@ class BudgetedKV:
         if self.demotion is not None:
             self.demotion.added(1)
         return length + 1
-
-    def view(self, prompt_attention: torch.Tensor | None = None) -> LayerView:
-        """The read-only view a method scores (``prompt_attention``: see :class:`..attend.prefill.PromptAware`)."""
-        return LayerView(self.layer_idx, self.slots.length, self.compressions, self.state, self.slots,
-                         self.store.read, prompt_attention)
-
-    def compress(self, rows: torch.Tensor, drop: int | None = None) -> None:
-        """Evict ``drop`` (default: the layer's) tokens from each KV head of the rows ``rows`` (CPU bool, (B,));
-        see :func:`.eviction.compress`."""
-        compress(self, rows, drop)
-
-    def evict(self, scores: torch.Tensor, n_drop: torch.Tensor) -> torch.Tensor:
-        """Drop the ``n_drop`` (B,) lowest ``scores`` (B, H_kv, L) of each row and KV head, and compact; return
-        the order the slots were compacted by (see :func:`.eviction.evict`)."""
-        return evict(self, scores, n_drop)
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (beam reordering, batch expansion)."""

@@ -1,21 +1,23 @@
 """One compression event of a budgeted layer: score, choose, and compact every part with one order.
 
-The layer (:class:`~.budgeted.BudgetedKV`) holds the state; these functions change it. :func:`compress` is
-the event (in rounds, with demotion, or plain); :func:`evict` drops the lowest-scoring tokens of each row and
-KV head past the recent window and the shields, tells the listeners, folds them in when merging, and
-compacts the store, every per-token state and the slot table by the same order.
+:class:`Eviction` is the part of :class:`~.budgeted.BudgetedKV` that changes what the layer holds:
+``compress`` is the event (in rounds, with demotion, or plain); ``evict`` drops the lowest-scoring tokens of
+each row and KV head past the recent window and the shields, tells the listeners, folds them in when
+merging, and compacts the store, every per-token state and the slot table by the same order.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from ..methods.base import EvictionMethod, LayerView
+from ..stores.base import KVStore
+from ..tokens.merging import MergeState
+from ..tokens.rounds import RoundState
 from ..tokens.selection import keep_order, lowest
-
-if TYPE_CHECKING:
-    from .budgeted import BudgetedKV
+from ..tokens.slots import SlotTable
+from ..tokens.state import TokenState
+from .demotion import Demotion
 
 
 def _whole_batch(keep: torch.Tensor, sel: torch.Tensor, batch: int) -> torch.Tensor:
@@ -38,83 +40,107 @@ def _dropped(keep: torch.Tensor, n_drop: torch.Tensor, sel: torch.Tensor | None,
     return torch.zeros((batch, *keep.shape[1:]), dtype=torch.bool, device=keep.device).index_copy_(0, sel, dropped)
 
 
-def compress(kv: BudgetedKV, rows: torch.Tensor, drop: int | None = None) -> None:
-    """Evict ``drop`` (default: the layer's) tokens from each KV head of the rows ``rows`` (CPU bool, (B,)).
+class Eviction:
+    """The compression event of a budgeted layer; the layer's parts it reads and changes are declared here."""
 
-    With tiers, a row evicts only if it is at its budget, and demotes at every width whose cap it reached.
-    """
-    amount = kv.drop if drop is None else drop
-    if kv.rounds is not None:
-        evict_in_rounds(kv, rows, amount)
-        return
-    if kv.demotion is None:
-        evict(kv, kv.method.score(kv.view()), torch.where(rows, amount, 0))
-        return
-    scores = kv.method.score(kv.view())
-    n_drop = torch.where(rows & (kv.slots.lengths >= kv.budget), amount, 0)
-    if bool((n_drop > 0).any()):
-        order = evict(kv, scores, n_drop)
-        scores = scores.gather(2, order.to(scores.device))[:, :, : kv.slots.length]
-    shield = shield_of(kv.shields, kv.slots.positions[:, :, : scores.shape[-1]])
-    kv.demotion.demote(scores, rows, amount, kv.slots.lengths, kv.recent, shield)
+    budget: int
+    recent: int
+    drop: int
+    layer_idx: int
+    compressions: int
+    method: EvictionMethod
+    state: TokenState
+    states: list[TokenState]
+    store: KVStore
+    slots: SlotTable
+    shields: list
+    listeners: list
+    merge: MergeState | None
+    rounds: RoundState | None
+    demotion: Demotion | None
 
-def evict_in_rounds(kv: BudgetedKV, rows: torch.Tensor, amount: int) -> None:
-    """Rows ``rows`` with no victim pending choose ``amount``; then each of ``rows`` drops its oldest victim."""
-    assert kv.rounds is not None
-    lengths = kv.slots.lengths
-    start = rows & (kv.rounds.pending(lengths) == 0)
-    if bool(start.any()):
-        scores = kv.method.score(kv.view())
-        shield = shield_of(kv.shields, kv.slots.positions[:, :, : kv.slots.length])
-        kv.rounds.choose(lowest(scores, lengths, kv.recent, torch.where(start, amount, 0), shield))
-    evict(kv, kv.rounds.next_out(lengths), torch.where(rows, 1, 0))
+    def view(self, prompt_attention: torch.Tensor | None = None) -> LayerView:
+        """The read-only view a method scores (``prompt_attention``: see :class:`..attend.prefill.PromptAware`)."""
+        return LayerView(self.layer_idx, self.slots.length, self.compressions, self.state, self.slots,
+                         self.store.read, prompt_attention)
 
-def shield_of(shields: list, positions: torch.Tensor) -> torch.Tensor | None:
-    """Slots (B, H_kv, L) no eviction may drop: every shield's mask over ``positions``, or'ed."""
-    shield = None
-    for part in shields:
-        mask = part.mask(positions)
-        shield = mask if shield is None else shield | mask
-    return shield
+    def compress(self, rows: torch.Tensor, drop: int | None = None) -> None:
+        """Evict ``drop`` (default: the layer's) tokens from each KV head of the rows ``rows`` (CPU bool, (B,)).
 
-def evict(kv: BudgetedKV, scores: torch.Tensor, n_drop: torch.Tensor) -> torch.Tensor:
-    """Drop the ``n_drop`` (B,) lowest ``scores`` (B, H_kv, L) of each row and KV head, and compact.
+        With tiers, a row evicts only if it is at its budget, and demotes at every width whose cap it reached.
+        """
+        amount = self.drop if drop is None else drop
+        if self.rounds is not None:
+            self._round(rows, amount)
+            return
+        if self.demotion is None:
+            self.evict(self.method.score(self.view()), torch.where(rows, amount, 0))
+            return
+        scores = self.method.score(self.view())
+        n_drop = torch.where(rows & (self.slots.lengths >= self.budget), amount, 0)
+        if bool((n_drop > 0).any()):
+            order = self.evict(scores, n_drop)
+            scores = scores.gather(2, order.to(scores.device))[:, :, : self.slots.length]
+        shield = self._shield(self.slots.positions[:, :, : scores.shape[-1]])
+        self.demotion.demote(scores, rows, amount, self.slots.lengths, self.recent, shield)
 
-    Returns the order the slots were compacted by, over every row (B, H_kv, L): kept slots first.
-    """
-    length = scores.shape[-1]
-    positions = kv.slots.positions[:, :, :length]  # (B, H_kv, L)
-    shield = shield_of(kv.shields, positions)
-    ranked = scores if kv.demotion is None else kv.demotion.ranked_for_eviction(scores)
-    # Only the rows that drop tokens are ranked and compacted (a ragged batch compresses its rows at
-    # different steps); merging folds across every row's slots, so it takes the whole batch.
-    dropping = n_drop > 0
-    rows = None if kv.merge is not None or bool(dropping.all()) else dropping.nonzero().squeeze(1)
-    sel = None if rows is None else rows.to(scores.device)
-    if sel is None:
-        keep = keep_order(ranked, kv.slots.lengths, kv.recent, n_drop, shield)
-    else:
-        sub_shield = None if shield is None else shield.expand_as(scores)[sel]
-        keep = keep_order(ranked[sel], kv.slots.lengths[rows], kv.recent, n_drop[rows], sub_shield)
-    if kv.listeners:
-        dropped = _dropped(keep, n_drop if rows is None else n_drop[rows], sel, scores.shape[0])
-        for listener in kv.listeners:
-            listener.evicted_tokens(kv.layer_idx, kv.slots.seen, positions, scores, dropped)
-    if kv.merge is not None:
-        keys, values = kv.store.read(length)
-        kv.store.write(0, keys, kv.merge.fold(keys, values, keep, kv.slots.lengths, n_drop))
-    kv.store.reorder(keep, sel)
-    whole = None
-    for state in kv.states:
+    def _round(self, rows: torch.Tensor, amount: int) -> None:
+        """Rows ``rows`` with no victim pending choose ``amount``; then each of ``rows`` drops its oldest victim."""
+        assert self.rounds is not None
+        lengths = self.slots.lengths
+        start = rows & (self.rounds.pending(lengths) == 0)
+        if bool(start.any()):
+            scores = self.method.score(self.view())
+            shield = self._shield(self.slots.positions[:, :, : self.slots.length])
+            self.rounds.choose(lowest(scores, lengths, self.recent, torch.where(start, amount, 0), shield))
+        self.evict(self.rounds.next_out(lengths), torch.where(rows, 1, 0))
+
+    def _shield(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Slots (B, H_kv, L) no eviction may drop: every shield's mask over ``positions``, or'ed."""
+        shield = None
+        for part in self.shields:
+            mask = part.mask(positions)
+            shield = mask if shield is None else shield | mask
+        return shield
+
+    def evict(self, scores: torch.Tensor, n_drop: torch.Tensor) -> torch.Tensor:
+        """Drop the ``n_drop`` (B,) lowest ``scores`` (B, H_kv, L) of each row and KV head, and compact.
+
+        Returns the order the slots were compacted by, over every row (B, H_kv, L): kept slots first.
+        """
+        length = scores.shape[-1]
+        positions = self.slots.positions[:, :, :length]  # (B, H_kv, L)
+        shield = self._shield(positions)
+        ranked = scores if self.demotion is None else self.demotion.ranked_for_eviction(scores)
+        # Only the rows that drop tokens are ranked and compacted (a ragged batch compresses its rows at
+        # different steps); merging folds across every row's slots, so it takes the whole batch.
+        dropping = n_drop > 0
+        rows = None if self.merge is not None or bool(dropping.all()) else dropping.nonzero().squeeze(1)
+        sel = None if rows is None else rows.to(scores.device)
         if sel is None:
-            state.compact(keep)
-        elif state.compacts_rows:
-            state.compact(keep, sel)
-        else:  # a state that compacts whole batches only (it says so): the identity order in other rows
-            whole = _whole_batch(keep, sel, scores.shape[0]) if whole is None else whole
-            state.compact(whole)
-    kv.slots.compact(keep, n_drop, sel)
-    kv.compressions += 1
-    if kv.tiers is not None:
-        kv.tiers.forget(kv.slots.lengths)
-    return keep if sel is None else _whole_batch(keep, sel, scores.shape[0])
+            keep = keep_order(ranked, self.slots.lengths, self.recent, n_drop, shield)
+        else:
+            sub_shield = None if shield is None else shield.expand_as(scores)[sel]
+            keep = keep_order(ranked[sel], self.slots.lengths[rows], self.recent, n_drop[rows], sub_shield)
+        if self.listeners:
+            dropped = _dropped(keep, n_drop if rows is None else n_drop[rows], sel, scores.shape[0])
+            for listener in self.listeners:
+                listener.evicted_tokens(self.layer_idx, self.slots.seen, positions, scores, dropped)
+        if self.merge is not None:
+            keys, values = self.store.read(length)
+            self.store.write(0, keys, self.merge.fold(keys, values, keep, self.slots.lengths, n_drop))
+        self.store.reorder(keep, sel)
+        whole = None
+        for state in self.states:
+            if sel is None:
+                state.compact(keep)
+            elif state.compacts_rows:
+                state.compact(keep, sel)
+            else:  # a state that compacts whole batches only (it says so): the identity order in other rows
+                whole = _whole_batch(keep, sel, scores.shape[0]) if whole is None else whole
+                state.compact(whole)
+        self.slots.compact(keep, n_drop, sel)
+        self.compressions += 1
+        if self.demotion is not None:
+            self.demotion.tiers.forget(self.slots.lengths)
+        return keep if sel is None else _whole_batch(keep, sel, scores.shape[0])

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 
 from ..settings.config import CacheSettings, ScissorhandsConfig
-from ..stores.tiers import tier_caps
+from ..settings.tiers import tier_caps
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

@@ -4,11 +4,9 @@
 resolve a budget per sequence (the evaluation grid, the lm-eval backend, the
 analysis) carry around. :class:`ScissorhandsConfig` adds the budget.
 
-The settings come in groups, each declared where what it configures lives:
-eviction (:mod:`.eviction`), the schedule (:mod:`.schedule`), prefill
-(:mod:`scissorhands.core.attend.settings`), the layer's steps
-(:mod:`scissorhands.core.layer.settings`) and storage
-(:mod:`scissorhands.core.stores.settings`). Each group checks the rules among
+The settings come in groups, a module each: eviction (:mod:`.eviction`), the
+schedule (:mod:`.schedule`), prefill (:mod:`.prefill`), the layer's steps
+(:mod:`.step`) and storage (:mod:`.storage`). Each group checks the rules among
 its own fields; this module composes them, flat (``settings.kv_bits``), and
 holds only the rules that cross groups and the preset. Each field is declared
 once (:func:`~.declare.setting`): its default, its help, how it is parsed from
@@ -22,13 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from ..attend.settings import PREFILL_MODES, PrefillSettings
-from ..layer.settings import DECODE_MODES, StepSettings
-from ..stores.settings import DEFAULT_RESIDUAL, KV_BITS, STORE_NAMES, StorageSettings, check_demotion, check_residual
 from . import declare as s
 from .declare import REQUIRED, declared, setting, settings_table
 from .eviction import IMPORTANCE_FORMS, EvictionSettings
+from .prefill import PREFILL_MODES, PrefillSettings
 from .schedule import SCHEDULES, ScheduleSettings
+from .step import DECODE_MODES, StepSettings
+from .storage import DEFAULT_RESIDUAL, KV_BITS, STORE_NAMES, StorageSettings, check_demotion, check_residual
 
 __all__ = ["DECODE_MODES", "DEFAULTS", "DEFAULT_RESIDUAL", "IMPORTANCE_FORMS", "KV_BITS", "PREFILL_MODES",
            "PRESETS", "SCHEDULES", "STORE_NAMES", "CacheSettings", "ScissorhandsConfig", "check_int",

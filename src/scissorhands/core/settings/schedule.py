@@ -8,13 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from . import declare as s
 from .declare import setting
-
-if TYPE_CHECKING:
-    from .config import ScissorhandsConfig
 
 SCHEDULES = ("uniform", "increasing")
 
@@ -94,7 +91,23 @@ def load_schedule(path: str | Path) -> list[int]:
     return budgets
 
 
-def layer_budgets(config: ScissorhandsConfig, n_layers: int) -> list[int]:
+class Scheduled(Protocol):
+    """What :func:`layer_budgets` reads of a :class:`~.config.ScissorhandsConfig`."""
+
+    @property
+    def budget(self) -> int: ...
+
+    @property
+    def schedule(self) -> str | tuple[int, ...]: ...
+
+    @property
+    def increasing_slope(self) -> float: ...
+
+    @property
+    def protected(self) -> int: ...
+
+
+def layer_budgets(config: Scheduled, n_layers: int) -> list[int]:
     """Budgets for the ``n_layers`` budgeted (full-attention) layers.
 
     ``uniform`` and ``increasing`` keep the total at ``config.budget * n_layers``.

@@ -1,4 +1,4 @@
-"""Where a budgeted layer keeps K and V: the store interface, the registry, the shipped stores, their settings.
+"""Where a budgeted layer keeps K and V: the store interface, the registry, and the shipped stores.
 
 A store is registered by name, as a method is; the settings choose it
 (``kv_store``; by default ``dense``, or ``packed`` when ``kv_bits`` is below
@@ -6,8 +6,8 @@ A store is registered by name, as a method is; the settings choose it
 store, subclass :class:`~.base.KVStore`, set ``name``, override
 ``from_settings`` if it reads settings, and decorate it with
 :func:`register_store`. The storage settings (``kv_*``) and their checks are
-:mod:`.settings`, which imports no torch: this package's names are imported on
-first use, so the settings (and ``--help``) can read their own module alone.
+:mod:`scissorhands.core.settings.storage`. This package's names are imported on
+first use, so importing one store's module imports no other.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from ..settings.tiers import check_tiers, parse_tiers, share_caps, tier_caps
 from .base import KVStore, gather_rows
 from .packed import (
     PackedKVStore,
@@ -50,7 +51,6 @@ from .packed import (
     unpack,
 )
 from .pools import WidthPool
-from .tiers import check_tiers, parse_tiers, share_caps, tier_caps
 
 
 class TieredKVStore(KVStore):

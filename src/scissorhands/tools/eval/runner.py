@@ -20,8 +20,8 @@ from scissorhands.core.planning.memory_target import store_bytes
 from scissorhands.core.settings.budget import resolve_budget
 from scissorhands.core.settings.config import CacheSettings
 from scissorhands.core.settings.schedule import layer_budgets
+from scissorhands.core.settings.tiers import tier_caps
 from scissorhands.core.stores import STORES, store_name
-from scissorhands.core.stores.tiers import tier_caps
 from scissorhands.hf.cache import memory_shape
 from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup

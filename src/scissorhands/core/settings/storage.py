@@ -1,8 +1,9 @@
 """The storage settings: how a layer stores K/V (bits, groups, residual, demotion, the store by name).
 
-One group of :class:`~scissorhands.core.settings.config.CacheSettings`, declared here beside the stores it
-configures, with the rules that tie its fields together and the residual's rules, which a layer built by
-hand checks with the same function (:func:`check_residual`). This module imports no torch.
+One group of :class:`~.config.CacheSettings` (the stores it configures are
+:mod:`scissorhands.core.stores`), with the rules that tie its fields together and the residual's and
+demotion's rules, which a layer built by hand checks with the same functions (:func:`check_residual`,
+:func:`check_demotion`). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import os
 import sys
 from dataclasses import dataclass
 
-from ..settings import declare as s
-from ..settings.declare import setting
+from . import declare as s
+from .declare import setting
 from .tiers import check_tiers, parse_tiers
 
 KV_BITS = (2, 4, 8, 16)
-STORE_NAMES = ("dense", "packed", "tiered")  # the shipped stores; any registered one is taken (registry.py)
+STORE_NAMES = ("dense", "packed", "tiered")  # the shipped stores; any registered one is taken (stores/registry.py)
 GROUP = "packed K/V"
 
 DEFAULT_RESIDUAL = 32

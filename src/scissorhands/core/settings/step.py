@@ -1,7 +1,7 @@
 """The step settings: how a layer's decode step runs, and how many queries a block scores at once.
 
-One group of :class:`~scissorhands.core.settings.config.CacheSettings`, declared beside the decode modes
-(:mod:`.decode`); this module imports no torch.
+One group of :class:`~.config.CacheSettings`; the decode modes it names are
+:mod:`scissorhands.core.layer.decode`. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ..settings import declare as s
-from ..settings.declare import setting
+from . import declare as s
+from .declare import setting
 
-DECODE_MODES = ("dynamic", "static", "compiled")  # the shipped modes; any registered one is taken (decode.py)
+DECODE_MODES = ("dynamic", "static", "compiled")  # the shipped modes; any registered one is taken (layer/decode.py)
 
 
 def _decode_name(name, value):

@@ -1,7 +1,7 @@
-"""The prefill settings: how a layer takes a prompt (the modes are :mod:`.prefill`).
+"""The prefill settings: how a layer takes a prompt (the modes are :mod:`scissorhands.core.attend.prefill`).
 
-One group of :class:`~scissorhands.core.settings.config.CacheSettings`, declared here beside the modes it
-configures; this module imports no torch, so the settings (and ``--help``) read it alone.
+One group of :class:`~.config.CacheSettings`, with the rule among its own fields. Like every group it lives
+in this wing, below the modes it configures, and imports no torch, so ``--help`` reads it in a moment.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ..settings import declare as s
-from ..settings.declare import setting
+from . import declare as s
+from .declare import setting
 
-PREFILL_MODES = ("stream", "prompt-aware")  # the shipped modes; any registered one is taken (prefill.py)
+PREFILL_MODES = ("stream", "prompt-aware")  # the shipped modes; any registered one is taken (attend/prefill.py)
 GROUP = "prefill"
 
 
