@@ -12,7 +12,7 @@ refused, so rows of two runs are never paired.
         --seq-len 2048 --num-samples 8 --out stage1.jsonl
 
 The dtype is float32 unless ``--dtype`` says otherwise (the SmolLM2 sweeps in
-docs/results.md ran in bfloat16, and their commands say so).
+docs/appendix/results_log.md ran in bfloat16, and their commands say so).
 """
 
 import argparse

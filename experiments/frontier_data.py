@@ -1,6 +1,6 @@
 """Build the measured frontier that ``memory=`` chooses from: ΔNLL against the token budget, per store.
 
-It reads the eviction × bits grid (docs/results.md, "Eviction and low-bit K/V together": SmolLM2-135M,
+It reads the eviction × bits grid (docs/appendix/results_log.md, "Eviction and low-bit K/V together": SmolLM2-135M,
 bf16, Shakespeare, T = 2,048, 8 windows). It keeps the stores that need no calibration file, and writes
 one curve per store: the token budget as a fraction of the sequence, and the measured mean ΔNLL.
 
@@ -16,7 +16,7 @@ one curve per store: the token budget as a fraction of the sequence, and the mea
 ``--eval FULL RUN...`` reads every store's curve from eval runs instead (a model family's own frontier,
 ``data/frontier_<model_type>.json``). ``--demotion FULL RUN...`` adds one curve per demotion store
 (``kv_demote``) found in the ``eval --out`` folders RUN, each row's ΔNLL paired against FULL's full-cache
-row on the same windows. Those were measured in float32 (docs/results.md, "Demotion before eviction");
+row on the same windows. Those were measured in float32 (docs/appendix/results_log.md, "Demotion before eviction");
 the grid's ΔNLL in bf16 matches the float32 rows of ``memory=`` within 0.001, so the curves are comparable.
 """
 

@@ -135,7 +135,7 @@ def main():
     p.add_argument("--baseline", required=True, help="the .full.json of a defaults_sweep run (same windows)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--calib-text", default="docs/performance.md",
+    p.add_argument("--calib-text", default="docs/appendix/performance_log.md",
                    help="text whose keys give the per-channel statistics of the calib layouts")
     p.add_argument("--out", required=True)
     args = p.parse_args()

@@ -196,7 +196,9 @@ def test_the_lm_eval_command_runs_offline_on_a_shipped_task_and_its_help_names_o
     folder = save_tiny_model(tmp_path / "tiny")
     env = dict(_env(), HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"))
     base = [sys.executable, "-m", "scissorhands.tools.lm_eval_backend"]
-    proc = subprocess.run([*base, "--model", "scissorhands", "--model_args", f"model={folder},budget=0.3",
+    # kv_demote spelled with ';', which lm-eval's splitting of --model_args at commas leaves whole.
+    proc = subprocess.run([*base, "--model", "scissorhands", "--model_args",
+                           f"model={folder},budget=0.3,kv_bits=4,kv_demote=16:0.4;8:0.6",
                            "--tasks", "scissorhands_tiny_mc", "--limit", "2"], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -373,3 +373,16 @@ def test_beam_search_runs_with_demotion():
     report = cache.memory_report()
     assert report["peak_stored"] <= 12 and set(report["tokens_by_width"]) == {"16", "4", "2"}
     assert report["tokens_by_width"]["2"] > 0
+
+
+def test_demotion_widths_are_integers_and_pairs_survive_lm_eval_comma_splitting():
+    """``16:0.1;4:0.5`` is ``16:0.1,4:0.5`` (lm-eval splits its model arguments at commas); a width that is not
+    an integer is refused, as a float is for every integer setting."""
+    from scissorhands.core.settings.tiers import parse_tiers
+
+    assert parse_tiers("16:0.1;4:0.5") == parse_tiers("16:0.1,4:0.5") == ((16, 0.1), (4, 0.5))
+    for bad in ([(8.7, 0.3)], [(8.0, 0.3)], [(True, 0.3)], "8.7:0.3"):
+        with pytest.raises(ValueError, match="^kv_demote: "):
+            CacheSettings(kv_bits=4, kv_demote=bad)
+    with pytest.raises(ValueError, match="^kv_store: 'dense'"):
+        CacheSettings(kv_bits=4, kv_store="dense")

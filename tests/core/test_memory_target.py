@@ -183,3 +183,27 @@ def test_each_stores_byte_model_is_what_it_allocates(store_settings, tokens):
         shape = Shape(layers=1, kv_heads=h, head_dim_k=d, head_dim_v=d, itemsize=chunk.element_size())
         model = STORES[store_name(config)].bytes_for(config, shape, tokens)
         assert model is not None and store.nbytes() == b * h * model, (store.nbytes(), b * h * model)
+
+
+@pytest.mark.parametrize("given, named", [
+    ({"kv_store": "dense"}, "kv_store"), ({"kv_bits": 2}, "kv_bits"), ({"kv_bits": 4, "kv_demote": "8:0.3"}, "kv_bits"),
+    ({"kv_residual": 0}, "kv_residual"), ({"schedule": (50,) * 30}, "schedule"),
+])
+def test_memory_refuses_a_setting_it_would_override(given, named):
+    """A store, width or per-layer budget list given with ``memory`` is refused in one line naming both, at
+    every entry point (they all plan through one function); none is overridden in silence."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=rf"^memory: .*{named}") as caught:
+        ScissorhandsCache.for_memory(model, 0.2, 200, settings=CacheSettings(**given))
+    assert "\n" not in str(caught.value)
+    ScissorhandsCache.for_memory(model, 0.2, 200, settings=CacheSettings())  # the same target alone is taken
+
+
+@pytest.mark.parametrize("length, settings, named", [
+    (0, None, "length"), (-5, None, "length"), ("100", None, "length"), (None, None, "length"), (2.5, None, "length"),
+    (200, {"recent": 4}, "settings"),
+])
+def test_for_memory_checks_its_arguments_first(length, settings, named):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=rf"^{named}: "):
+        ScissorhandsCache.for_memory(model, 0.2, length, settings=settings)

@@ -293,3 +293,22 @@ def test_whole_model_memory_counts_sliding_layers():
     first = float(line.split("x smaller")[0].rsplit(" ", 1)[-1])
     assert "(all 4 layers)" in line and "the 2 budgeted layers alone" in line
     assert first == pytest.approx(report["model_compression"], abs=0.01)
+
+
+def test_a_used_cache_refuses_another_batch_or_dtype_in_one_line():
+    """Continued by a batch of another size, or after the model was cast to another dtype, a used cache is a
+    one-line error naming ``cache`` (not a tensor error deep in the selection or the kernel)."""
+    model = tiny_model("llama")
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=12, recent=3, drop=4))
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids, cache=cache)
+        with pytest.raises(ValueError, match=r"^cache: .*1 sequence\(s\).*batch of 3") as caught:
+            model(torch.randint(3, 256, (3, 1)), cache=cache,
+                  position_ids=torch.full((3, 1), 20))
+        assert "\n" not in str(caught.value)
+        model.to(torch.bfloat16)
+        with pytest.raises(ValueError, match=r"^cache: .*torch.float32.*torch.bfloat16"):
+            model(ids[:, :1], cache=cache, position_ids=torch.full((1, 1), 20))
+        model.to(torch.float32)
+        model(ids[:, :1], cache=cache, position_ids=torch.full((1, 1), 20))  # the cache still serves its own

@@ -132,6 +132,18 @@ P = ["--prompt", "hi"]
 B = ["bench", "--model", "{tiny}", "--out", "bout"]
 
 CASES = [
+    # memory= with a setting it would override (reliability round 3): refused in one line naming memory
+    ("gen-memory-with-dense-store", [*G, "--memory", "0.2", "--kv-store", "dense", *P], "memory"),
+    ("gen-memory-with-kv-bits", [*G, "--memory", "0.2", "--kv-bits", "2", *P], "memory"),
+    ("gen-memory-with-kv-demote", [*G, "--memory", "0.2", "--kv-bits", "4", "--kv-demote", "8:0.3", *P], "memory"),
+    ("gen-memory-with-schedule-list", [*G, "--memory", "0.2", "--schedule", "20,20", *P], "memory"),
+    ("eval-memory-with-kv-bits", [*E, "--memory", "0.2", "--kv-bits", "2", "--methods", "scissorhands", "--seq-len",
+                                  "32", "--num-samples", "2"], "memory"),
+    # stores and bits agree; widths are integers
+    ("gen-kv-bits-with-dense-store", [*G, "--budget", "50", "--kv-bits", "4", "--kv-store", "dense", *P],
+     "kv-store"),
+    ("gen-kv-demote-float-width", [*G, "--budget", "50", "--kv-bits", "4", "--kv-demote", "8.7:0.3", *P],
+     "kv-demote"),
     # generate: cache settings
     ("gen-budget-below-recent", [*G, "--budget", "5", "--recent", "10", *P], "budget"),
     ("gen-budget-not-int", [*G, "--budget", "x", *P], "budget"),

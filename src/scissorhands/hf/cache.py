@@ -30,7 +30,7 @@ from scissorhands.core.tokens.slots import SlotTable
 from scissorhands.core.tokens.state import TokenState
 
 from .attention import enable
-from .guard import ModelGuard, check_continues, reuse_message
+from .guard import ModelGuard, check_continues, check_holds, reuse_message
 from .modelinfo import FULL, model_facts
 from .report import cache_memory_report
 
@@ -113,6 +113,7 @@ class ScissorhandsLayer(CacheLayerMixin):
         if self.guard is not None:
             self.guard.check_keys(key_states, self.layer_idx)
         self.device = key_states.device
+        self.kv_dtype = key_states.dtype  # what a continuation must compute in (guard.check_holds)
         self.kv.allocate(key_states, value_states)
         self.is_initialized = True
 
@@ -126,6 +127,7 @@ class ScissorhandsLayer(CacheLayerMixin):
                 "so the scissorhands attention cannot be routed"
             )
         if self.checks_continuation and self.kv.allocated:
+            check_holds(self.kv.slots, self.kv_dtype, key_states)
             check_continues(self.kv.slots, key_states, kwargs.get("position_ids"))
         if self._pending is not None:
             raise RuntimeError(

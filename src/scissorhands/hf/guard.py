@@ -74,6 +74,24 @@ def reuse_message(seen: int) -> str:
             "call cache.reset() or build a new cache")
 
 
+def check_holds(slots: SlotTable, dtype: torch.dtype, key_states: torch.Tensor) -> None:
+    """A used cache takes the batch and the dtype it holds: another is a one-line ``ValueError`` naming ``cache``.
+
+    A batch that grows for beams or shrinks between steps goes through the cache's own reordering
+    (``batch_repeat_interleave``, ``reorder_cache``) before it arrives here; a model cast to another dtype
+    after the cache was used would attend its new queries against K/V of the old one.
+    """
+    batch = slots.positions.shape[0]
+    if key_states.shape[0] != batch:
+        raise ValueError(f"cache: this ScissorhandsCache holds {batch} sequence(s), but is continued by a batch of "
+                         f"{key_states.shape[0]}; continue it with the same rows, or call cache.reset() or build "
+                         "a new cache")
+    if key_states.dtype != dtype:
+        raise ValueError(f"cache: this ScissorhandsCache holds K/V computed in {dtype}, but the model now computes "
+                         f"in {key_states.dtype} (cast after the cache was used?); call cache.reset() or build a "
+                         "new cache")
+
+
 def check_continues(slots: SlotTable, key_states: torch.Tensor, position_ids) -> None:
     """A used cache takes only input that continues it: positions at or after the tokens it has seen.
 

@@ -370,9 +370,10 @@ def generate_config(args, length: int | None = None) -> ScissorhandsConfig | Non
     if getattr(args, "memory", None) is not None:
         if args.budget is not None:
             raise ValueError("memory: give --memory or --budget, not both")
-        from scissorhands.core.planning.memory_target import parse_memory
+        from scissorhands.core.planning.memory_target import check_memory_settings, parse_memory
 
         parse_memory(args.memory)  # checked now; chosen once the model and the prompt's length are known
+        check_memory_settings(settings)
         return None
     if args.budget is None:
         if getattr(args, "budget_fallback", None) is None:

@@ -95,10 +95,13 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
         method = method()
     choice = None
     if memory is not None:
-        from .memory_target import choose
+        from ..settings.declare import integer
+        from .memory_target import check_memory_settings, choose
 
-        if shape is None or length is None:
-            raise ValueError("memory: needs the model's K/V shape and the sequence length to choose a budget")
+        check_memory_settings(settings)
+        if shape is None:
+            raise ValueError("memory: needs the model's K/V shape to choose a budget")
+        integer(1)("length", length)  # the sequence's tokens (prompt + new ones): a whole number, at least 1
         choice = choose(memory, shape, length, method.resolve(settings))
         config = method.resolve(choice.config)  # the method's own settings hold over the chosen store too
     else:

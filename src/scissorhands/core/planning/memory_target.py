@@ -6,7 +6,7 @@ per sequence: an integer number of bytes, or text such as ``"64MiB"``.
 
 The rule, from measurements. For each store of the measured frontier
 (``data/frontier.json``, built by ``experiments/frontier_data.py`` from the
-eviction × bits grid in docs/results.md), it takes the largest token budget
+eviction × bits grid in docs/appendix/results_log.md), it takes the largest token budget
 whose peak bytes fit the target, counting everything stored: the K/V elements
 (packed or not), their scales and zero-points, the full-precision residual,
 the importance state and the positions. It then reads the store's measured
@@ -18,12 +18,12 @@ The default frontier was measured on SmolLM2-135M; a model family with a
 frontier of its own (``data/frontier_<model_type>.json``: Qwen2, measured on
 Qwen2.5-Coder-0.5B) uses that one, because stores do not rank alike across
 families: Qwen2.5's keys carry large per-channel offsets that 4-bit per-token
-groups cannot hold (docs/results.md). On any other model the choice assumes
+groups cannot hold (docs/results.md, "Larger models"). On any other model the choice assumes
 the stores rank as on SmolLM2. The bytes are exact for the model at hand.
 
 Demotion before eviction (``kv_demote``) is one of the stores: 8-bit for the
 recent window and a little more, 4-bit below it, measured in float32
-(docs/results.md, "Demotion before eviction"). It wins where there are bytes
+(docs/appendix/results_log.md, "Demotion before eviction"). It wins where there are bytes
 to spare beyond a 4-bit cache of the whole sequence, and ties the 4-bit store
 below that.
 
@@ -209,6 +209,26 @@ def store_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -
     dense = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
     residual = min(config.residual_for(config.budget, evicts), config.budget) * dense  # 0 for a lossless store
     return shape.layers * shape.kv_heads * (per_head + residual)
+
+
+def check_memory_settings(settings) -> None:
+    """Refuse, in one line naming both, a setting that ``memory=`` would otherwise override in silence.
+
+    A memory target chooses the store (``kv_bits``, ``kv_key_bits``, ``kv_residual``, ``kv_demote``, hence
+    ``kv_store``) and the token budget; a per-layer list of budgets (``schedule``) fixes every layer's budget
+    instead. Given with ``memory``, either would run something other than what was chosen.
+    """
+    from ..settings.config import CacheSettings
+
+    if not isinstance(settings, CacheSettings):
+        raise ValueError(f"settings: must be a CacheSettings, got {type(settings).__name__}")
+    for name in ("kv_bits", "kv_key_bits", "kv_residual", "kv_demote", "kv_store"):
+        if getattr(settings, name) is not None:
+            raise ValueError(f"memory: chooses the store itself; give memory or {name}, not both (got "
+                             f"{name}={getattr(settings, name)!r})")
+    if isinstance(settings.schedule, tuple):
+        raise ValueError("memory: chooses the token budget itself; give memory or a per-layer schedule list, "
+                         "not both (use schedule='uniform' or 'increasing')")
 
 
 def choose(memory, shape: Shape, length: int, base: CacheSettings,

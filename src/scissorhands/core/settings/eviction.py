@@ -19,7 +19,7 @@ IMPORTANCE_FORMS = ("sum", "count", "mean")
 class EvictionSettings:
     """Which tokens a full layer keeps: the recent window and sinks, the history window, the drop, the score."""
 
-    # Chosen by measurement on SmolLM2-135M (docs/results.md, "Choosing the defaults by measurement").
+    # Chosen by measurement on SmolLM2-135M (docs/appendix/results_log.md, "Choosing the defaults by measurement").
     recent: int | float = setting(
         0.25, "the *r* most recently appended tokens are never evicted: a count, or a fraction of each layer's budget",
         s.parse_count_or_fraction, s.fraction_or_count(0, fraction_closed_low=True), metavar="R")

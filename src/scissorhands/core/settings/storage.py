@@ -112,9 +112,9 @@ class StorageSettings:
         "window", s.parse_optional_int, s.integer(0, allow_none=True), group=GROUP, metavar="R")
     kv_demote: tuple[tuple[int, float], ...] | None = setting(
         None, "demotion before eviction: widths above `kv_bits`, each with the share of a layer's budget that may "
-        "hold it or wider, e.g. `16:0.1,4:0.5`; the least important tokens lose bits first, and only tokens at "
-        "`kv_bits` are evicted ([below](#demotion-before-eviction))", s.parse_optional_text, _demote, group=GROUP,
-        metavar="BITS:SHARE,...")
+        "hold it or wider, e.g. `16:0.1,4:0.5` (or `16:0.1;4:0.5`, which lm-eval's comma-split model arguments "
+        "keep whole); the least important tokens lose bits first, and only tokens at `kv_bits` are evicted "
+        "([below](#demotion-before-eviction))", s.parse_optional_text, _demote, group=GROUP, metavar="BITS:SHARE,...")
     kv_store: str | None = setting(
         None, "the K/V store by name (`scissorhands.core.stores.STORES`); `None` = `dense`, or `packed` when "
         "`kv_bits` is below 16", s.parse_optional_text, _store_name, group=GROUP, metavar="NAME")
@@ -135,6 +135,9 @@ class StorageSettings:
                                  f"of widths), got kv_key_bits={self.kv_key_bits}")
             if self.kv_store not in (None, "tiered"):
                 raise ValueError(f"kv_store: kv_demote needs the tiered store, got kv_store={self.kv_store!r}")
+        if self.quantized and self.kv_store == "dense":
+            raise ValueError(f"kv_store: 'dense' keeps K/V in the model's dtype, so kv_bits={self.kv_bits} would not "
+                             f"be used; leave kv_store unset (packed) or choose a store that packs")
         if self.kv_residual and not self.lossy:
             raise ValueError(f"kv_residual: needs a lossy store (kv_bits below 16, or a kv_store other than "
                              f"dense), got kv_bits={self.kv_bits}")

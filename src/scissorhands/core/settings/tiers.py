@@ -4,16 +4,21 @@ size its pools); framework-free."""
 
 from __future__ import annotations
 
+import numbers
+
 # The packed widths a chain may step through; each step's plane is 2 or 4 bits wide.
 PACKED_CHAIN = (8, 4, 2)
 
 
 def parse_tiers(spec) -> tuple[tuple[int, float], ...]:
     """``"16:0.2,4:0.5"`` (or a list of pairs) as ``((16, 0.2), (4, 0.5))``: widths above ``kv_bits``, each with
-    the most tokens of a layer's budget (a fraction) that may hold that width or more."""
+    the most tokens of a layer's budget (a fraction) that may hold that width or more.
+
+    ``;`` separates pairs as ``,`` does (``16:0.2;4:0.5``): lm-eval splits its ``--model_args`` at commas. A
+    width is an integer: ``8.7`` is refused, as a float is for every integer setting."""
     if isinstance(spec, str):
         pairs = []
-        for part in spec.replace(" ", "").split(","):
+        for part in spec.replace(" ", "").replace(";", ",").split(","):
             bits, sep, share = part.partition(":")
             if not sep:
                 raise ValueError(f"kv_demote: must be BITS:SHARE pairs such as 16:0.2,4:0.5, got {spec!r}")
@@ -24,9 +29,13 @@ def parse_tiers(spec) -> tuple[tuple[int, float], ...]:
         return tuple(pairs)
     if isinstance(spec, (list, tuple)):
         try:
-            return tuple((int(b), float(f)) for b, f in spec)
+            pairs = [(b, float(f)) for b, f in spec]
         except (TypeError, ValueError):
             raise ValueError(f"kv_demote: must be (bits, share) pairs, got {spec!r}") from None
+        for b, _ in pairs:
+            if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+                raise ValueError(f"kv_demote: a width must be an integer number of bits, got {b!r}")
+        return tuple((int(b), f) for b, f in pairs)
     raise ValueError(f"kv_demote: must be BITS:SHARE pairs such as 16:0.2,4:0.5, got {spec!r}")
 
 
