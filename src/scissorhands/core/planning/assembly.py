@@ -101,7 +101,7 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
         check_memory_settings(settings)
         if shape is None:
             raise ValueError("memory: needs the model's K/V shape to choose a budget")
-        integer(1)("length", length)  # the sequence's tokens (prompt + new ones): a whole number, at least 1
+        length = integer(1)("length", length)  # the sequence's tokens (prompt + new ones): a whole number >= 1
         choice = choose(memory, shape, length, method.resolve(settings))
         config = method.resolve(choice.config)  # the method's own settings hold over the chosen store too
     else:
