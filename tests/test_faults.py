@@ -399,6 +399,38 @@ def test_ctrl_c_in_a_real_process(tmp_path, tiny_folder, text_file):
     assert "Traceback" not in rest and rest.strip().splitlines()[-1] == "scissorhands: interrupted"
 
 
+def test_sigterm_ends_an_eval_in_one_line_that_says_it_resumes(tmp_path, tiny_folder, text_file):
+    """SIGTERM (a scheduler, ``kill``) ends a run as Ctrl-C does: exit 143, no traceback, one line saying
+    where the finished rows are; the same command then resumes from them and finishes the grid."""
+    env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "scissorhands.tools.cli", "-v", "eval", "--model", str(tiny_folder), "--text",
+               str(text_file), "--seq-len", "32", "--num-samples", "64", "--methods", "full,scissorhands",
+               "--budgets", "0.5,0.3", "--out", str(out)]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    seen = []
+    try:
+        for line in proc.stderr:  # the model is loaded: we are inside main
+            seen.append(line)
+            if "scissorhands.tools.models: loaded" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 143, "".join(seen) + rest
+    assert "Traceback" not in rest
+    assert rest.strip().splitlines()[-1] == (f"scissorhands: terminated; the rows finished are in {out}, and the "
+                                             "same command resumes from them")
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], str(r["budget"])) for r in rows) == [
+        ("full", "None"), ("scissorhands", "0.3"), ("scissorhands", "0.5")]
+
+
 def test_version(capsys):
     code, out, _ = cli(capsys, "--version")
     assert code == 0 and out.strip() == f"scissorhands {scissorhands.__version__}"

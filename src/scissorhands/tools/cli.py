@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -614,7 +615,6 @@ def interrupt_in_finalizers() -> None:
     "Exception ignored" with a traceback and carries on): deliver it again a millisecond later, outside the
     finalizer, so that it ends the run where any other Ctrl-C would, with the same one line (and a partial
     result saved where the command saves one). Installed once per process."""
-    import threading
 
     previous = sys.unraisablehook
     if getattr(previous, "scissorhands", False):
@@ -642,12 +642,40 @@ def interrupt_in_finalizers() -> None:
     sys.unraisablehook = hook
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, ``kill``, a container stopping), raised where the run is, so that it ends as a
+    Ctrl-C does: files left consistent, one line."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
+def _terminated(args) -> str:
+    """The one line a terminated run ends with: where its results are, and that the same command resumes."""
+    if args.command == "eval":  # every finished row is written whole as it finishes (tools/eval/runner.py)
+        return f"terminated; the rows finished are in {args.out}, and the same command resumes from them"
+    return "terminated"  # bench has said where the parts it finished are
+
+
 def main(argv: list[str] | None = None) -> int:
     if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupt_in_finalizers()
     parser = build_parser()
     args = parser.parse_args(argv)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
+    try:
+        return _run(parser, args)
+    except Terminated:
+        return say(_terminated(args), 143)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _run(parser, args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if not args.verbose:  # hub retries are reported once, as the one-line model error
         logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
@@ -677,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
         return say(f"error: {in_flag_words(first_line(e))}", 2)
     except OSError as e:  # a file or folder that could not be read or written
         return say(f"error: {_os_error_message(args, e)}", 2)
+    except Terminated:
+        raise  # main() says where the results are
     except KeyboardInterrupt:
         return say("interrupted", 130)
     parser.error(f"unknown command {args.command!r}")
