@@ -207,3 +207,38 @@ def test_for_memory_checks_its_arguments_first(length, settings, named):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=rf"^{named}: "):
         ScissorhandsCache.for_memory(model, 0.2, length, settings=settings)
+
+
+def test_a_chunked_prompt_aware_prefill_is_counted_at_its_peak(monkeypatch):
+    """A chunked prompt-aware prefill holds one chunk beside the budget; memory= counts it, so the bytes held
+    at the prefill's peak (just before each layer shrinks back to its budget) fit the target. Unchunked, it
+    holds the whole prompt, whatever the budget, and memory= refuses it."""
+    from dataclasses import replace
+
+    from scissorhands.core.layer.budgeted import BudgetedKV
+    from scissorhands.core.planning.memory_target import peak_bytes
+
+    model = tiny_model("llama")
+    length, prompt, chunk = 420, 380, 48
+    settings = CacheSettings(prefill="prompt-aware", prompt_chunk=chunk)
+    cache = ScissorhandsCache.for_memory(model, 0.3, length, settings=settings)
+    choice = cache.memory_choice
+    assert choice.config.budget < prompt  # the prompt is evicted, chunk by chunk
+    # The chunk is counted: at the same budget, a streamed prefill's peak is smaller.
+    assert choice.peak_bytes > peak_bytes(replace(choice.config, prefill="stream", prompt_chunk=None),
+                                          memory_shape(model))
+    held = []
+    resize = BudgetedKV.resize
+
+    def measured(kv, capacity):
+        held.append(_held(cache.memory_report()))
+        resize(kv, capacity)
+
+    monkeypatch.setattr(BudgetedKV, "resize", measured)
+    with torch.no_grad():
+        model(torch.randint(3, 100, (1, prompt)), cache=cache)
+    held.append(_held(cache.memory_report()))
+    assert max(held) > _held(cache.memory_report())  # the peak was inside the prefill, not after it
+    assert max(held) <= choice.target_bytes
+    with pytest.raises(ValueError, match="^memory: a prompt-aware prefill holds the whole prompt"):
+        ScissorhandsCache.for_memory(model, 0.3, length, settings=CacheSettings(prefill="prompt-aware"))

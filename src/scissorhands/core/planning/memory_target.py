@@ -185,15 +185,24 @@ class MemoryChoice:
                 "measured_on": self.measured_on}
 
 
+def held_tokens(config: ScissorhandsConfig) -> int:
+    """The most slots a layer holds at once: the budget, plus one chunk while a chunked prompt-aware prefill
+    holds it beside the budget (an unchunked one holds the whole prompt: :func:`check_memory_settings`)."""
+    if config.prefill == "prompt-aware" and config.prompt_chunk is not None:
+        return config.budget + config.prompt_chunk
+    return config.budget
+
+
 def peak_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -> int:
     """Peak bytes a sequence holds over the budgeted layers under ``config`` (between chunks).
 
-    The K/V store (:func:`store_bytes`), the importance state and an int32 position per slot. The slots grow
-    up to the budget whatever the sequence's length, so the budget alone decides.
+    The K/V store (:func:`store_bytes`), the importance state and an int32 position per slot, over the slots
+    a layer holds at its peak (:func:`held_tokens`): the slots grow up to that whatever the sequence's
+    length, so the settings alone decide.
     """
     state_item = max(shape.itemsize, 4) if config.importance != "count" else 2
     per_token = config.n_buckets() * state_item + 4  # importance state, an int32 position
-    return store_bytes(config, shape, evicts) + shape.layers * shape.kv_heads * config.budget * per_token
+    return store_bytes(config, shape, evicts) + shape.layers * shape.kv_heads * held_tokens(config) * per_token
 
 
 def store_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -> int:
@@ -202,7 +211,7 @@ def store_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -
     from ..stores import STORES, store_name  # torch: imported on use
 
     name = store_name(config)
-    per_head = STORES[name].bytes_for(config, shape, config.budget)
+    per_head = STORES[name].bytes_for(config, shape, held_tokens(config))
     if per_head is None:
         raise ValueError(f"kv_store: the store {name!r} declares no byte model (KVStore.bytes_for), so a memory "
                          "target cannot be planned for it")
@@ -229,6 +238,9 @@ def check_memory_settings(settings) -> None:
     if isinstance(settings.schedule, tuple):
         raise ValueError("memory: chooses the token budget itself; give memory or a per-layer schedule list, "
                          "not both (use schedule='uniform' or 'increasing')")
+    if settings.prefill == "prompt-aware" and settings.prompt_chunk is None:
+        raise ValueError("memory: a prompt-aware prefill holds the whole prompt at once, whatever the budget; give "
+                         "prompt_chunk as well (its peak is then the budget plus one chunk, which memory= counts)")
 
 
 def choose(memory, shape: Shape, length: int, base: CacheSettings,
