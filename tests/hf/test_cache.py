@@ -298,7 +298,9 @@ def test_whole_model_memory_counts_sliding_layers():
 def test_a_used_cache_refuses_another_batch_or_dtype_in_one_line():
     """Continued by a batch of another size, or after the model was cast to another dtype, a used cache is a
     one-line error naming ``cache`` (not a tensor error deep in the selection or the kernel)."""
-    model = tiny_model("llama")
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama"))  # cast below: the shared model must keep its float32 weights
     cache = ScissorhandsCache(model, ScissorhandsConfig(budget=12, recent=3, drop=4))
     ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -310,5 +312,5 @@ def test_a_used_cache_refuses_another_batch_or_dtype_in_one_line():
         model.to(torch.bfloat16)
         with pytest.raises(ValueError, match=r"^cache: .*torch.float32.*torch.bfloat16"):
             model(ids[:, :1], cache=cache, position_ids=torch.full((1, 1), 20))
-        model.to(torch.float32)
+        model.to(torch.float32)  # weights rounded through bfloat16: only the dtype matters here
         model(ids[:, :1], cache=cache, position_ids=torch.full((1, 1), 20))  # the cache still serves its own

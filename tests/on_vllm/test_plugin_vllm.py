@@ -346,6 +346,19 @@ def test_lm_evals_own_vllm_model_type_scores_a_task_under_eviction(monkeypatch):
     assert all(layer.rounds > 0 for layer in layers)  # prompts longer than the budget: evicted, then in rounds
 
 
+def test_the_openai_server_refuses_a_bad_setting_in_one_line(tiny_folder):
+    """A bad plugin setting stops the OpenAI server before it serves: one line naming the setting, exit code 2,
+    no traceback through vLLM's launcher."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_folder,
+                           "--additional-config", json.dumps({"scissorhands": {"budget": -1}})],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("scissorhands: error:")]
+    assert len(errors) == 1 and errors[0].startswith("scissorhands: error: budget: "), done.stderr[-3000:]
+
+
 def test_the_openai_server_serves_completions_and_chat_with_the_plugin(tmp_path):
     """The real default model (SmolLM2-135M, converted by the project) behind vLLM's OpenAI-compatible server."""
     import socket

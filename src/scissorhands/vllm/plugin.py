@@ -13,6 +13,10 @@ one request alone), saying so in the log.
 from __future__ import annotations
 
 import logging
+import sys
+
+#: vLLM's usage contexts of its servers: a bad setting there ends the process with one line and exit code 2.
+SERVERS = ("OPENAI_API_SERVER", "API_SERVER", "OPENAI_BATCH_RUNNER")
 
 logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
 
@@ -38,7 +42,14 @@ def register() -> None:
 
     def create_engine_config(self, *args, **kwargs):
         # Checked before vLLM builds its config, which would wrap the error in a many-line validation report.
-        from_vllm(self.additional_config)
+        try:
+            from_vllm(self.additional_config)
+        except ValueError as e:
+            context = kwargs.get("usage_context", args[0] if args else None)
+            if getattr(context, "value", context) in SERVERS:  # its launcher would print a traceback around it
+                sys.stderr.write(f"scissorhands: error: {e}\n")
+                raise SystemExit(2) from None
+            raise  # LLM(...) and other Python callers get the ValueError itself
         return create(self, *args, **kwargs)
 
     check_and_update_config.scissorhands = True  # type: ignore[attr-defined]
