@@ -377,25 +377,32 @@ def test_ctrl_c_is_one_line_and_exit_code_130(capsys, monkeypatch):
     assert code == 130 and one_line(err) == "scissorhands: interrupted"
 
 
-def test_ctrl_c_in_a_real_process(tmp_path, tiny_folder, text_file):
-    env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "scissorhands.tools.cli", "-v", "eval", "--model", str(tiny_folder),
-                             "--text", str(text_file), "--seq-len", "32", "--num-samples", "64", "--out",
-                             str(tmp_path / "out")], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=env, preexec_fn=sigint_as_in_a_terminal)
+def _signal_once_loaded(command: list[str], sig: int, env: dict) -> tuple[int, str, str]:
+    """Run ``command``, send ``sig`` once its model is loaded (it is then inside main), and return its exit
+    code, the stderr before the signal and the stderr after it."""
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                            preexec_fn=sigint_as_in_a_terminal)
     seen = []
     try:
-        for line in proc.stderr:  # wait until the model is loaded: we are inside main
+        for line in proc.stderr:
             seen.append(line)
             if "scissorhands.tools.models: loaded" in line:
                 break
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         rest = proc.stderr.read()
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert code == 130, "".join(seen) + rest
+    return code, "".join(seen), rest
+
+
+def test_ctrl_c_in_a_real_process(tmp_path, tiny_folder, text_file):
+    env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
+    code, seen, rest = _signal_once_loaded(
+        [sys.executable, "-m", "scissorhands.tools.cli", "-v", "eval", "--model", str(tiny_folder), "--text",
+         str(text_file), "--seq-len", "32", "--num-samples", "64", "--out", str(tmp_path / "out")], signal.SIGINT, env)
+    assert code == 130, seen + rest
     assert "Traceback" not in rest and rest.strip().splitlines()[-1] == "scissorhands: interrupted"
 
 
@@ -407,20 +414,8 @@ def test_sigterm_ends_an_eval_in_one_line_that_says_it_resumes(tmp_path, tiny_fo
     command = [sys.executable, "-m", "scissorhands.tools.cli", "-v", "eval", "--model", str(tiny_folder), "--text",
                str(text_file), "--seq-len", "32", "--num-samples", "64", "--methods", "full,scissorhands",
                "--budgets", "0.5,0.3", "--out", str(out)]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    seen = []
-    try:
-        for line in proc.stderr:  # the model is loaded: we are inside main
-            seen.append(line)
-            if "scissorhands.tools.models: loaded" in line:
-                break
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.stderr.read()
-        code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert code == 143, "".join(seen) + rest
+    code, seen, rest = _signal_once_loaded(command, signal.SIGTERM, env)
+    assert code == 143, seen + rest
     assert "Traceback" not in rest
     assert rest.strip().splitlines()[-1] == (f"scissorhands: terminated; the rows finished are in {out}, and the "
                                              "same command resumes from them")

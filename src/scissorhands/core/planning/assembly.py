@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..settings.config import CacheSettings, ScissorhandsConfig
+from ..settings.declare import integer
 from ..settings.schedule import layer_budgets
 from ..tokens.protect import Protection, check_room
 
@@ -95,7 +96,6 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
         method = method()
     choice = None
     if memory is not None:
-        from ..settings.declare import integer
         from .memory_target import check_memory_settings, choose
 
         check_memory_settings(settings)

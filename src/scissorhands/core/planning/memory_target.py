@@ -227,8 +227,6 @@ def check_memory_settings(settings) -> None:
     ``kv_store``) and the token budget; a per-layer list of budgets (``schedule``) fixes every layer's budget
     instead. Given with ``memory``, either would run something other than what was chosen.
     """
-    from ..settings.config import CacheSettings
-
     if not isinstance(settings, CacheSettings):
         raise ValueError(f"settings: must be a CacheSettings, got {type(settings).__name__}")
     for name in ("kv_bits", "kv_key_bits", "kv_residual", "kv_demote", "kv_store"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -215,6 +216,25 @@ def one_of(choices: tuple, allow_none: bool = False) -> Check:
             return None
         if not isinstance(value, str) or value not in choices:
             raise ValueError(f"{name}: must be one of {_listed(choices, allow_none)}, got {value!r}")
+        return value
+
+    return check
+
+
+def registered(module: str, registry: str, shipped: tuple[str, ...], what: str, allow_none: bool = False) -> Check:
+    """A name in the registry ``registry`` of ``module`` (prefill modes, decode modes, stores).
+
+    A plug-in registers by importing that module, which imports torch; so the registry is read where it already
+    is, in ``sys.modules``, and never imported from here: until it is, only the ``shipped`` names exist.
+    """
+
+    def check(name, value):
+        if value is None and allow_none:
+            return None
+        names = tuple(getattr(sys.modules.get(module), registry, shipped))
+        if not isinstance(value, str) or value not in names:
+            none = " or None" if allow_none else ""
+            raise ValueError(f"{name}: must be a registered {what} ({', '.join(names)}){none}, got {value!r}")
         return value
 
     return check

@@ -6,7 +6,6 @@ in this wing, below the modes it configures, and imports no torch, so ``--help``
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from . import declare as s
@@ -16,14 +15,7 @@ PREFILL_MODES = ("stream", "prompt-aware")  # the shipped modes; any registered 
 GROUP = "prefill"
 
 
-def _prefill_name(name, value):
-    # A mode registers by importing core/attend/prefill.py; until that module is imported only the shipped
-    # modes exist, so it is read where it already is and never imported from here (it imports torch).
-    prefill = sys.modules.get("scissorhands.core.attend.prefill")
-    names = tuple(getattr(prefill, "PREFILLS", PREFILL_MODES))
-    if not isinstance(value, str) or value not in names:
-        raise ValueError(f"{name}: must be a registered prefill mode ({', '.join(names)}), got {value!r}")
-    return value
+_prefill_name = s.registered("scissorhands.core.attend.prefill", "PREFILLS", PREFILL_MODES, "prefill mode")
 
 
 def _odd(name, value):

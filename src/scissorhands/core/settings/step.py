@@ -6,7 +6,6 @@ One group of :class:`~.config.CacheSettings`; the decode modes it names are
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from . import declare as s
@@ -15,13 +14,7 @@ from .declare import setting
 DECODE_MODES = ("dynamic", "static", "compiled")  # the shipped modes; any registered one is taken (layer/decode.py)
 
 
-def _decode_name(name, value):
-    # As for prefill modes: the registry is read where core/layer/decode.py is already imported, never imported here.
-    decode = sys.modules.get("scissorhands.core.layer.decode")
-    names = tuple(getattr(decode, "DECODES", DECODE_MODES))
-    if not isinstance(value, str) or value not in names:
-        raise ValueError(f"{name}: must be a registered decode mode ({', '.join(names)}), got {value!r}")
-    return value
+_decode_name = s.registered("scissorhands.core.layer.decode", "DECODES", DECODE_MODES, "decode mode")
 
 
 @dataclass(frozen=True)

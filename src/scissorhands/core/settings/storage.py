@@ -9,7 +9,6 @@ demotion's rules, which a layer built by hand checks with the same functions (:f
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 from . import declare as s
@@ -28,16 +27,7 @@ cost +0.040 nats/token without it and +0.003 with the newest 32 tokens exact;
 128 tokens brought nothing more."""
 
 
-def _store_name(name, value):
-    if value is None:
-        return value
-    # As for prefill and decode modes: a store registers by importing the registry (core/stores/registry.py), so
-    # it is read where it is already imported; before that only the shipped stores exist (it imports torch).
-    registry = sys.modules.get("scissorhands.core.stores.registry")
-    names = tuple(getattr(registry, "STORES", STORE_NAMES))
-    if not isinstance(value, str) or value not in names:
-        raise ValueError(f"{name}: must be a registered store ({', '.join(names)}) or None, got {value!r}")
-    return value
+_store_name = s.registered("scissorhands.core.stores.registry", "STORES", STORE_NAMES, "store", allow_none=True)
 
 
 def _path(name, value):
