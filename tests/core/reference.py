@@ -25,6 +25,7 @@ def in_window(step: int, now: int, window: int | None, bucket_steps: int | None)
 
 
 BIG = 1e308  # ranks above any score and below the shields (inf): a tiered token evicted only when nothing else is
+WIDER = 1e300  # ranks a token wider than the width being demoted above any score and below the shields
 
 
 def width_table(k, v, widths, group):
@@ -100,8 +101,8 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
         most tokens that may hold it or wider. A new token takes the widest width. A compression comes when
         the next token would exceed the budget or a cap; it evicts (at the budget) among the base-width
         tokens, then at each width whose cap is reached, from the last cap to the first, demotes the
-        lowest-scoring tokens of that width or wider one width down. Attention reads each token at its width
-        (:func:`width_table`, quantised in groups of ``group``).
+        lowest-scoring tokens at exactly that width (wider ones only when none is left) one width down.
+        Attention reads each token at its width (:func:`width_table`, quantised in groups of ``group``).
 
     Returns
     -------
@@ -174,7 +175,8 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
                         if count < cap:
                             continue
                         n = min(amount, count - min(len(stored), recent))
-                        ranked = sorted((BIG if pinned(p, sinks, spans) else scores[p], idx)
+                        # Tokens at exactly this width step down first, then wider ones, then protected ones.
+                        ranked = sorted((BIG if pinned(p, sinks, spans) else WIDER if width > w else scores[p], idx)
                                         for idx, (p, _, width) in enumerate(stored)
                                         if width >= w and idx < len(stored) - recent)
                         for _, idx in ranked[:n]:

@@ -16,6 +16,7 @@ from scissorhands.core.attend.prefill import Streamed
 from scissorhands.core.methods import get_method
 from scissorhands.core.methods.scissorhands import Scissorhands
 from scissorhands.core.stores import ResidualStore, make_store
+from scissorhands.core.stores.packed import PackedKVStore
 from scissorhands.core.stores.tiered import TieredKVStore
 from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.hf.cache import ScissorhandsLayer
@@ -140,6 +141,31 @@ def test_the_recent_window_stays_at_the_top_width_and_only_base_tokens_are_evict
     assert dropped_widths and set(dropped_widths) == {2}  # evicted only once demoted to the bottom
     counts = [int((widths == w).sum()) for w in (16, 4, 2)]
     assert counts[0] <= 2 * 6 and counts[0] + counts[1] <= 2 * 12 and sum(counts) == 2 * 20
+
+
+def test_a_chain_of_widths_adds_no_compression_events():
+    """Widths whose caps are multiples of the drop fill in step with the budget: a streamed prefill through a
+    chain of two widths makes as many events as the same layer with no tiers (one per drop tokens), in every
+    KV head. Taking a wider token along when demoting a narrower width (the rule before) would leave the heads'
+    counts apart, and events would then come every token or two."""
+    case = dict(b=1, h_kv=4, group=1, t=240, recent=10, budget=40, drop=4, window=None, bucket_steps=None,
+                importance="mean", pads=[0], chunks=[240], sinks=0, tiers=[(16, 16), (4, 28)], base=2, seed=3,
+                tile=16, prefill_drop=None)
+    q, k, v, valid = make_inputs(case)
+    events = {}
+    for name, tiers in (("tiered", case["tiers"]), ("plain", None)):
+        layer = tiered_layer(case) if tiers else ScissorhandsLayer(  # the same layer, packed: eviction alone
+            case["budget"], case["recent"], case["drop"], ImportanceState("mean", None, 1, False), Scissorhands(),
+            store=PackedKVStore(2, group_size=4), query_tile=16)
+        calls = []
+        compress = layer.kv.compress
+        layer.kv.compress = lambda rows, drop=None, calls=calls, compress=compress: (calls.append(1),
+                                                                                      compress(rows, drop))
+        layer.update(k, v, kwargs={})
+        layer.attend(q, k, v, None, 0.5)
+        events[name] = len(calls)
+    assert events["plain"] == (240 - 40) // 4
+    assert events["tiered"] == (240 - 16) // 4  # from the first full width on, one event per drop tokens
 
 
 def test_caps_at_the_budget_are_the_packed_store_at_the_top_width():

@@ -28,10 +28,13 @@ Tiers (demotion before eviction), when the store keeps a chain of bit widths
   among those at the base width: a token at a wider width is evicted only if
   no base token is left outside the recent window and the shields. Then, at
   every width whose cap is reached, widest pool first, it demotes the
-  ``drop`` lowest-scoring tokens at that width or wider to the next width
-  down. The recent window is never demoted; shielded tokens only when no other
-  token is left. Ties go as for eviction: the older token first. Both use the
-  scores the method gave at the start of the event.
+  ``drop`` lowest-scoring tokens at exactly that width to the next width down
+  (a wider token only when none at that width is left). Every width then fills
+  in step with the others and with the budget, so a chain adds no events: one
+  per ``drop`` tokens, as without tiers. The recent window is never demoted;
+  shielded tokens only when no other token is left. Ties go as for eviction:
+  the older token first. Both use the scores the method gave at the start of
+  the event.
 """
 
 from __future__ import annotations

@@ -49,6 +49,11 @@ class Demotion:
                shield: torch.Tensor | None) -> None:
         """At each width whose cap a row of ``rows`` reached, demote its ``amount`` lowest ``scores`` a width down.
 
+        The tokens at exactly that width go first and wider ones only when none is left: a wider token taken
+        along would leave its own width's count short by a number that differs between KV heads, the heads'
+        widths would then fill at different steps, and the events, which come when any head is full, would
+        come every token or two instead of every ``amount``.
+
         ``lengths`` (B,) each row's stored tokens, ``recent`` the layer's recent window, ``shield`` the slots
         (B, H_kv, L) no eviction may drop: they are demoted only when nothing else is left.
         """
@@ -59,7 +64,8 @@ class Demotion:
         rows_d = rows.to(device)[:, None]
         window = torch.clamp(lengths, max=recent).to(device)[:, None]  # (B, 1)
         # Shielded tokens go only when nothing else is left: above every score, below the recent window.
-        ranked = scores if shield is None else scores.masked_fill(shield, torch.finfo(scores.dtype).max)
+        top = torch.finfo(scores.dtype).max
+        ranked = scores if shield is None else scores.masked_fill(shield, top)
         for level in reversed(range(len(tiers.tier_caps))):  # the widest pool first
             # Each KV head demotes at a width only when its own count there reached the cap.
             full = rows_d & (counts[..., level] >= tiers.tier_caps[level])  # (B, H_kv)
@@ -67,7 +73,11 @@ class Demotion:
                 continue
             holds = tiers.pools[level].where[:, :, :length] >= 0  # (B, H_kv, L): at this width or wider
             n = torch.where(full, torch.clamp(counts[..., level] - window, max=amount), 0)
-            tiers.demote(level, lowest(ranked, lengths, recent, n, ~holds) & holds)
+            at_level = ranked
+            if level > 0:  # tokens at exactly this width step down first; a wider one only when none is left
+                wider = tiers.pools[level - 1].where[:, :, :length] >= 0
+                at_level = ranked.masked_fill(wider & (ranked < top), top / 2)
+            tiers.demote(level, lowest(at_level, lengths, recent, n, ~holds) & holds)
             counts = tiers.head_counts()
         self.counts = counts.amax(dim=1).cpu()
 

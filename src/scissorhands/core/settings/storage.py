@@ -102,7 +102,7 @@ class StorageSettings:
         "window", s.parse_optional_int, s.integer(0, allow_none=True), group=GROUP, metavar="R")
     kv_demote: tuple[tuple[int, float], ...] | None = setting(
         None, "demotion before eviction: widths above `kv_bits`, each with the share of a layer's budget that may "
-        "hold it or wider, e.g. `16:0.1,4:0.5` (or `16:0.1;4:0.5`, which lm-eval's comma-split model arguments "
+        "hold it or wider, e.g. `16:0.3,4:0.6` (or `16:0.3;4:0.6`, which lm-eval's comma-split model arguments "
         "keep whole); the least important tokens lose bits first, and only tokens at `kv_bits` are evicted "
         "([below](#demotion-before-eviction))", s.parse_optional_text, _demote, group=GROUP, metavar="BITS:SHARE,...")
     kv_store: str | None = setting(
