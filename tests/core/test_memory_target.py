@@ -242,3 +242,49 @@ def test_a_chunked_prompt_aware_prefill_is_counted_at_its_peak(monkeypatch):
     assert max(held) <= choice.target_bytes
     with pytest.raises(ValueError, match="^memory: a prompt-aware prefill holds the whole prompt"):
         ScissorhandsCache.for_memory(model, 0.3, length, settings=CacheSettings(prefill="prompt-aware"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(memory=st.floats(0.05, 1.0), arch=st.sampled_from(["llama", "gemma3"]), length=st.integers(96, 360),
+       new=st.integers(1, 12), recent=st.sampled_from([0.1, 0.25, 6]), sinks=st.sampled_from([0, 4]),
+       schedule=st.sampled_from(["uniform", "increasing"]), window=st.sampled_from([None, 48]),
+       rounds=st.booleans(), merge=st.booleans(),
+       prefill=st.sampled_from([("stream", None), ("prompt-aware", 16), ("prompt-aware", 40)]))
+def test_an_accepted_memory_target_is_never_exceeded(memory, arch, length, new, recent, sinks, schedule, window,
+                                                     rounds, merge, prefill):
+    """Any target and any settings ``memory=`` accepts: the bytes held, at the prefill's peak (just before a
+    prompt-aware layer shrinks back to its budget), after it and at every decoded token, never exceed the target,
+    and never exceed the peak the choice reported. What it refuses is one line naming a parameter."""
+    from scissorhands.core.layer.budgeted import BudgetedKV
+
+    model = tiny_model(arch)
+    mode, chunk = prefill
+    try:
+        base = CacheSettings(recent=recent, sinks=sinks, schedule=schedule, window=window, rounds=rounds,
+                             merge=merge and not rounds, prefill=mode, prompt_chunk=chunk)
+        cache = ScissorhandsCache.for_memory(model, memory, length, settings=base)
+    except ValueError as e:  # refused: one line, naming what is wrong
+        assert "\n" not in str(e) and str(e).split(":")[0] in ("memory", "budget", "recent", "sinks", "kv_demote",
+                                                                 "kv_residual", "prompt_chunk", "drop"), str(e)
+        return
+    choice = cache.memory_choice
+    held = []
+    resize = BudgetedKV.resize
+
+    def measured(kv, capacity):
+        held.append(_held(cache.memory_report()))
+        resize(kv, capacity)
+
+    ids = torch.randint(3, 100, (1, length), generator=torch.Generator().manual_seed(length))
+    prompt = length - new
+    BudgetedKV.resize = measured
+    try:
+        with torch.no_grad():
+            model(ids[:, :prompt], cache=cache)
+            held.append(_held(cache.memory_report()))
+            for t in range(prompt, length):
+                model(ids[:, t:t + 1], cache=cache)
+                held.append(_held(cache.memory_report()))
+    finally:
+        BudgetedKV.resize = resize
+    assert max(held) <= choice.peak_bytes <= choice.target_bytes
