@@ -53,7 +53,51 @@ from .packed import (
 from .pools import WidthPool
 
 
-class TieredKVStore(KVStore):
+class TieredBytes:
+    """What a tiered store costs: the bytes it holds now, and its byte model (:meth:`KVStore.bytes_for`)."""
+
+    base: torch.Tensor
+    base_v: torch.Tensor
+    scale_k: torch.Tensor
+    zero_k: torch.Tensor
+    scale_v: torch.Tensor
+    zero_v: torch.Tensor
+    center: torch.Tensor | None
+    pools: list[WidthPool]
+
+    def data_bytes(self) -> int:
+        """K/V element data: the base plane of every slot and every pool (planes, or dense rows)."""
+        return self.base.nbytes + self.base_v.nbytes + sum(p.data_bytes() for p in self.pools)
+
+    def scale_bytes(self) -> int:
+        """Scales and zero-points, key centres, and the tiers' bookkeeping (each slot's pool entries, occupancy)."""
+        own = sum(t.nbytes for t in (self.scale_k, self.zero_k, self.scale_v, self.zero_v))
+        own += 0 if self.center is None else self.center.nbytes
+        return own + sum(p.bookkeeping_bytes() for p in self.pools)
+
+    def nbytes(self) -> int:
+        return self.data_bytes() + self.scale_bytes()
+
+    def bytes_per_token_head(self) -> int:
+        """What one slot costs beside the pools: its base plane, scales and zero-points, and pool indices."""
+        per = self.base.shape[-1] + self.base_v.shape[-1]
+        per += 2 * (self.scale_k.shape[-1] + self.zero_k.shape[-1] + self.scale_v.shape[-1] + self.zero_v.shape[-1])
+        return per + sum(p.where.element_size() for p in self.pools)
+
+    @classmethod
+    def bytes_for(cls, settings, shape, tokens: int) -> int:
+        """Every slot's base plane with its scales, then each width's pool at its share (planes, or dense rows for
+        16 bits) with its occupancy map, and one pool index per slot and width."""
+        total = PackedKVStore.bytes_for(settings, shape, tokens)
+        chain = [b for b, _ in settings.kv_demote] + [int(settings.kv_bits or 16)]
+        caps = share_caps(settings.kv_demote, tokens)
+        index = 2 if max(caps) < 2**15 else 4
+        for (bits, _), below, cap in zip(settings.kv_demote, chain[1:], caps):
+            total += WidthPool.bytes_for(bits, below, cap, shape, tokens, index)
+        return total
+
+
+class TieredKVStore(TieredBytes, KVStore):
     """K/V at a chain of bit widths; the layer demotes the least important tokens a width down before evicting.
 
     Parameters
@@ -247,41 +291,9 @@ class TieredKVStore(KVStore):
     def read_values(self, start: int, end: int) -> torch.Tensor:
         return read_slots(self, 1, start, end)
 
-    # -- bytes -------------------------------------------------------------------------------------------
-    def data_bytes(self) -> int:
-        """K/V element data: the base plane of every slot and every pool (planes, or dense rows)."""
-        return self.base.nbytes + self.base_v.nbytes + sum(p.data_bytes() for p in self.pools)
-
-    def scale_bytes(self) -> int:
-        """Scales and zero-points, key centres, and the tiers' bookkeeping (each slot's pool entries, occupancy)."""
-        own = sum(t.nbytes for t in (self.scale_k, self.zero_k, self.scale_v, self.zero_v))
-        own += 0 if self.center is None else self.center.nbytes
-        return own + sum(p.bookkeeping_bytes() for p in self.pools)
-
-    def nbytes(self) -> int:
-        return self.data_bytes() + self.scale_bytes()
-
-    def bytes_per_token_head(self) -> int:
-        """What one slot costs beside the pools: its base plane, scales and zero-points, and pool indices."""
-        per = self.base.shape[-1] + self.base_v.shape[-1]
-        per += 2 * (self.scale_k.shape[-1] + self.zero_k.shape[-1] + self.scale_v.shape[-1] + self.zero_v.shape[-1])
-        return per + sum(p.where.element_size() for p in self.pools)
-
     @classmethod
     def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> TieredKVStore:
         return cls(settings.kv_bits, settings.kv_demote, settings.kv_group_size, settings.kv_tile, key_center)
-
-    @classmethod
-    def bytes_for(cls, settings, shape, tokens: int) -> int:
-        """Every slot's base plane with its scales, then each width's pool at its share (planes, or dense rows for
-        16 bits) with its occupancy map, and one pool index per slot and width."""
-        total = PackedKVStore.bytes_for(settings, shape, tokens)
-        chain = [b for b, _ in settings.kv_demote] + [int(settings.kv_bits or 16)]
-        caps = share_caps(settings.kv_demote, tokens)
-        index = 2 if max(caps) < 2**15 else 4
-        for (bits, _), below, cap in zip(settings.kv_demote, chain[1:], caps):
-            total += WidthPool.bytes_for(bits, below, cap, shape, tokens, index)
-        return total
 
 
 def read_slots(store: TieredKVStore, which: int, start: int, end: int) -> torch.Tensor:
