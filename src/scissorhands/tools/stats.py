@@ -40,3 +40,14 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, fl
     if len(a) != len(b):
         raise ValueError(f"paired values: {len(a)} against {len(b)} items")
     return mean_ci([x - y for x, y in zip(a, b)])
+
+
+def mcnemar_p(lost: int, gained: int) -> float:
+    """McNemar's exact two-sided p-value for paired pass/fail results: ``lost`` items passed only by the first
+    setup, ``gained`` only by the second. Under no difference each discordant item goes either way with
+    probability 1/2, so the p-value is a binomial tail, doubled."""
+    n = lost + gained
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(lost, gained) + 1)) / 2**n
+    return min(1.0, 2 * tail)
