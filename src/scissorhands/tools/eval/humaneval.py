@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -143,7 +144,7 @@ class HumanEval(Task):
 
     def __init__(self, max_new_tokens: int = 384, timeout: float = TIMEOUT_S, data: str | None = None):
         self.max_new_tokens, self.timeout, self.data = max_new_tokens, timeout, data
-        self._tokenizer = None
+        self._tokenizer: Any = None  # the tokenizer items() was given; generation decodes with it
 
     def items(self, tokenizer, limit):
         self._tokenizer = tokenizer
