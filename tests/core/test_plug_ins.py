@@ -364,3 +364,18 @@ def test_a_new_decode_mode_is_one_class_registered_from_outside():
         unregister_decode(Counted.name)
     with pytest.raises(ValueError, match="^decode: must be a registered decode mode .*'test-counted'"):
         ScissorhandsConfig(budget=16, decode="test-counted")
+
+
+def test_a_prompt_aware_prefill_whose_observed_queries_fill_the_budget_is_warned(caplog):
+    """Its last ``observe`` queries are kept whatever they score: at a budget of that many tokens or fewer it
+    keeps the prompt's tail and nothing it scored (HumanEval at 5x lost every pass so)."""
+    from conftest import tiny_model
+    from scissorhands import ScissorhandsCache, ScissorhandsConfig
+
+    model = tiny_model("llama")
+    with caplog.at_level("WARNING", logger="scissorhands.core.planning.assembly"):
+        ScissorhandsCache(model, ScissorhandsConfig(budget=64, prefill="prompt-aware", observe=16))
+        assert "observe:" not in caplog.text
+        ScissorhandsCache(model, ScissorhandsConfig(budget=28, prefill="prompt-aware"))
+    assert "observe: a prompt-aware prefill keeps the 32 queries that score the prompt, and a layer budget is 28" \
+        in caplog.text

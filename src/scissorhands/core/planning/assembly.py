@@ -10,6 +10,7 @@ mode and its per-token state.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ from ..settings.config import CacheSettings, ScissorhandsConfig
 from ..settings.declare import integer
 from ..settings.schedule import layer_budgets
 from ..tokens.protect import Protection, check_room
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -110,6 +113,10 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
                              f"{type(settings).__name__}")
         config = method.resolve(settings)
     budgets = layer_budgets(config, n_layers)
+    if config.prefill == "prompt-aware" and not method.is_full and config.observe >= min(budgets):
+        logger.warning("observe: a prompt-aware prefill keeps the %d queries that score the prompt, and a layer "
+                       "budget is %d: it keeps only the prompt's last tokens; set observe below the budget, or use "
+                       "prefill='stream'", config.observe, min(budgets))
     check_room(protection, [(b, config.recent_for(b), config.drop_for(b)) for b in budgets], name=protect_name)
     layers = []
     for budget in budgets:
