@@ -34,7 +34,7 @@ import torch
 from ..stats import mcnemar_p, paired_difference, proportion
 from .base import Item, Task
 
-STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
+STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint", "\n#")
 TIMEOUT_S = 10.0
 MEMORY_BYTES = 2 * 2**30
 
@@ -162,11 +162,11 @@ class HumanEval(Task):
         prompt = item.data["prompt"]
         ids = torch.tensor([prompt], device=model.device)
         eos = model.generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+        stop = StoppingCriteriaList([_StopAtStatement(self._tokenizer, len(prompt))])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
-                                 max_new_tokens=self.max_new_tokens, pad_token_id=eos if isinstance(eos, int)
-                                 else (eos or [0])[0], stopping_criteria=StoppingCriteriaList(
-                                     [_StopAtStatement(self._tokenizer, len(prompt))]))
+                                 max_new_tokens=self.max_new_tokens, pad_token_id=pad, stopping_criteria=stop)
         new = out[0, len(prompt):].tolist()
         return new, cut_at_stop(self._tokenizer.decode(new, skip_special_tokens=True))
 
