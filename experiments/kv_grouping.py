@@ -12,6 +12,14 @@ cache of a ``defaults_sweep.py`` run (its ``.full.json``, same windows).
   evaluation text): ``(k - mean_c) / std_c`` is quantised and read back as
   ``q * std_c + mean_c``; ``calib-center`` only centres. Keys stay per token,
   so eviction could still move them as rows. Values per token as ``token``.
+* ``rope-center``: per-token groups around a centre that rotates with each
+  token's position. Each channel's mean is measured *before* RoPE (the keys
+  read back and rotated to position 0), and a token at position ``p`` is
+  quantised around that mean rotated to ``p``. A bias in the key projection
+  (Qwen2) is a constant before RoPE and a rotating one after it, which a fixed
+  centre cannot follow. ``rope-center16`` uses groups of 16 for the keys.
+  ``rope-bias``: the same, with the key projection's bias as the mean (no
+  calibration text).
 * ``channel``: keys grouped per channel over ``group`` consecutive tokens,
   values per token (KIVI). Simulated in a dense store that quantises and
   dequantises each chunk as it is written; the last partial group of tokens
@@ -34,6 +42,7 @@ import torch
 from scissorhands import CacheSettings, ScissorhandsCache, get_method
 from scissorhands.core.stores.base import DenseKVStore
 from scissorhands.core.stores.packed import dequantize, quantize
+from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 from scissorhands.tools.calibrate import KeyStats as CalibrationStats
 from scissorhands.tools.eval.tasks import Perplexity
@@ -115,6 +124,61 @@ class CalibratedKeyStore(DenseKVStore):
         super().write(start, key, fake_quant(value, self.bits, min(self.group, value.shape[-1])))
 
 
+def rope_tables(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, D) of the model's rotary embedding at ``positions`` (transformers' convention)."""
+    rot = model.model.rotary_emb
+    freqs = positions.float()[:, None] * rot.inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * rot.attention_scaling, emb.sin() * rot.attention_scaling
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., T, D) rotated by RoPE's angles (T, D); negate ``sin`` to rotate back."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + turned * sin
+
+
+class PreRopeStats(CalibrationStats):
+    """The calibration store, summing each channel's keys rotated back to position 0 (a full cache: slot = position)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        cos, sin = rope_tables(self.model, torch.arange(start, start + key.shape[2]))
+        super().write(start, rotate(key.float(), cos, -sin), value)
+
+
+class RopeCenteredKeyStore(DenseKVStore):
+    """Keys quantised per token around the pre-RoPE mean rotated to each token's position; values per token."""
+
+    def __init__(self, model, bits: int, group: int, mean: torch.Tensor, key_group: int):
+        super().__init__()
+        self.model, self.bits, self.group, self.key_group = model, bits, group, key_group
+        self.mean = mean[None, :, None]  # (1, H_kv, 1, D)
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        cos, sin = rope_tables(self.model, torch.arange(start, start + key.shape[2]))
+        center = rotate(self.mean, cos, sin)  # (1, H_kv, c, D)
+        k = fake_quant(key.float() - center, self.bits, min(self.key_group, key.shape[-1])) + center
+        super().write(start, k.to(key.dtype), fake_quant(value, self.bits, min(self.group, value.shape[-1])))
+
+
+def calibrate_pre_rope(model, tok, path: str, tokens: int = 2048) -> list[torch.Tensor]:
+    """Per layer: each KV head's per-channel key mean before RoPE, over ``tokens`` tokens of a text."""
+    full = get_method("full")
+    ids = torch.tensor(tok(Path(path).read_text())["input_ids"][:tokens])
+    cache = ScissorhandsCache(model, full.configure(CacheSettings(), len(ids)), full())
+    stores = []
+    for layer in cache.budgeted_layers:
+        layer.kv.store = PreRopeStats(model)
+        stores.append(layer.kv.store)
+    token_logprobs(model, ids, ScoreSetup(full, None, CacheSettings()), cache=cache)
+    return [s.mean() for s in stores]
+
+
 def calibrate(model, tok, path: str, tokens: int = 2048) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer: each KV head's per-channel key mean and standard deviation over ``tokens`` tokens of a text."""
     full = get_method("full")
@@ -132,18 +196,33 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variants", required=True,
                    help="comma list of layout:bits:group[:key_bits], layout = token | channel | keys | values")
-    p.add_argument("--baseline", required=True, help="the .full.json of a defaults_sweep run (same windows)")
+    p.add_argument("--baseline", help="the .full.json of a defaults_sweep run (same windows); without it the "
+                   "unquantised full cache is scored here, on --seq-len x --num-samples windows")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--num-samples", type=int, default=2)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--calib-text", default="docs/appendix/performance_log.md",
                    help="text whose keys give the per-channel statistics of the calib layouts")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    base = json.loads(Path(args.baseline).read_text())
     model, tok = load_model(args.model, dtype=args.dtype)
-    items = Perplexity(base["seq_len"], base["num_samples"]).items(tok, None)
     full = get_method("full")
+    if args.baseline:
+        base = json.loads(Path(args.baseline).read_text())
+    else:
+        items = Perplexity(args.seq_len, args.num_samples).items(tok, None)
+        nll = []
+        for it in items:
+            ids = torch.tensor(it.data["ids"])
+            setup = ScoreSetup(full, None, CacheSettings())
+            cache = ScissorhandsCache(model, full.configure(CacheSettings(), len(ids)), full())
+            nll.append(float(-token_logprobs(model, ids, setup, cache=cache)[0].mean()))
+        base = {"seq_len": args.seq_len, "num_samples": args.num_samples, "nll": nll}
+        print(f"full cache: NLL {sum(nll) / len(nll):.4f}", flush=True)
+    items = Perplexity(base["seq_len"], base["num_samples"]).items(tok, None)
     stats = calibrate(model, tok, args.calib_text) if "calib" in args.variants else None
+    pre_rope = calibrate_pre_rope(model, tok, args.calib_text) if "rope-center" in args.variants else None
     for variant in args.variants.split(","):
         layout, bits, group, *key_bits = variant.split(":")
         start = time.perf_counter()
@@ -165,6 +244,16 @@ def main():
                     assert stats is not None
                     mean, std = stats[cache.budgeted_layers.index(layer)]
                     layer.kv.store = CalibratedKeyStore(int(bits), int(group), mean, std if layout == "calib" else None)
+                elif layout == "rope-bias":
+                    i = model_facts(model).full_layers[cache.budgeted_layers.index(layer)]
+                    attn = model.model.layers[i].self_attn
+                    bias = attn.k_proj.bias.detach().float().reshape(-1, attn.head_dim)
+                    layer.kv.store = RopeCenteredKeyStore(model, int(bits), int(group), bias, int(group))
+                elif layout in ("rope-center", "rope-center16"):
+                    assert pre_rope is not None
+                    i = cache.budgeted_layers.index(layer)
+                    layer.kv.store = RopeCenteredKeyStore(model, int(bits), int(group), pre_rope[i],
+                                                          16 if layout == "rope-center16" else int(group))
             lp, _ = token_logprobs(model, ids, setup, cache=cache)
             nll.append(float(-lp.mean()))
         delta, half = paired_difference(nll, base["nll"])

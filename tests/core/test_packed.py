@@ -532,6 +532,127 @@ def test_cli_calibrate_then_generate_with_centres(capsys, tmp_path):
     assert code == 2 and "kv-key-centers" in err
 
 
+def _rotated(x, positions, inv_freq):
+    """Naive RoPE: each pair (i, i + D/2) of ``x`` (..., D) turned by positions (...) * inv_freq[i]."""
+    half = x.shape[-1] // 2
+    angle = positions[..., None].double() * inv_freq.double()
+    c, s_ = angle.cos(), angle.sin()
+    a, b = x[..., :half].double(), x[..., half:].double()
+    return torch.cat([a * c - b * s_, b * c + a * s_], dim=-1)
+
+
+def test_rotary_centres_follow_a_rotating_offset_through_scattered_writes_and_eviction():
+    """Keys = RoPE(p) of (a large per-channel offset + noise), as a biased key projection gives. The store, given
+    each token's position, reads every key back as the naive per-token quantisation around the offset rotated to
+    that position, wherever the token was written and however the slots were reordered since."""
+    from scissorhands.core.stores.centers import RotaryCenters
+
+    gen = torch.Generator().manual_seed(5)
+    h, d = 2, 16
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, d, 2).float() / d))
+    mean = torch.randn(h, d, generator=gen) * 30
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [5, 6, 7, 8, 9, 10, 11, 12]])  # (B, 8): rows at other positions
+
+    def keys_at(p):  # (B, H, T, D) float32 keys before RoPE = mean + noise, rotated to p (B, T)
+        noise = torch.randn(*p.shape[:1], h, p.shape[1], d, generator=gen)
+        return _rotated(mean[None, :, None] + noise, p[:, None, :], inv_freq).float()
+
+    key, value = keys_at(pos), torch.randn(2, h, 8, d, generator=gen)
+    stores = {}
+    for name, center in (("rotary", RotaryCenters(mean, inv_freq)), ("fixed", mean), ("plain", None)):
+        store = PackedKVStore(4, 8, key_center=center)
+        assert store.wants_positions == (name == "rotary")
+        store.allocate(key, value)
+        store.resize(12)
+        store.write(0, key, value, positions=pos)
+        stores[name] = store
+    # two scattered tokens (row 0 slot 8 at position 20, row 1 slot 8 at position 3), then a reorder per head
+    rows, slots, where = torch.tensor([0, 1]), torch.tensor([8, 8]), torch.tensor([20, 3])
+    extra = keys_at(where[:, None])[:, :, 0]  # (N, H, D)
+    extra_v = torch.randn(2, h, d, generator=gen)
+    order = torch.stack([torch.randperm(9, generator=gen) for _ in range(2 * h)]).view(2, h, 9)
+    for name, store in stores.items():
+        store.write_at(rows, slots, extra, extra_v, positions=where if name == "rotary" else None)
+        store.reorder(order)
+    all_keys = torch.cat([key, extra[:, :, None]], dim=2)  # (B, H, 9, D) in written order
+    all_pos = torch.cat([pos, where[:, None]], dim=1)  # (B, 9)
+    kept = all_keys.gather(2, order[..., None].expand(-1, -1, -1, d))
+    kept_pos = all_pos[:, None, :].expand(-1, h, -1).gather(2, order)  # (B, H, 9)
+    center = _rotated(mean[None, :, None].expand(2, h, 9, d), kept_pos, inv_freq).float()
+    naive = roundtrip(kept - center, 4, 8)[0] + center
+    read = stores["rotary"].read(9)[0]
+    torch.testing.assert_close(read, naive, rtol=0, atol=1e-4)  # float32 RoPE tables against float64 ones
+    err = {name: float((s.read(9)[0] - kept).abs().mean()) for name, s in stores.items()}
+    assert err["rotary"] < 0.1 * err["fixed"] and err["rotary"] < 0.1 * err["plain"], err
+    plain = stores["plain"]
+    assert stores["rotary"].bytes_per_token_head() == plain.bytes_per_token_head() + 4  # each slot's position
+    with pytest.raises(RuntimeError, match="position"):
+        stores["rotary"].write(0, key, value)
+
+
+def test_calibrated_rotary_centres_are_the_key_bias_before_rope_and_score_exactly(tmp_path):
+    """On a Qwen2 whose key projection is only a bias, the centres measured before RoPE are that bias; with a real
+    projection and a large bias, 4-bit keys around them score as token-by-token decoding does, and closer to the
+    dense cache than fixed centres or none."""
+    import copy
+    import json
+
+    from scissorhands.core.planning.memory_target import Shape
+    from scissorhands.tools.calibrate import measure_key_centers, save_key_centers
+
+    tokenize = lambda text: {"input_ids": [3 + b % 250 for b in text.encode()]}  # noqa: E731
+    model = copy.deepcopy(tiny_model("qwen2"))  # the shared model is not touched
+    gen = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        bias = layer.self_attn.k_proj.bias
+        bias.data = torch.randn(bias.shape, generator=gen) * 8  # Qwen2's keys carry such offsets
+    only_bias = copy.deepcopy(model)
+    for layer in only_bias.model.layers:
+        layer.self_attn.k_proj.weight.data.zero_()
+    record = measure_key_centers(only_bias, tokenize, "calibration prose " * 20, tokens=150)
+    assert record["format"] == "scissorhands-key-centers/2" and record["rotary"]["scaling"] == 1.0
+    head_dim = only_bias.model.layers[0].self_attn.head_dim
+    for i, layer in enumerate(only_bias.model.layers):
+        want = layer.self_attn.k_proj.bias.detach().view(-1, head_dim)
+        torch.testing.assert_close(torch.tensor(record["layers"][str(i)]), want, rtol=0, atol=1e-4)
+    assert measure_key_centers(only_bias, tokenize, "calibration prose " * 20, tokens=150,
+                               rotary=False)["format"] == "scissorhands-key-centers/1"
+
+    paths = {}
+    for frame in ("rotary", "fixed"):
+        paths[frame] = tmp_path / f"{frame}.json"
+        save_key_centers(measure_key_centers(model, tokenize, "calibration prose " * 20, tokens=150,
+                                             rotary=frame == "rotary"), paths[frame])
+    ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(1))
+    base = replace(BASE, kv_bits=8, kv_key_bits=4, kv_group_size=32, kv_residual=0,  # keys carry the loss
+                   kv_key_centers=str(paths["rotary"]))
+    fast, _ = token_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
+    slow, cache = decode_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 16, base))
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
+    assert cache.budgeted_layers[0].kv.store.wants_positions
+    shape = Shape(layers=2, kv_heads=2, head_dim_k=head_dim, head_dim_v=head_dim, itemsize=4)
+    store = cache.budgeted_layers[0].kv.store
+    assert PackedKVStore.bytes_for(base, shape, 10) == 10 * store.bytes_per_token_head()
+    dense, _ = token_logprobs(model, ids, ScoreSetup(get_method("full"), None, CacheSettings()))
+    gap = {}
+    for frame in ("rotary", "fixed", None):
+        settings = replace(base, kv_key_centers=None if frame is None else str(paths[frame]))
+        lp, _ = token_logprobs(model, ids, ScoreSetup(get_method("full"), None, settings))
+        gap[frame] = float((lp - dense).abs().mean())
+    assert gap["rotary"] < 0.5 * gap["fixed"] and gap["rotary"] < 0.5 * gap[None], gap
+
+    with pytest.raises(ValueError, match="^kv_key_centers: rotary centres .* merge"):
+        ScissorhandsCache(model, ScissorhandsConfig(budget=16, recent=4, kv_bits=4, merge=True, kv_residual=0,
+                                                    kv_key_centers=str(paths["rotary"])))
+    with pytest.raises(ValueError, match="^kv_key_centers: rotary centres .* packed store only"):
+        ScissorhandsCache(model, ScissorhandsConfig(budget=16, recent=4, kv_bits=2, kv_demote="4:0.5",
+                                                    kv_key_centers=str(paths["rotary"])))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**json.loads(paths["rotary"].read_text()), "rotary": {"inv_freq": [1.0]}}))
+    with pytest.raises(ValueError, match="^kv_key_centers: .* no valid RoPE frequencies"):
+        ScissorhandsCache(model, ScissorhandsConfig(budget=16, recent=4, kv_bits=4, kv_key_centers=str(bad)))
+
+
 # -- the full-precision residual of the newest tokens ---------------------------------------------
 
 def _exact_reference(q, packed_k, packed_v, exact_k, exact_v, limits, r, scaling):

@@ -78,20 +78,22 @@ def test_decode_bytes_of_a_packed_store_match_the_analytic_size(bits, key_bits, 
     assert v["measured"]["kv_bytes"] == 2 * 2 * 2 * 32 * per_token_head + residual_bytes  # ... x budget
 
 
-def test_decode_bytes_with_key_centres_count_the_centres_once_per_layer(tmp_path):
+@pytest.mark.parametrize("rotary", [False, True])
+def test_decode_bytes_with_key_centres_count_the_centres_once_per_layer(tmp_path, rotary):
     from scissorhands.tools.calibrate import measure_key_centers, save_key_centers
 
     model = tiny_model("llama")
     path = tmp_path / "c.json"
     save_key_centers(measure_key_centers(model, lambda t: {"input_ids": [3 + b for b in t.encode()]}, "x y z " * 30,
-                                         tokens=64), path)
+                                         tokens=64, rotary=rotary), path)
     settings = CacheSettings(recent=4, kv_bits=4, kv_key_centers=str(path), kv_residual=0)
     point = decode_point(model, small(contexts=(64,), batches=(2,), settings=settings), 64, 2)
     for v in point["variants"]:
         assert v["bytes_match"], v
     ours = next(v for v in point["variants"] if v["name"].startswith("scissorhands"))
-    per_token_head = 2 * (16 * 4 // 8 + 4)
-    assert ours["measured"]["kv_bytes"] == 2 * (2 * 2 * 32 * per_token_head + 2 * 16 * 4)  # + centres per layer
+    per_token_head = 2 * (16 * 4 // 8 + 4) + (4 if rotary else 0)  # rotary: each slot's position
+    per_layer = 2 * 16 * 4 + (8 * 4 if rotary else 0)  # the centres, and the RoPE frequencies of rotary ones
+    assert ours["measured"]["kv_bytes"] == 2 * (2 * 2 * 32 * per_token_head + per_layer)
 
 
 def test_reference_ratio_is_ours_over_the_full_cache_at_context_budget():

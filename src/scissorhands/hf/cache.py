@@ -24,7 +24,7 @@ from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.methods.scissorhands import Scissorhands
 from scissorhands.core.planning.assembly import CachePlan, plan
 from scissorhands.core.settings.config import DEFAULTS, CacheSettings, ScissorhandsConfig
-from scissorhands.core.stores.centers import load_key_centers
+from scissorhands.core.stores.centers import RotaryCenters, load_key_centers
 from scissorhands.core.tokens.protect import Protection, SpanSpec
 from scissorhands.core.tokens.slots import SlotTable
 from scissorhands.core.tokens.state import TokenState
@@ -291,6 +291,9 @@ class ScissorhandsCache(Cache):
         self.memory_choice = _plan.memory_choice
         guard = ModelGuard(facts)
         centers = {} if config.kv_key_centers is None else load_key_centers(config.kv_key_centers, facts)
+        if config.merge and any(isinstance(c, RotaryCenters) for c in centers.values()):
+            raise ValueError("kv_key_centers: rotary centres (a format-2 file) cannot be combined with merge=True "
+                             "(a merge rewrites keys whose positions differ between KV heads)")
         layers: list = []
         parts = iter(enumerate(_plan.layers))  # one per full-attention layer, in order
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):

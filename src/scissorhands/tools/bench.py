@@ -44,6 +44,7 @@ from scissorhands.core.methods import get_method
 from scissorhands.core.planning.memory_target import Shape, store_bytes
 from scissorhands.core.settings.config import PREFILL_MODES, CacheSettings, ScissorhandsConfig
 from scissorhands.core.stores import STORES, store_name
+from scissorhands.core.stores.centers import centers_frame
 from scissorhands.hf.cache import ScissorhandsCache
 from scissorhands.hf.modelinfo import FULL, model_facts, text_config
 
@@ -140,6 +141,8 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
             kv += batch * (facts.num_kv_heads * held if held is not None else budgets[full_idx] * per_token)
             if config is not None and getattr(config, "kv_key_centers", None) is not None:
                 kv += facts.num_kv_heads * facts.head_dim * 4  # one float32 centre per KV head and channel
+                if centers_frame(config.kv_key_centers) == "rotary":
+                    kv += facts.head_dim // 2 * 4  # and the RoPE frequencies they are turned by
             # A full-precision residual: each row's newest tokens again, in the model's dtype.
             residual = getattr(layers[full_idx].kv.store, "residual", 0)
             kv += batch * min(residual, budgets[full_idx], seen) * per_token

@@ -198,15 +198,21 @@ class BudgetedKV(Eviction):
         self.reserve(int((slots.lengths + added).max()))
         if valid is None and slots.aligned(slots.lengths):
             start, c = int(slots.lengths[0]), key.shape[-2]
-            self.store.write(start, key, value)
             slots.place_block(start, c)
+            if self.store.wants_positions:
+                self.store.write(start, key, value, positions=slots.positions[:, 0, start : start + c])
+            else:
+                self.store.write(start, key, value)
             for state in self.states:
                 state.clear(start, start + c)
         else:
             rows, cols = (valid if valid is not None else torch.ones_like(cum, dtype=torch.bool)).nonzero(as_tuple=True)
             where = slots.place_tokens(rows, cum, cols)
             r, sl, cl = rows.to(slots.device), where.to(slots.device), cols.to(slots.device)
-            self.store.write_at(r, sl, key[r, :, cl], value[r, :, cl])  # (N, H_kv, D) each
+            if self.store.wants_positions:
+                self.store.write_at(r, sl, key[r, :, cl], value[r, :, cl], positions=slots.positions[r, 0, sl])
+            else:
+                self.store.write_at(r, sl, key[r, :, cl], value[r, :, cl])  # (N, H_kv, D) each
             for state in self.states:
                 state.clear_slots(r, sl)
         slots.advance(added)
@@ -219,8 +225,11 @@ class BudgetedKV(Eviction):
         length, seen = slots.uniform  # type: ignore[misc]  # the caller checked that rows are aligned
         if length + 1 > self.capacity:
             self.reserve(length + 1)
-        self.store.write(length, key, value)
         slots.positions[:, :, length] = seen
+        if self.store.wants_positions:
+            self.store.write(length, key, value, positions=slots.positions[:, 0, length : length + 1])
+        else:
+            self.store.write(length, key, value)
         for state in self.states:
             state.clear(length, length + 1)
         slots.advance_uniform()

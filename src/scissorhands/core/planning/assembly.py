@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ..attend.prefill import Prefill
     from ..methods.base import EvictionMethod
     from ..stores.base import KVStore
+    from ..stores.centers import RotaryCenters
     from ..tokens.state import TokenState
     from .memory_target import MemoryChoice, Shape
 
@@ -53,7 +54,7 @@ class CachePlan:
     protection: Protection | None = None
     memory_choice: MemoryChoice | None = None
 
-    def store(self, layer: int, key_center: torch.Tensor | None = None) -> KVStore:
+    def store(self, layer: int, key_center: torch.Tensor | RotaryCenters | None = None) -> KVStore:
         """Layer ``layer``'s K/V store (the settings' store, wrapped in its residual)."""
         from ..stores import make_store
 

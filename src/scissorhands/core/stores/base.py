@@ -27,9 +27,11 @@ have defaults: tile reads (``read_keys``/``read_values``, a slice of ``read``),
 the byte model ``bytes_for`` and ``from_settings``.
 
 What a store can do beyond that is declared, never probed: ``read_tile``
-(reads cost a copy, so attention reads that many slots at a time) and
+(reads cost a copy, so attention reads that many slots at a time),
 ``residual`` (newest tokens of each row a query reads exact; only the
-:class:`~.residual.ResidualStore` wrapper has any). The methods a store must
+:class:`~.residual.ResidualStore` wrapper has any) and ``wants_positions``
+(``write``/``write_at`` take each token's position as ``positions=``: the
+packed store with rotary key centres). The methods a store must
 have are abstract, so a store missing one fails when it is made, not at its
 first eviction. Stores are registered by name (:mod:`scissorhands.core.stores`)
 and built from the settings by ``from_settings``.
@@ -69,6 +71,8 @@ class KVStore(ABC):
     read_tile: int | None = None
     #: Newest tokens of each row a query reads exact (0: no residual; see :class:`~.residual.ResidualStore`).
     residual: int = 0
+    #: Whether ``write``/``write_at`` must be given each token's position (``positions=``, (B, c) or (N,)).
+    wants_positions: bool = False
 
     @classmethod
     def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> KVStore:
@@ -103,11 +107,12 @@ class KVStore(ABC):
         """Set the number of slots per row to ``capacity``, keeping what the remaining slots hold."""
 
     @abstractmethod
-    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Write a block (B, H_kv, c, D) at slots ``[start, start + c)`` of every row."""
 
     @abstractmethod
-    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> None:
         """Write token ``i`` (key[i]: (H_kv, D)) at slot ``slots[i]`` of row ``rows[i]``."""
 
     @abstractmethod
@@ -196,12 +201,13 @@ class DenseKVStore(KVStore):
 
         self.keys, self.values = resized(self.keys), resized(self.values)
 
-    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         c = key.shape[-2]
         self.keys[:, :, start : start + c] = key
         self.values[:, :, start : start + c] = value
 
-    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> None:
         self.keys[rows, :, slots] = key
         self.values[rows, :, slots] = value
 

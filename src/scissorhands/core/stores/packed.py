@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .base import KVStore, gather_rows
+from .centers import RotaryCenters, centers_frame
 
 BITS = (2, 4, 8)
 _MIN_SCALE = 2.0**-14  # the smallest normal float16: a constant group still gets a usable scale
@@ -121,7 +122,7 @@ def centred(x: torch.Tensor, center: torch.Tensor | None) -> torch.Tensor:
     return x.float() - (center if x.dim() == 4 else center[:, 0])
 
 
-def check_key_center(center: torch.Tensor | None, heads: int, dim: int) -> None:
+def check_key_center(center: torch.Tensor | RotaryCenters | None, heads: int, dim: int) -> None:
     """A one-line ``ValueError`` naming ``kv_key_centers`` unless ``center`` is None or (heads, dim)."""
     if center is not None and tuple(center.shape) != (heads, dim):
         raise ValueError(f"kv_key_centers: centres of shape {tuple(center.shape)} do not fit {heads} KV heads of "
@@ -140,28 +141,56 @@ class PackedTensor:
     """One of K or V, packed: data (B, H_kv, capacity, ceil(D * bits / 8)), scale and zero (B, H_kv, capacity, G).
 
     Every slot's bytes, scales and zero-points sit on the same slot axis, so one
-    index moves a token's whole packed row.
+    index moves a token's whole packed row. With rotary centres each slot's
+    position (B, H_kv, capacity, 1) int32 is part of its row too.
     """
 
     def __init__(self, bits: int, group: int, batch: int, heads: int, dim: int, device,
-                 center: torch.Tensor | None = None):
+                 center: torch.Tensor | RotaryCenters | None = None):
         self.bits, self.group, self.dim = bits, group, dim
         self.data = torch.zeros(batch, heads, 0, packed_width(dim, bits), dtype=torch.uint8, device=device)
         self.scale = torch.zeros(batch, heads, 0, dim // group, dtype=torch.float16, device=device)
         self.zero = torch.zeros_like(self.scale)
+        self.rotary = center.to(device) if isinstance(center, RotaryCenters) else None
+        self.pos = torch.zeros(batch, heads, 0, 1, dtype=torch.int32, device=device) if self.rotary else None
         # A per-(head, channel) offset taken off before quantising and added back when reading (H_kv, 1, D).
-        self.center = None if center is None else center.to(device=device, dtype=torch.float32)[:, None, :]
+        fixed = center if isinstance(center, torch.Tensor) else None
+        self.center = None if fixed is None else fixed.to(device=device, dtype=torch.float32)[:, None, :]
 
-    def quantized(self, x: torch.Tensor):
-        """(data, scale, zero) of a block (B, H_kv, c, D) or of tokens (N, H_kv, D), around the centres if any."""
-        return quantize(centred(x, self.center), self.bits, self.group)
+    def quantized(self, x: torch.Tensor, positions: torch.Tensor | None = None):
+        """(data, scale, zero) of a block (B, H_kv, c, D) or of tokens (N, H_kv, D), around the centres if any.
+
+        ``positions`` ((B, c) or (N,)): the tokens' positions, which rotary centres need.
+        """
+        if self.rotary is None:
+            return quantize(centred(x, self.center), self.bits, self.group)
+        if positions is None:
+            raise RuntimeError("PackedTensor: rotary key centres need each written token's position")
+        if x.dim() == 4:
+            center = self.rotary.at(positions[:, None, :])  # (B, H_kv, c, D)
+        else:
+            center = self.rotary.at(positions[:, None, None])[:, :, 0]  # (N, H_kv, D)
+        return quantize(x.float() - center, self.bits, self.group)
 
     @property
-    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.data, self.scale, self.zero
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return (self.data, self.scale, self.zero) if self.pos is None else (self.data, self.scale, self.zero, self.pos)
 
     def _set(self, parts) -> None:
-        self.data, self.scale, self.zero = parts
+        if self.pos is None:
+            self.data, self.scale, self.zero = parts
+        else:
+            self.data, self.scale, self.zero, self.pos = parts
+
+    def with_positions(self, parts, positions: torch.Tensor | None, block: bool) -> tuple:
+        """``parts`` with the tokens' positions as the row's last part, when this tensor keeps them."""
+        if self.pos is None:
+            return tuple(parts)
+        assert positions is not None
+        pos = positions.to(torch.int32)
+        pos = pos[:, None, :, None] if block else pos[:, None, None]  # (B, 1, c, 1) or (N, 1, 1)
+        like = parts[1]  # the scales: (B, H_kv, c, G) or (N, H_kv, G)
+        return (*parts, pos.expand(*like.shape[:-1], 1))
 
     def resize(self, capacity: int) -> None:
         def resized(t: torch.Tensor) -> torch.Tensor:
@@ -186,7 +215,7 @@ class PackedTensor:
     def pairs_with(self, other: PackedTensor) -> bool:
         """Whether ``other`` is quantised alike (bits, group, width, no centre): then both quantise in one call."""
         return (self.bits, self.group, self.dim) == (other.bits, other.group, other.dim) and \
-            self.center is None and other.center is None
+            self.center is None and other.center is None and self.rotary is None and other.rotary is None
 
     def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         for t in self.parts:
@@ -197,17 +226,24 @@ class PackedTensor:
 
     def read(self, length: int, dtype: torch.dtype, start: int = 0) -> torch.Tensor:
         """Slots ``[start, length)``, dequantised: (B, H_kv, length - start, D)."""
+        plain = self.center is None and self.rotary is None
         x = dequantize(self.data[:, :, start:length], self.scale[:, :, start:length],
-                       self.zero[:, :, start:length], self.bits, self.group,
-                       dtype if self.center is None else torch.float32)
-        return x if self.center is None else (x + self.center).to(dtype)
+                       self.zero[:, :, start:length], self.bits, self.group, dtype if plain else torch.float32)
+        if plain:
+            return x
+        if self.rotary is not None:
+            assert self.pos is not None
+            return (x + self.rotary.at(self.pos[:, :, start:length, 0])).to(dtype)
+        assert self.center is not None
+        return (x + self.center).to(dtype)
 
     def data_bytes(self) -> int:
         return self.data.nbytes
 
     def scale_bytes(self) -> int:
-        """Scales and zero-points, and the per-channel centres when there are any."""
-        return self.scale.nbytes + self.zero.nbytes + (0 if self.center is None else self.center.nbytes)
+        """Scales and zero-points, and the per-channel centres (and each slot's position) when there are any."""
+        own = self.scale.nbytes + self.zero.nbytes + (0 if self.center is None else self.center.nbytes)
+        return own if self.rotary is None or self.pos is None else own + self.rotary.nbytes + self.pos.nbytes
 
     def bytes_per_token_head(self) -> int:
         return sum(t.shape[-1] * t.element_size() for t in self.parts)
@@ -231,9 +267,11 @@ class PackedKVStore(KVStore):
     read_tile : int
         Most slots attention dequantises at once (:func:`.kernel.attend_stored`):
         the transient dense copy is one tile of K or V, never the whole layer.
-    key_center : Tensor, optional
+    key_center : Tensor or RotaryCenters, optional
         (H_kv, D): each key channel's offset, taken off before quantising and
-        added back when reading (see :mod:`scissorhands.core.stores.centers`).
+        added back when reading; or centres before RoPE, rotated to each
+        token's position, for which the store keeps every slot's position
+        (see :mod:`scissorhands.core.stores.centers`).
 
     A full-precision residual of the newest tokens is a wrapper over this
     store (:class:`~.residual.ResidualStore`), as over any other.
@@ -242,7 +280,7 @@ class PackedKVStore(KVStore):
     name = "packed"
 
     def __init__(self, bits: int = 4, group_size: int = 32, key_bits: int | None = None, read_tile: int = 512,
-                 key_center: torch.Tensor | None = None):
+                 key_center: torch.Tensor | RotaryCenters | None = None):
         _check_bits(bits)
         if key_bits is not None and key_bits not in BITS:
             raise ValueError(f"kv_key_bits: must be one of {BITS} or None, got {key_bits!r}")
@@ -250,6 +288,7 @@ class PackedKVStore(KVStore):
             raise ValueError(f"kv_tile: must be an integer >= 1, got {read_tile!r}")
         self.bits, self.group_size, self.read_tile = bits, group_size, read_tile
         self.key_center = key_center
+        self.wants_positions = isinstance(key_center, RotaryCenters)
         self.key_bits = bits if key_bits is None else key_bits
         self.reset()
 
@@ -287,21 +326,23 @@ class PackedKVStore(KVStore):
         for p in self._parts():
             p.resize(capacity)
 
-    def _quantized(self, key: torch.Tensor, value: torch.Tensor):
+    def _quantized(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor | None):
         """The packed parts of new K and of new V, each token quantised once."""
         k, v = self._parts()
         if self.paired:
             packed = quantize(torch.stack([key, value]), k.bits, k.group)
             return [t[0] for t in packed], [t[1] for t in packed]
-        return k.quantized(key), v.quantized(value)
+        block = key.dim() == 4
+        return k.with_positions(k.quantized(key, positions), positions, block), v.quantized(value)
 
-    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        k_parts, v_parts = self._quantized(key, value)
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        k_parts, v_parts = self._quantized(key, value, positions)
         for p, parts in zip(self._parts(), (k_parts, v_parts)):
             p.put(start, parts)
 
-    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        k_parts, v_parts = self._quantized(key, value)
+    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> None:
+        k_parts, v_parts = self._quantized(key, value, positions)
         for p, parts in zip(self._parts(), (k_parts, v_parts)):
             p.put_at(rows, slots, parts)
 
@@ -337,10 +378,13 @@ class PackedKVStore(KVStore):
         return k.bytes_per_token_head() + v.bytes_per_token_head()
 
     @classmethod
-    def from_settings(cls, settings, key_center: torch.Tensor | None = None) -> PackedKVStore:
+    def from_settings(cls, settings, key_center: torch.Tensor | RotaryCenters | None = None) -> PackedKVStore:
         return cls(settings.kv_bits, settings.kv_group_size, settings.kv_key_bits, settings.kv_tile, key_center)
 
     @classmethod
     def bytes_for(cls, settings, shape, tokens: int) -> int:
-        return tokens * packed_bytes_per_token_head(shape.head_dim_k, shape.head_dim_v, int(settings.kv_bits or 16),
-                                                    settings.kv_key_bits, settings.kv_group_size)
+        per = packed_bytes_per_token_head(shape.head_dim_k, shape.head_dim_v, int(settings.kv_bits or 16),
+                                          settings.kv_key_bits, settings.kv_group_size)
+        if settings.kv_key_centers is not None and centers_frame(settings.kv_key_centers) == "rotary":
+            per += 4  # each slot's position, which rotary centres are read back with
+        return tokens * per

@@ -6,6 +6,7 @@ import torch
 
 from ..registry import Registry
 from .base import DenseKVStore, KVStore
+from .centers import RotaryCenters
 from .packed import PackedKVStore
 from .residual import ResidualStore
 from .tiered import TieredKVStore
@@ -32,7 +33,7 @@ def store_name(settings) -> str:
     return "packed" if settings.quantized else "dense"
 
 
-def make_store(settings, key_center: torch.Tensor | None = None, residual: int = 0) -> KVStore:
+def make_store(settings, key_center: torch.Tensor | RotaryCenters | None = None, residual: int = 0) -> KVStore:
     """One layer's store for these settings, wrapped in a residual of ``residual`` tokens if that is > 0."""
     name = store_name(settings)
     if name not in STORES:

@@ -164,12 +164,23 @@ class ResidualStore(KVStore):
     def resize(self, capacity: int) -> None:
         self.inner.resize(capacity)
 
-    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.inner.write(start, key, value)
+    @property
+    def wants_positions(self) -> bool:  # type: ignore[override]
+        return self.inner.wants_positions
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        if positions is None:
+            self.inner.write(start, key, value)
+        else:
+            self.inner.write(start, key, value, positions=positions)
         self.tail.append(key, value)
 
-    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.inner.write_at(rows, slots, key, value)
+    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> None:
+        if positions is None:
+            self.inner.write_at(rows, slots, key, value)
+        else:
+            self.inner.write_at(rows, slots, key, value, positions=positions)
         self.tail.append_at(rows, key, value)
 
     def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:

@@ -124,6 +124,9 @@ class TieredKVStore(TieredBytes, KVStore):
         if isinstance(read_tile, bool) or not isinstance(read_tile, int) or read_tile < 1:
             raise ValueError(f"kv_tile: must be an integer >= 1, got {read_tile!r}")
         self.bits, self.tiers, self.group_size, self.read_tile = bits, tiers, group_size, read_tile
+        if key_center is not None and not isinstance(key_center, torch.Tensor):
+            raise ValueError("kv_key_centers: rotary centres (a format-2 file) are read by the packed store only; "
+                             "kv_demote's tiered store takes fixed centres (a format-1 file)")
         self.key_center = key_center
         packed = [b for b, _ in tiers if b < 16] + [bits]
         self.top = packed[0]  # the width every token is quantised at
@@ -214,7 +217,7 @@ class TieredKVStore(TieredBytes, KVStore):
             return key.to(pool.k.dtype), value.to(pool.v.dtype)
         return tuple(pack((code >> (self.top - pool.bits)) & (2**pool.plane - 1), pool.plane) for code in (qk, qv))
 
-    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         c = key.shape[-2]
         (qk, sk, zk), (qv, sv, zv) = self._codes(key, value)
         end = start + c
@@ -225,7 +228,8 @@ class TieredKVStore(TieredBytes, KVStore):
         for pool in self.pools:
             pool.put(start, *self._entry(pool, key, value, qk, qv))
 
-    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> None:
         (qk, sk, zk), (qv, sv, zv) = self._codes(key, value)  # (N, H_kv, ·)
         self.base[rows, :, slots] = pack(qk >> (self.top - self.bits), self.bits)
         self.base_v[rows, :, slots] = pack(qv >> (self.top - self.bits), self.bits)
