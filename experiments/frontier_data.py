@@ -13,6 +13,10 @@ one curve per store: the token budget as a fraction of the sequence, and the mea
 
 2-bit values without a residual lose more than 1.6 nats at every budget, so they are left out.
 
+Rows measured with key centres are left out, except rotary ones (``scissorhands calibrate``'s format 2):
+those make a curve of their own, marked ``"key_centers": "rotary"``, which ``memory=`` considers only when
+the settings bring a rotary centre file.
+
 ``--eval FULL RUN...`` reads every store's curve from eval runs instead (a model family's own frontier,
 ``data/frontier_<model_type>.json``). ``--demotion FULL RUN...`` adds one curve per demotion store
 (``kv_demote``) found in the ``eval --out`` folders RUN, each row's ΔNLL paired against FULL's full-cache
@@ -91,6 +95,7 @@ def grid_families(grid: Path) -> list[dict]:
 
 def eval_families(full_dir: Path, runs: list[Path], only_demotion: bool = False) -> list[dict]:
     """One curve per store in ``runs``: (token budget / length, paired mean ΔNLL against ``full_dir``)."""
+    from scissorhands.core.stores.centers import centers_frame
     from scissorhands.tools.eval.runner import load_results
     from scissorhands.tools.stats import paired_difference
 
@@ -100,21 +105,23 @@ def eval_families(full_dir: Path, runs: list[Path], only_demotion: bool = False)
     for run in runs:
         for r in load_results(run / "results.jsonl"):
             cfg = r["config"]
+            centres = cfg.get("kv_key_centers")
+            rotary = bool(centres) and centers_frame(centres) == "rotary"
             if r["task"] != "ppl" or r["method"] != "scissorhands" or r.get("memory_choice") \
-                    or cfg.get("kv_key_centers"):
+                    or (centres and not rotary):
                 continue
             chain = tuple((int(b), float(x)) for b, x in cfg.get("kv_demote") or ())
             if only_demotion and not chain:
                 continue
             bits = cfg.get("kv_bits") if cfg.get("kv_bits") and cfg["kv_bits"] < 16 else None
-            key = (bits, cfg.get("kv_key_bits"), cfg.get("kv_residual") if bits else 0, chain)
+            key = (bits, cfg.get("kv_key_bits"), cfg.get("kv_residual") if bits else 0, chain, rotary)
             items = [float(x["nll"]) for x in r["item_scores"]]
             if len(items) != len(reference):
                 raise SystemExit(f"{run}: {len(items)} windows against the full row's {len(reference)}")
             delta, _ = paired_difference(items, reference)
             curves.setdefault(key, {})[round(r["mean_budget"] / r["mean_length"], 6)] = round(delta, 5)
     out = []
-    for (bits, key_bits, residual, chain), points in curves.items():
+    for (bits, key_bits, residual, chain, rotary), points in curves.items():
         if bits is None:
             points.setdefault(1.0, 0.0)  # the full cache itself
         r = 32 if bits and residual is None else residual  # None: the default residual of a packed store
@@ -129,6 +136,8 @@ def eval_families(full_dir: Path, runs: list[Path], only_demotion: bool = False)
                   "points": [[f, d] for f, d in sorted(points.items())]}
         if chain:
             family["kv_demote"] = [list(t) for t in chain]
+        if rotary:
+            family.update(name=name + "_rotary", label=label + ", rotary key centres", key_centers="rotary")
         out.append(family)
     return out
 

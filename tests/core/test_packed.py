@@ -507,7 +507,7 @@ def test_cache_with_key_centres_scores_exactly_and_rejects_bad_files(tmp_path):
         ScissorhandsCache(model, ScissorhandsConfig(budget=16, recent=4, kv_bits=4,
                                                     kv_key_centers=str(tmp_path / "none.json")))
     with pytest.raises(ValueError, match="^kv_key_centers: needs packed K/V"):
-        CacheSettings(kv_key_centers=str(path))
+        ScissorhandsCache(model, ScissorhandsConfig(budget=16, recent=4, kv_key_centers=str(path)))
 
 
 def test_cli_calibrate_then_generate_with_centres(capsys, tmp_path):

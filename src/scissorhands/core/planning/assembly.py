@@ -113,6 +113,9 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
             raise ValueError(f"config: must be a ScissorhandsConfig (settings with a budget), got "
                              f"{type(settings).__name__}")
         config = method.resolve(settings)
+    if config.kv_key_centers is not None and not config.quantized:
+        raise ValueError(f"kv_key_centers: needs packed K/V (kv_bits below 16) or memory=, got "
+                         f"kv_bits={config.kv_bits}")
     budgets = layer_budgets(config, n_layers)
     if config.prefill == "prompt-aware" and not method.is_full and config.observe >= min(budgets):
         logger.warning("observe: a prompt-aware prefill keeps the %d queries that score the prompt, and a layer "

@@ -58,6 +58,9 @@ class Family:
     kv_residual: int | None
     points: tuple[tuple[float, float], ...]
     kv_demote: tuple[tuple[int, float], ...] | None = None
+    #: ``"rotary"``: measured with rotary key centres (``scissorhands calibrate``), so a candidate only when the
+    #: settings bring such a file (``kv_key_centers``).
+    key_centers: str | None = None
 
     def predicted(self, fraction: float) -> tuple[float, bool]:
         """ΔNLL at ``fraction``, interpolated in log(fraction), and whether it lies outside the measured range."""
@@ -97,7 +100,8 @@ def load_frontier(model_type: str | None = None) -> list[Family]:
     record = json.loads(resources.files("scissorhands.core").joinpath(frontier_file(model_type)).read_text())
     return [Family(f["name"], f["label"], f["kv_bits"], f["kv_key_bits"], f["kv_residual"],
                    tuple((float(a), float(b)) for a, b in f["points"]),
-                   None if not f.get("kv_demote") else tuple((int(b), float(x)) for b, x in f["kv_demote"]))
+                   None if not f.get("kv_demote") else tuple((int(b), float(x)) for b, x in f["kv_demote"]),
+                   f.get("key_centers"))
             for f in record["families"]]
 
 
@@ -254,10 +258,16 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
     best: MemoryChoice | None = None
     smallest = None
     measured_on = frontier_model(shape.model_type)
+    rotary = base.kv_key_centers is not None and _frame(base.kv_key_centers) == "rotary"
     for family in frontier or load_frontier(shape.model_type):
+        if family.key_centers == "rotary" and not rotary:
+            continue  # measured with rotary key centres, and the settings bring none
+        if rotary and family.kv_demote is not None:
+            continue  # the tiered store takes fixed centres only
         try:
             settings = replace(base, kv_bits=family.kv_bits, kv_key_bits=family.kv_key_bits,
-                               kv_demote=family.kv_demote, kv_residual=family.kv_residual if family.kv_bits else None)
+                               kv_demote=family.kv_demote, kv_residual=family.kv_residual if family.kv_bits else None,
+                               kv_key_centers=_centres_for(family, base.kv_key_centers, rotary))
         except ValueError:  # a store these settings cannot take (demotion with a prompt-aware prefill)
             continue
         floor = _floor(settings, length)
@@ -274,11 +284,31 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
                               outside, measured_on)
         if best is None or (delta, choice.peak_bytes) < (best.predicted_delta_nll, best.peak_bytes):
             best = choice
+    if smallest is None:
+        raise ValueError("memory: no store of the measured frontier can be built with these settings (for example "
+                         "a tiered store with rotary kv_key_centers, or demotion with a prompt-aware prefill)")
     if best is None:
         raise ValueError(f"memory: {memory!r} ({target:,} bytes) cannot be met for {length} tokens: the smallest "
                          f"reachable peak is {smallest:,} bytes ({(smallest or 0) / full:.4f} of the full cache's "
                          f"{full:,})")
     return best
+
+
+def _centres_for(family: Family, centres: str | None, rotary: bool) -> str | None:
+    """The key centres a family's store gets: a rotary file only for the store measured with it (elsewhere its
+    per-token positions would cost bytes the measurement did not pay), a fixed file for any packed store."""
+    if not family.kv_bits:
+        return None
+    if rotary:
+        return centres if family.key_centers == "rotary" else None
+    return centres
+
+
+def _frame(path: str) -> str:
+    """The frame of a key-centre file (:func:`~scissorhands.core.stores.centers.centers_frame`)."""
+    from ..stores.centers import centers_frame  # torch: only when centres are given
+
+    return centers_frame(path)
 
 
 def _valid(settings: CacheSettings, budget: int) -> bool:

@@ -113,8 +113,8 @@ class StorageSettings:
         """The rules that tie this group's fields together (each field's own check is in its declaration)."""
         if self.kv_key_bits is not None and not self.quantized:
             raise ValueError(f"kv_key_bits: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
-        if self.kv_key_centers is not None and not self.quantized:
-            raise ValueError(f"kv_key_centers: needs packed K/V (kv_bits below 16), got kv_bits={self.kv_bits}")
+        # kv_key_centers without packed K/V is refused when a cache is planned (core/planning/assembly.py): with
+        # memory= the store is chosen there, and centres are for whichever packed store it chooses.
         if self.kv_demote is not None:
             if not self.quantized:
                 raise ValueError(f"kv_demote: needs kv_bits 2 or 4 (the width demoted tokens end at), got "
