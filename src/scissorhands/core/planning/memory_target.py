@@ -18,8 +18,11 @@ The default frontier was measured on SmolLM2-135M; a model family with a
 frontier of its own (``data/frontier_<model_type>.json``: Qwen2, measured on
 Qwen2.5-Coder-0.5B) uses that one, because stores do not rank alike across
 families: Qwen2.5's keys carry large per-channel offsets that 4-bit per-token
-groups cannot hold (docs/results.md, "Larger models"). On any other model the choice assumes
-the stores rank as on SmolLM2. The bytes are exact for the model at hand.
+groups cannot hold (docs/results.md, "Larger models"), unless they are quantised
+around rotary key centres; that store is a curve of its own (``"key_centers":
+"rotary"``), a candidate only when the settings bring a rotary centre file. On
+any other model the choice assumes the stores rank as on SmolLM2. The bytes are
+exact for the model at hand.
 
 Demotion before eviction (``kv_demote``) is one of the stores: 8-bit for the
 recent window and a little more, 4-bit below it, measured in float32

@@ -92,7 +92,9 @@ class StorageSettings:
         _group_size, group=GROUP, metavar="G")
     kv_key_centers: str | None = setting(
         None, "packed K/V: a JSON file of per-channel key centres (`scissorhands calibrate`); keys are quantised "
-        "around them", s.parse_optional_text, _path, group=GROUP, metavar="FILE.json")
+        "around them (rotary centres, measured before RoPE, turn with each token's position: Qwen2's 4-bit keys). "
+        "With `memory`, the store measured with such centres becomes a candidate", s.parse_optional_text, _path,
+        group=GROUP, metavar="FILE.json")
     kv_tile: int = setting(
         512, "packed K/V: the most stored slots attention dequantises at once (keys, then values, tile by tile)",
         s.parse_int, s.integer(1), group=GROUP, metavar="N")
