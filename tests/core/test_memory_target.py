@@ -120,6 +120,12 @@ def test_a_store_measured_with_rotary_centres_is_chosen_only_with_a_rotary_centr
         assert turned.family in {f.name for f in rotary}, (memory, turned.family)
         assert turned.config.kv_key_centers == str(paths["rotary"]) and turned.peak_bytes <= turned.target_bytes
         assert turned.predicted_delta_nll < plain.predicted_delta_nll
+        assert "keys around the given centres" in turned.describe() and not turned.centres_unused
+        assert turned.record()["kv_key_centers"] == str(paths["rotary"])
+    smol = Shape(layers=30, kv_heads=3, head_dim_k=64, head_dim_v=64, itemsize=4)  # SmolLM2's frontier: no such store
+    unused = choose(0.1, smol, 2048, CacheSettings(kv_key_centers=str(paths["rotary"])))
+    assert unused.centres_unused and unused.config.kv_key_centers is None
+    assert "the key centres given are not used by this store" in unused.describe()
     demoting = [f for f in load_frontier() if f.kv_demote is not None]
     for family in demoting:  # the tiered store would refuse rotary centres when built, so it is never chosen
         with pytest.raises(ValueError, match="^memory: "):

@@ -8,6 +8,12 @@ checked at start-up (a one-line error naming the bad one), the plugin's worker
 is used, and prefix caching and chunked prefill are turned off (a prompt must
 be held whole and attended once; a shared prefix block cannot be evicted for
 one request alone), saying so in the log.
+
+Both start-up steps extend a vLLM method in place, since vLLM 0.32 has no hook
+for either: a general plugin gets no config step, and a platform plugin (a
+``CpuPlatform`` subclass) is skipped when ``VLLM_TARGET_DEVICE=cpu``, where vLLM
+returns its CPU platform before it loads platform plugins
+(``vllm.platforms.resolve_current_platform_cls_qualname``).
 """
 
 from __future__ import annotations

@@ -167,6 +167,9 @@ class MemoryChoice:
     predicted_delta_nll: float
     extrapolated: bool
     measured_on: str = "SmolLM2-135M"
+    #: Key centres were given, and the chosen store does not use them (a 16-bit store, or a rotary file beside a
+    #: store measured without one).
+    centres_unused: bool = False
 
     def describe(self) -> str:
         """One line for the CLI and the reports."""
@@ -177,6 +180,10 @@ class MemoryChoice:
             chain = ", ".join(f"{b}-bit for {share:g} of the budget" for b, share in c.kv_demote)
             bits = f"{chain}, then {c.kv_bits}-bit (demotion before eviction)"
         residual = f", residual {c.kv_residual}" if c.quantized and c.kv_residual else ""
+        if c.kv_key_centers is not None:
+            residual += ", keys around the given centres"
+        elif self.centres_unused:
+            residual += " (the key centres given are not used by this store)"
         guess = "extrapolated" if self.extrapolated else f"measured on {self.measured_on}"
         return (f"memory {self.memory}: {bits}{residual}, budget {c.budget} tokens; peak {self.peak_bytes:,} of "
                 f"{self.target_bytes:,} bytes ({self.full_bytes / self.peak_bytes:.1f}x less than the full cache's "
@@ -186,7 +193,8 @@ class MemoryChoice:
         return {"memory": self.memory, "family": self.family, "budget": self.config.budget,
                 "kv_bits": self.config.kv_bits, "kv_key_bits": self.config.kv_key_bits,
                 "kv_demote": self.config.kv_demote,
-                "kv_residual": self.config.kv_residual, "target_bytes": self.target_bytes,
+                "kv_residual": self.config.kv_residual, "kv_key_centers": self.config.kv_key_centers,
+                "target_bytes": self.target_bytes,
                 "peak_bytes": self.peak_bytes, "full_bytes": self.full_bytes,
                 "predicted_delta_nll": self.predicted_delta_nll, "extrapolated": self.extrapolated,
                 "measured_on": self.measured_on}
@@ -294,6 +302,8 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
         raise ValueError(f"memory: {memory!r} ({target:,} bytes) cannot be met for {length} tokens: the smallest "
                          f"reachable peak is {smallest:,} bytes ({(smallest or 0) / full:.4f} of the full cache's "
                          f"{full:,})")
+    if base.kv_key_centers is not None and best.config.kv_key_centers is None:
+        best = replace(best, centres_unused=True)
     return best
 
 
