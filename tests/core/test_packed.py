@@ -376,6 +376,28 @@ def test_batched_generation_equals_each_sequence_alone_quantised():
     batch_and_alone(model, cfg, [30, 21, 9])
 
 
+def test_batched_generation_equals_each_sequence_alone_with_rotary_key_centres(tmp_path):
+    """Each row's keys are centred at its own positions (counted in real tokens, as the model's position ids are
+    under left padding), so a padded batch keeps and generates what each sequence alone does."""
+    from scissorhands.tools.calibrate import measure_key_centers, save_key_centers
+
+    model = tiny_model("llama", torch.float64)
+    path = tmp_path / "rotary.json"
+    record = measure_key_centers(model, lambda t: {"input_ids": [3 + b % 250 for b in t.encode()]}, "prose " * 30,
+                                 tokens=120)
+    assert record["format"] == "scissorhands-key-centers/2"
+    save_key_centers(record, path)
+    cfg = ScissorhandsConfig(budget=12, recent=4, drop=4, kv_bits=4, kv_group_size=8, kv_key_centers=str(path))
+    batch_cache, _ = batch_and_alone(model, cfg, [30, 21, 9])
+    for layer in batch_cache.budgeted_layers:  # each kept key was centred at its token's own position
+        kv = layer.kv
+        store = kv.store.inner if isinstance(kv.store, ResidualStore) else kv.store
+        assert kv.store.wants_positions and kv.slots.seen.min() > cfg.budget  # every row has evicted
+        for row, length in enumerate(kv.slots.lengths.tolist()):
+            torch.testing.assert_close(store.k.pos[row, :, :length, 0], kv.slots.positions[row, :, :length],
+                                       rtol=0, atol=0)
+
+
 # -- the command line -----------------------------------------------------------------------------
 
 _cli = run_cli
