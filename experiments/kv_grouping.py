@@ -148,7 +148,8 @@ class PreRopeStats(CalibrationStats):
 
     def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         cos, sin = rope_tables(self.model, torch.arange(start, start + key.shape[2]))
-        super().write(start, rotate(key.float(), cos, -sin), value)
+        scaling = self.model.model.rotary_emb.attention_scaling  # the tables carry it once, the inverse twice
+        super().write(start, rotate(key.float(), cos, -sin) / scaling**2, value)
 
 
 class RopeCenteredKeyStore(DenseKVStore):

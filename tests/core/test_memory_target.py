@@ -30,6 +30,28 @@ def _held(report) -> int:
     return report["budgeted_kv_bytes"] + report["importance_bytes"] + report["position_bytes"]
 
 
+@pytest.mark.parametrize("frame", ["fixed", "rotary"])
+def test_the_peak_counted_with_key_centres_is_the_peak_stored(tmp_path, frame):
+    """Given key centres, memory= counts them too (per layer, and each slot's position for rotary ones): the peak
+    it reports is what the cache holds once the prompt fills the budget."""
+    from scissorhands.core.planning.memory_target import Family
+    from scissorhands.tools.calibrate import measure_key_centers, save_key_centers
+
+    model = tiny_model("qwen2")
+    path = tmp_path / "c.json"
+    save_key_centers(measure_key_centers(model, lambda t: {"input_ids": [3 + b % 250 for b in t.encode()]},
+                                         "prose " * 40, tokens=120, rotary=frame == "rotary"), path)
+    family = Family("kv4r32_rotary", "test", 4, None, None, ((0.1, 0.1), (1.0, 0.01)),
+                    key_centers="rotary" if frame == "rotary" else None)
+    length, prompt = 420, 380
+    choice = choose(0.3, memory_shape(model), length, CacheSettings(kv_key_centers=str(path)), [family])
+    assert choice.config.kv_key_centers == str(path) and choice.config.budget < prompt
+    cache = ScissorhandsCache(model, choice.config)
+    with torch.no_grad():
+        model(torch.randint(3, 100, (1, prompt)), cache=cache)
+    assert _held(cache.memory_report()) == choice.peak_bytes <= choice.target_bytes
+
+
 def _in_flight(cache) -> int:
     """Bytes of the block being taken that a residual's exact tail holds beyond its size.
 

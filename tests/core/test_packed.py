@@ -384,7 +384,7 @@ def test_batched_generation_equals_each_sequence_alone_with_rotary_key_centres(t
     model = tiny_model("llama", torch.float64)
     path = tmp_path / "rotary.json"
     record = measure_key_centers(model, lambda t: {"input_ids": [3 + b % 250 for b in t.encode()]}, "prose " * 30,
-                                 tokens=120)
+                                 tokens=120, rotary=True)  # Llama has no key bias: rotary only when asked
     assert record["format"] == "scissorhands-key-centers/2"
     save_key_centers(record, path)
     cfg = ScissorhandsConfig(budget=12, recent=4, drop=4, kv_bits=4, kv_group_size=8, kv_key_centers=str(path))
@@ -539,14 +539,20 @@ def test_cli_calibrate_then_generate_with_centres(capsys, tmp_path):
     text = tmp_path / "calib.txt"
     text.write_text("A calibration text of plain prose, not the data under test. " * 20)
     out = tmp_path / "c.json"
-    code, _, err = _cli(capsys, "calibrate", "--model", tiny, "--text", str(text), "--tokens", "128", "--out", str(out))
-    assert code == 0, err
-    assert out.is_file() and "key centres of" in err
-    code, _, err = _cli(capsys, "generate", "--model", tiny, "--budget", "32", "--recent", "4", "--kv-bits", "4",
-                        "--kv-key-centers", str(out), "--prompt", "the quick brown fox " * 8, "--max-new-tokens", "5",
-                        "--ignore-eos")
-    assert code == 0, err
-    for args, param in [(["--text", str(tmp_path / "missing.txt")], "text"), (["--tokens", "1"], "tokens")]:
+    import json
+
+    for frame, fmt in (("auto", 1), ("rotary", 2), ("fixed", 1)):  # the tiny Llama has no key bias: auto is fixed
+        code, _, err = _cli(capsys, "calibrate", "--model", tiny, "--text", str(text), "--tokens", "128",
+                            "--frame", frame, "--out", str(out))
+        assert code == 0, err
+        assert out.is_file() and "key centres of" in err
+        assert json.loads(out.read_text())["format"] == f"scissorhands-key-centers/{fmt}"
+        code, _, err = _cli(capsys, "generate", "--model", tiny, "--budget", "32", "--recent", "4", "--kv-bits", "4",
+                            "--kv-key-centers", str(out), "--prompt", "the quick brown fox " * 8,
+                            "--max-new-tokens", "5", "--ignore-eos")
+        assert code == 0, err
+    for args, param in [(["--text", str(tmp_path / "missing.txt")], "text"), (["--tokens", "1"], "tokens"),
+                        (["--frame", "sideways"], "frame")]:
         code, _, err = _cli(capsys, "calibrate", "--model", tiny, "--text", str(text), "--out", str(out), *args)
         assert code == 2 and err.strip().count("\n") == 0 and param in err
     code, _, err = _cli(capsys, "generate", "--model", tiny, "--budget", "32", "--kv-key-centers", str(out),

@@ -11,9 +11,10 @@ they work on Shakespeare.
 A key projection with a bias (Qwen2) offsets every key by a constant *before*
 RoPE, which RoPE turns into an offset rotating with the position: its mean
 after RoPE is near zero, and a fixed centre removes little (a third of
-Qwen2.5-Coder-0.5B's 4-bit loss). So where the model's RoPE is static and
-every layer attends fully, the means are taken before RoPE (each key rotated
-back from its position) and saved in the rotary frame (format 2); the packed
+Qwen2.5-Coder-0.5B's 4-bit loss). So where the model has a key bias, its RoPE
+is static and every layer attends fully, the means are taken before RoPE (each
+key rotated back from its position) and saved in the rotary frame (format 2;
+``rotary=True`` asks for it without a bias, ``False`` never); the packed
 store rotates them to each token's position (:mod:`scissorhands.core.stores.centers`).
 That takes the same model's 4-bit loss from +0.55 to about +0.015 nats per token
 (docs/quantization.md).
@@ -66,6 +67,11 @@ class KeyStats(DenseKVStore):
         return self.total / max(self.count, 1)
 
 
+def key_bias(model) -> bool:
+    """Whether the model's key projections carry a bias (``k_proj.bias``, as Qwen2's do)."""
+    return any(name.endswith("k_proj") and getattr(m, "bias", None) is not None for name, m in model.named_modules())
+
+
 def static_rope(model) -> tuple[torch.Tensor, float] | None:
     """(inv_freq, attention scaling) of a model whose every layer attends fully with one static RoPE, else None."""
     facts = model_facts(model)
@@ -80,8 +86,9 @@ def static_rope(model) -> tuple[torch.Tensor, float] | None:
 def measure_key_centers(model, tokenizer, text: str, tokens: int = 2048, rotary: bool | None = None) -> dict:
     """The per-channel mean of every full-attention layer's keys over the first ``tokens`` tokens of ``text``.
 
-    ``rotary`` None: before RoPE where the model allows it (:func:`static_rope`),
-    else after; True: before RoPE, or a one-line ``ValueError``; False: after.
+    ``rotary`` None: before RoPE where the model allows it (:func:`static_rope`) and its key projection has a
+    bias (the offset that rotates, as Qwen2's), else after; True: before RoPE, or a one-line ``ValueError``;
+    False: after.
     Returns the JSON-ready record :func:`save_key_centers` writes.
     """
     from scissorhands.core.methods import get_method
@@ -92,8 +99,10 @@ def measure_key_centers(model, tokenizer, text: str, tokens: int = 2048, rotary:
     if len(ids) < 2:
         raise ValueError("text: the calibration text has fewer than 2 tokens")
     rope = static_rope(model) if rotary is not False else None
+    if rotary is None and not key_bias(model):
+        rope = None  # no bias: measured on SmolLM2, fixed centres; rotary ones there are not measured
     if rotary and rope is None:
-        raise ValueError("rotary: this model's keys cannot be centred before RoPE (its RoPE changes with the length, "
+        raise ValueError("frame: this model's keys cannot be centred before RoPE (its RoPE changes with the length, "
                          "or some layers attend in a window); measure fixed centres")
     full = get_method("full")
     cache = ScissorhandsCache(model, full.configure(CacheSettings(), len(ids)), full())

@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(cal)
     cal.add_argument("--text", type=Path, required=True, help="calibration text (any prose; not your test data)")
     cal.add_argument("--tokens", type=int, default=2048, help="tokens of the text to run through the model")
+    cal.add_argument("--frame", choices=("auto", "rotary", "fixed"), default="auto",
+                     help="rotary: centres measured before RoPE, turned to each token's position (for a key "
+                     "projection with a bias, as Qwen2's); fixed: after RoPE; auto: rotary where the model has a key "
+                     "bias and a static RoPE in every layer")
     cal.add_argument("--out", type=Path, required=True, help="JSON file to write")
 
     demo = sub.add_parser("demo", allow_abbrev=False, help="ask the default model about the opening of Hamlet "
@@ -740,7 +744,8 @@ def _run_calibrate(args) -> int:
     if limit is not None and args.tokens > limit:
         raise ValueError(f"tokens: {args.tokens} exceeds the model's {limit} positions; give --tokens {limit} or "
                          "fewer")
-    record = measure_key_centers(model, tokenizer, text, args.tokens)
+    record = measure_key_centers(model, tokenizer, text, args.tokens,
+                                 {"auto": None, "rotary": True, "fixed": False}[args.frame])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_key_centers(record, args.out)
     print(f"key centres of {len(record['layers'])} layers from {record['tokens']} tokens: {args.out}",

@@ -232,7 +232,11 @@ def store_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -
                          "target cannot be planned for it")
     dense = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
     residual = min(config.residual_for(config.budget, evicts), config.budget) * dense  # 0 for a lossless store
-    return shape.layers * shape.kv_heads * (per_head + residual)
+    centres = 0
+    if config.kv_key_centers is not None and config.quantized:  # float32 centres per layer (and RoPE frequencies)
+        centres = shape.kv_heads * shape.head_dim_k * 4
+        centres += shape.head_dim_k // 2 * 4 if _frame(config.kv_key_centers) == "rotary" else 0
+    return shape.layers * (shape.kv_heads * (per_head + residual) + centres)
 
 
 def check_memory_settings(settings) -> None:
@@ -271,8 +275,8 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
     measured_on = frontier_model(shape.model_type)
     rotary = base.kv_key_centers is not None and _frame(base.kv_key_centers) == "rotary"
     for family in frontier or load_frontier(shape.model_type):
-        if family.key_centers == "rotary" and not rotary:
-            continue  # measured with rotary key centres, and the settings bring none
+        if family.key_centers == "rotary" and (not rotary or base.merge):
+            continue  # measured with rotary key centres, and the settings bring none (or merge, which refuses them)
         if rotary and family.kv_demote is not None:
             continue  # the tiered store takes fixed centres only
         try:

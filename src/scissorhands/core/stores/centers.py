@@ -123,7 +123,8 @@ def load_key_centers(path: str | Path, facts: ModelFacts) -> dict[int, torch.Ten
                 scaling = float(rope["scaling"])
         except (TypeError, KeyError, ValueError):
             freq = None
-        if freq is None or tuple(freq.shape) != (facts.head_dim // 2,) or not bool(freq.isfinite().all()):
+        if freq is None or tuple(freq.shape) != (facts.head_dim // 2,) or not bool(freq.isfinite().all()) \
+                or not 0 < scaling < float("inf"):
             raise ValueError(f"kv_key_centers: {str(path)!r} has no valid RoPE frequencies for its rotary centres")
         rotary = (freq, scaling)
     out: dict[int, torch.Tensor | RotaryCenters] = {}
