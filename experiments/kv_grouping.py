@@ -41,6 +41,7 @@ import torch
 
 from scissorhands import CacheSettings, ScissorhandsCache, get_method
 from scissorhands.core.stores.base import DenseKVStore
+from scissorhands.core.stores.centers import rope_angles, rotate_half
 from scissorhands.core.stores.packed import dequantize, quantize
 from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
@@ -127,16 +128,12 @@ class CalibratedKeyStore(DenseKVStore):
 def rope_tables(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (T, D) of the model's rotary embedding at ``positions`` (transformers' convention)."""
     rot = model.model.rotary_emb
-    freqs = positions.float()[:, None] * rot.inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * rot.attention_scaling, emb.sin() * rot.attention_scaling
+    return rope_angles(positions, rot.inv_freq, rot.attention_scaling)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (..., T, D) rotated by RoPE's angles (T, D); negate ``sin`` to rotate back."""
-    half = x.shape[-1] // 2
-    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + turned * sin
+    return x * cos + rotate_half(x) * sin
 
 
 class PreRopeStats(CalibrationStats):

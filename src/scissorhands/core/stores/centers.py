@@ -18,6 +18,7 @@ Two frames:
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -79,9 +80,21 @@ class RotaryCenters:
 
 
 def centers_frame(path: str | Path) -> str:
-    """``"rotary"`` or ``"fixed"``: which frame a centre file's centres are in (``"fixed"`` if unreadable)."""
+    """``"rotary"`` or ``"fixed"``: which frame a centre file's centres are in (``"fixed"`` if unreadable).
+
+    Read once per file version: ``memory=``'s byte model asks at every budget it tries.
+    """
+    p = Path(path).expanduser()
     try:
-        record = json.loads(Path(path).expanduser().read_text())
+        return _frame_of(str(p), p.stat().st_mtime_ns)
+    except OSError:
+        return "fixed"
+
+
+@functools.lru_cache(maxsize=32)
+def _frame_of(path: str, mtime_ns: int) -> str:
+    try:
+        record = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return "fixed"
     return "rotary" if isinstance(record, dict) and record.get("format") == FORMAT_ROTARY else "fixed"
