@@ -10,7 +10,7 @@ brings a per-token state of its own (the largest probability each token ever
 received), which the layer keeps aligned with K/V through the state hooks.
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -22,6 +22,8 @@ from scissorhands import EvictionMethod, LayerView, ScissorhandsCache, Scissorha
 from scissorhands.core.attend.prefill import PREFILLS, Prefill, Streamed, register_prefill, unregister_prefill
 from scissorhands.core.layer.decode import DECODES, StaticDecode, register_decode, unregister_decode
 from scissorhands.core.methods import METHODS, unregister
+from scissorhands.core.settings.config import CacheSettings, readme_table
+from scissorhands.core.settings.declare import OWNED, from_strings, one_of, parse_float, real, setting
 from scissorhands.core.stores import DenseKVStore, KVStore, register_store, unregister_store
 from scissorhands.core.tokens.importance import ImportanceState
 
@@ -234,6 +236,74 @@ def test_a_new_store_keeps_a_batch_equal_to_each_sequence_alone(half_store):
             assert torch.equal(a.stored_positions(row), b.stored_positions(0))
 
 
+HALVES = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class HalfFormat:
+    """The setting of ``HalfOf``, declared here: which 2-byte float it rounds K/V to."""
+
+    half_format: str = setting("float16", "test-half store: `float16` or `bfloat16`", str, one_of(HALVES))
+
+
+class HalfOf(HalfStore):
+    """``HalfStore`` with its 2-byte format as a setting of its own."""
+
+    name = "test-half"
+    Settings = HalfFormat
+
+    def __init__(self, fmt="float16"):
+        super().__init__()
+        self.fmt = getattr(torch, fmt)
+
+    @classmethod
+    def from_settings(cls, settings, key_center=None):
+        return cls(settings.half_format)
+
+    def _bytes(self, x):
+        return x.to(self.fmt)
+
+
+def test_a_new_store_brings_a_setting_of_its_own():
+    """A store registered here declares ``half_format``: a setting by name while ``kv_store`` names the store
+    (each layer's store takes it), a one-line error naming it otherwise, unknown once the store is gone."""
+    register_store(HalfOf)
+    try:
+        model = tiny_model("llama")
+        cache = ScissorhandsCache(model, ScissorhandsConfig(budget=12, kv_store="test-half", half_format="bfloat16"))
+        with torch.no_grad():
+            model(torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(2)), cache=cache)
+        assert {layer.kv.store.keys.dtype for layer in cache.budgeted_layers} == {torch.bfloat16}
+        with pytest.raises(ValueError, match=r"^half_format: a setting of kv_store='test-half', got kv_store=None$"):
+            CacheSettings(half_format="bfloat16")
+        with pytest.raises(ValueError, match=r"^half_format: must be one of 'float16' or 'bfloat16', got 'float8'$"):
+            CacheSettings(kv_store="test-half", half_format="float8")
+    finally:
+        unregister_store(HalfOf.name)
+    with pytest.raises(TypeError):
+        CacheSettings(half_format="bfloat16")
+
+
+def test_a_plug_ins_setting_cannot_take_a_shared_name_or_another_plug_ins():
+    """Two plug-ins' settings of one name would be ambiguous on the command line: refused when registered, and
+    nothing of the refused plug-in is left registered."""
+
+    @dataclass(frozen=True)
+    class Clash:
+        recent: int = setting(3, "clashes with a shared setting", int, lambda name, v: v)
+
+    @dataclass(frozen=True)
+    class Theirs:
+        observe: int = setting(3, "clashes with prompt-aware's", int, lambda name, v: v)
+
+    for settings, match in ((Clash, "^recent: already a setting of the shared settings"),
+                            (Theirs, "^observe: already a setting of prefill='prompt-aware'")):
+        mode = type("Clashing", (Streamed,), {"name": "test-clashing", "Settings": settings})
+        with pytest.raises(ValueError, match=match):
+            register_prefill(mode)
+        assert "test-clashing" not in PREFILLS
+
+
 def test_stores_are_checked_when_made_and_named():
     class Incomplete(KVStore):
         name = "test-incomplete"
@@ -251,16 +321,29 @@ def test_stores_are_checked_when_made_and_named():
     assert {n for n in STORES if not n.startswith("test-")} == set(STORE_NAMES)
 
 
+@dataclass(frozen=True)
+class CoarseSettings:
+    """The one setting of ``Coarse``, declared here like any shipped setting (default, help, parse, check)."""
+
+    coarse_share: float = setting(0.5, "test-coarse prefill: the share of a layer's budget each compression "
+                                  "event makes room for", parse_float, real(0.01, 1.0), group="prefill")
+
+    def check(self):
+        if self.coarse_share == 0.75:  # a rule of the mode's own, run only when the mode is chosen
+            raise ValueError("coarse_share: 0.75 is refused by this test's mode")
+
+
 class Coarse(Streamed):
-    """A prefill mode of this file's own: stream the prompt, but make room half a layer's budget at a time (few
-    large compression events), whatever ``prefill_drop`` says."""
+    """A prefill mode of this file's own: stream the prompt, but make room a share of a layer's budget at a time
+    (few large compression events), whatever ``prefill_drop`` says. The share is its own setting."""
 
     name = "test-coarse"
+    Settings = CoarseSettings
     made: list[int] = []
 
     @classmethod
     def from_settings(cls, settings, layer_budget=None):
-        drop = None if layer_budget is None else max(1, layer_budget // 2)
+        drop = None if layer_budget is None else max(1, int(layer_budget * settings.coarse_share))
         if drop is not None:
             cls.made.append(drop)
         return cls(drop)
@@ -319,6 +402,78 @@ def test_a_new_prefill_mode_is_one_class_registered_from_outside(coarse, tmp_pat
     with pytest.raises(ValueError, match="^prefill: must be a registered prefill mode .*'test-coarse'"):
         ScissorhandsConfig(budget=budget, prefill="test-coarse")
     assert issubclass(Coarse, Prefill)
+
+
+def test_a_new_prefill_mode_brings_a_setting_of_its_own(coarse, tmp_path, capsys):
+    """``CoarseSettings`` is declared in this file only. Registered with its mode, ``coarse_share`` is a setting
+    like the shipped ones: a keyword of the Python API that the layers' prefill reads, a ``--coarse-share`` flag,
+    an lm-eval / vLLM ``key=value``, in ``as_dict`` records; valid only with its mode (one line naming it
+    otherwise), with its own check; at its default it changes nothing. Its row joins the settings table while it is
+    registered; unregistered, it is unknown again."""
+    from scissorhands.tools import cli
+
+    assert "| `coarse_share` | `0.5` | test-coarse prefill:" in readme_table()
+    model = tiny_model("llama", torch.float64)
+    ids, mask = left_padded([40, 29], seed=6)
+    budget = 16
+
+    def run(config):
+        cache = ScissorhandsCache(model, config)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False,
+                                 pad_token_id=0)
+        return out, cache
+
+    config = ScissorhandsConfig(budget=budget, recent=2, drop=2, prefill="test-coarse", coarse_share=0.25)
+    assert config.coarse_share == 0.25 and config.settings.coarse_share == 0.25
+    assert config.as_dict()["coarse_share"] == 0.25 and CacheSettings(**config.settings.as_dict()) == config.settings
+    mine, cache = run(config)
+    shipped, reference = run(ScissorhandsConfig(budget=budget, recent=2, drop=2, prefill="stream", prefill_drop=4))
+    assert set(Coarse.made) == {4} and torch.equal(mine, shipped)
+    for a, b in zip(cache.budgeted_layers, reference.budgeted_layers):
+        assert torch.equal(a.stored_positions(0), b.stored_positions(0))
+    # At its default, the same settings as not giving it.
+    assert CacheSettings(prefill="test-coarse", coarse_share=0.5) == CacheSettings(prefill="test-coarse")
+
+    # The text forms the lm-eval backend and the vLLM plugin parse, through the same declaration.
+    parsed = from_strings(CacheSettings, {"prefill": "test-coarse", "coarse_share": "0.25"})
+    assert CacheSettings(**parsed) == CacheSettings(prefill="test-coarse", coarse_share=0.25)
+    from scissorhands.vllm.settings import parse as vllm_parse
+
+    # The vLLM adapter's prefill is prompt-aware (its own settings pass); this mode's setting is one line there.
+    assert vllm_parse({"budget": 48, "observe": "16"}).config.observe == 16
+    with pytest.raises(ValueError, match=r"^coarse_share: a setting of prefill='test-coarse', got "
+                       r"prefill='prompt-aware'$"):
+        vllm_parse({"budget": 48, "coarse_share": "0.25"})
+    for bad, match in ((dict(coarse_share=0.25), r"^coarse_share: a setting of prefill='test-coarse', "
+                        r"got prefill='stream'$"),
+                       (dict(prefill="test-coarse", coarse_share=2.0), r"^coarse_share: must be in \[0.01, 1.0\)"),
+                       (dict(prefill="test-coarse", coarse_share=0.75), r"^coarse_share: 0.75 is refused")):
+        with pytest.raises(ValueError, match=match):
+            CacheSettings(**bad)
+    assert CacheSettings(prefill="test-coarse", coarse_share=0.25).with_plugin("prefill", "stream") == CacheSettings()
+
+    from conftest import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    Coarse.made.clear()
+    prompt = ["--prompt", " ".join(f"word{i}" for i in range(18)), "--max-new-tokens", "4"]
+    code = cli.main(["generate", "--model", str(folder), "--budget", "16", "--recent", "2", "--prefill",
+                     "test-coarse", "--coarse-share", "0.25", *prompt])
+    assert code == 0, capsys.readouterr().err
+    assert set(Coarse.made) == {4}
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(folder), "--budget", "16", "--coarse-share", "0.25", *prompt]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: coarse-share: a setting of prefill='test-coarse', got prefill='stream'")
+
+    unregister_prefill(Coarse.name)
+    assert "coarse_share" not in OWNED and "coarse_share" not in CacheSettings().as_dict()
+    with pytest.raises(TypeError):
+        CacheSettings(coarse_share=0.25)
+    with pytest.raises(ValueError, match="^coarse_share: unknown"):
+        from_strings(CacheSettings, {"coarse_share": "0.25"})
+    assert "coarse_share" not in readme_table()
 
 
 class Counted(StaticDecode):

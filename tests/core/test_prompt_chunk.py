@@ -141,7 +141,7 @@ def test_generate_with_padding_and_a_chunked_prompt():
 
 @pytest.mark.parametrize("fields,match", [
     ({"prompt_chunk": 0}, r"^prompt_chunk: "),
-    ({"prompt_chunk": 8}, r"^prompt_chunk: needs prefill='prompt-aware'"),
+    ({"prompt_chunk": 8}, r"^prompt_chunk: a setting of prefill='prompt-aware', got prefill='stream'"),
 ])
 def test_prompt_chunk_errors(fields, match):
     with pytest.raises(ValueError, match=match):

@@ -165,7 +165,7 @@ def _make_cache(model, budget: int | None, settings: CacheSettings, prefill: str
     config = settings.with_budget(budget) if chosen is None else ScissorhandsConfig(budget=budget, **chosen)
     if prefill is not None:  # a mode named by the prefill part: the held prompt-aware prefill unless chunked
         chunked = prefill == CHUNKED
-        config = replace(config, prefill="prompt-aware" if chunked else prefill,
+        config = replace(config.with_plugin("prefill", "prompt-aware" if chunked else prefill),
                          prompt_chunk=config.prompt_chunk if chunked else None)
     return ScissorhandsCache(model, config, get_method(method)())
 

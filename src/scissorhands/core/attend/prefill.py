@@ -12,7 +12,9 @@
 Prefill modes are plug-ins by name, as methods and stores are: ``prefill=NAME`` takes any registered
 mode. A new one subclasses :class:`Prefill`, sets ``name``, overrides :meth:`Prefill.take` (and
 :meth:`Prefill.from_settings` if it reads settings) and is decorated with :func:`register_prefill`, from any
-module; :func:`make_prefill` builds a layer's strategy from the settings.
+module; :func:`make_prefill` builds a layer's strategy from the settings. A mode with settings of its own
+declares them as a ``Settings`` dataclass of :func:`~scissorhands.core.settings.declare.setting` fields on its
+class (as :class:`PromptAware` does): registering the mode makes them settings by name, valid with that mode.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..registry import Registry
+from ..settings.prefill import PromptAwareSettings
 from .blocks import attend_block
 
 if TYPE_CHECKING:
@@ -149,6 +152,7 @@ class PromptAware(Prefill):
     """
 
     name = "prompt-aware"
+    Settings = PromptAwareSettings  # observe, prompt_chunk, pool: valid only with this mode
 
     def __init__(self, observe: int, pool: int, chunk: int | None = None, stream: Streamed | None = None):
         self.observe, self.pool, self.chunk = observe, pool, chunk
@@ -225,7 +229,7 @@ class PromptAware(Prefill):
         kv.evict(scores, (kv.slots.lengths - kv.budget).clamp(min=0))
 
 
-PREFILLS: Registry[type[Prefill]] = Registry("register_prefill", Prefill)
+PREFILLS: Registry[type[Prefill]] = Registry("register_prefill", Prefill, axis="prefill")
 
 
 def register_prefill(cls: type[Prefill]) -> type[Prefill]:

@@ -85,7 +85,7 @@ class Dynamic(DecodeMode):
         return None
 
 
-DECODES: Registry[type[DecodeMode]] = Registry("register_decode", DecodeMode)
+DECODES: Registry[type[DecodeMode]] = Registry("register_decode", DecodeMode, axis="decode")
 
 
 def register_decode(cls: type[DecodeMode]) -> type[DecodeMode]:

@@ -18,7 +18,9 @@ the entry points print it as one line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import functools
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from . import declare as s
 from .declare import REQUIRED, declared, setting, settings_table
@@ -54,11 +56,18 @@ class CacheSettings(StorageSettings, StepSettings, PrefillSettings, ScheduleSett
     preset: str | None = setting(
         None, '`"paper"`: the published setting (w = 400 exact, r = 10, m = 0.4·B, `sum`); fields you set to other '
         "values win", s.parse_optional_text, s.one_of(("paper",), allow_none=True), metavar="paper")
+    owned: tuple[tuple[str, Any], ...] = field(default=(), repr=False)
+    """The settings plug-ins own (:func:`~.declare.own`), those given other than their defaults, by name. Pass
+    and read them by name like any other (``CacheSettings(prefill="prompt-aware", observe=16).observe``)."""
+
+    plugin_axes = {"schedule": "schedule", "prefill": "prefill_drop", "decode": "decode", "kv_store": "kv_store"}
+    """The fields that name a plug-in whose settings it may own, each with the field its settings follow."""
 
     def __post_init__(self):
         if self.preset is not None:
             self._apply_preset()
         s.validate(self)
+        object.__setattr__(self, "owned", s.check_owned(self, tuple(self.owned)))
         for group in GROUPS:  # each group's own rules, in its own module
             check = vars(group).get("check")
             if check is not None:
@@ -125,14 +134,45 @@ class CacheSettings(StorageSettings, StepSettings, PrefillSettings, ScheduleSett
         return ScissorhandsConfig(budget=budget, **self.as_dict())
 
     def as_dict(self) -> dict:
-        """The settings fields (never the budget), for JSON records and ``replace``."""
-        return {f.name: getattr(self, f.name) for f in fields(CacheSettings)}
+        """Every setting (never the budget), the registered plug-ins' own included, by name: for JSON records
+        and ``CacheSettings(**...)``."""
+        return {name: getattr(self, name) for name, _, _ in declared(CacheSettings)}
+
+    def with_plugin(self, axis: str, name: str):
+        """These settings with ``axis`` set to the plug-in ``name``, less what other plug-ins of it own."""
+        keep = tuple((k, v) for k, v in self.owned if s.OWNED[k].axis != axis or name in s.OWNED[k].owners)
+        changes: dict[str, Any] = {axis: name, "owned": keep}
+        return replace(self, **changes)
+
+    def __getattr__(self, name: str) -> Any:
+        """A plug-in's own setting: its given value, or its default."""
+        owner = s.OWNED.get(name)
+        if owner is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return dict(self.__dict__.get("owned", ())).get(name, owner.default)
 
     def prefill_drop_for(self, layer_budget: int) -> int | None:
         """The streamed prefill's drop amount for this layer, or None when it is ``drop`` (exact streaming)."""
         return None if self.prefill_drop is None else self.drop_for(layer_budget, self.prefill_drop)
 
 
+def _taking_owned(cls):
+    """Let ``cls(...)`` (and ``dataclasses.replace``) take plug-in-owned settings by name, into ``owned``."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        mine = {k: kwargs.pop(k) for k in [k for k in kwargs if k in s.OWNED]}
+        if mine:
+            kwargs["owned"] = tuple({**dict(kwargs.get("owned", ())), **mine}.items())
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+_taking_owned(CacheSettings)
+s.RESERVED.update(f.name for f in fields(CacheSettings))
 _LIBRARY_DEFAULTS = CacheSettings()
 
 PRESETS: dict[str, dict] = {
@@ -185,6 +225,10 @@ class ScissorhandsConfig(CacheSettings):
 
     def with_budget(self, budget: int) -> ScissorhandsConfig:
         return replace(self, budget=budget)
+
+
+_taking_owned(ScissorhandsConfig)
+s.RESERVED.add("budget")
 
 
 def settings_rows() -> list:

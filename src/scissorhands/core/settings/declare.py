@@ -48,17 +48,102 @@ REQUIRED: Any = MISSING
 
 
 def declared(cls) -> list[tuple[str, Any, Setting]]:
-    """``(name, default, declaration)`` of every declared field of a settings dataclass, in order.
+    """``(name, default, declaration)`` of every declared setting of a settings dataclass, in order.
 
-    A required field's default is :data:`REQUIRED`.
+    A required field's default is :data:`REQUIRED`. A class with ``plugin_axes`` (the cache's settings) also
+    lists the settings its plug-ins own (:func:`own`), each after the field its axis names.
     """
+    rows = _fields(cls)
+    axes: dict[str, str] = getattr(cls, "plugin_axes", {})
+    if not axes or not OWNED:
+        return rows
+    out = []
+    for row in rows:
+        out.append(row)
+        out += [(name, o.default, o.decl) for name, o in OWNED.items() if axes.get(o.axis) == row[0]]
+    return out
+
+
+def _fields(cls) -> list[tuple[str, Any, Setting]]:
     return [(f.name, f.default, f.metadata["setting"]) for f in fields(cls) if "setting" in f.metadata]
 
 
 def validate(obj) -> None:
     """Run every field's own check on a (frozen) settings dataclass, storing normalised values."""
-    for name, _, decl in declared(type(obj)):
+    for name, _, decl in _fields(type(obj)):
         object.__setattr__(obj, name, decl.check(name, getattr(obj, name)))
+
+
+# -- settings a plug-in owns ----------------------------------------------------------------------------------
+@dataclass
+class Owned:
+    """A setting that belongs to plug-ins of one axis (a prefill mode, a store), not to the shared settings."""
+
+    axis: str  # the field that names the plug-in: "prefill", "kv_store"
+    decl: Setting
+    default: Any
+    cls: type  # the dataclass that declares it
+    owners: set[str] = field(default_factory=set)  # the plug-ins' names (several when they share a declaration)
+
+
+OWNED: dict[str, Owned] = {}
+"""Every plug-in-owned setting by name, while its plug-ins are registered."""
+
+RESERVED: set[str] = set()
+"""Names a plug-in's setting may not take (the shared settings'; filled by the settings' composition)."""
+
+
+def own(axis: str, owner: str, cls) -> None:
+    """Declare the settings of the plug-in ``owner`` on ``axis``: the :func:`setting` fields of the frozen
+    dataclass ``cls``, which may also define ``check(self)`` for the rules among them.
+
+    They become settings like the shared ones (keyword arguments of the cache's settings, read as attributes,
+    flags of the command line, lm-eval and vLLM keys), valid only while ``axis`` names ``owner``. A registry
+    calls this when a plug-in that has ``Settings`` registers; two plug-ins may share one dataclass.
+    """
+    rows = _fields(cls)
+    for name, default, _ in rows:
+        have = OWNED.get(name)
+        if name in RESERVED or (have is not None and (have.cls is not cls or have.axis != axis)):
+            whose = "the shared settings" if have is None else f"{have.axis}={sorted(have.owners)[0]!r}"
+            raise ValueError(f"{name}: already a setting of {whose}; {owner!r} must name its setting otherwise")
+        if default is REQUIRED:
+            raise ValueError(f"{name}: a plug-in's setting needs a default ({owner!r})")
+    for name, default, decl in rows:
+        OWNED.setdefault(name, Owned(axis, decl, default, cls)).owners.add(owner)
+
+
+def disown(axis: str, owner: str) -> None:
+    """Forget what :func:`own` declared for ``owner`` (its plug-in is unregistered)."""
+    for name in [n for n, o in OWNED.items() if o.axis == axis]:
+        OWNED[name].owners.discard(owner)
+        if not OWNED[name].owners:
+            del OWNED[name]
+
+
+def check_owned(obj, given: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """Plug-in settings given to ``obj`` (the cache's settings) checked, those at their default left out.
+
+    Each value passes its declaration's check; a value other than the default needs its plug-in chosen (its
+    axis naming it); then each chosen plug-in's own ``check`` runs over its settings.
+    """
+    out = {}
+    for name, value in given:
+        o = OWNED.get(name)
+        if o is None:
+            raise ValueError(f"{name}: unknown setting (its plug-in is not registered)")
+        value = o.decl.check(name, value)
+        if value == o.default:
+            continue
+        chosen = getattr(obj, o.axis)
+        if chosen not in o.owners:
+            whose = " or ".join(repr(n) for n in sorted(o.owners))
+            raise ValueError(f"{name}: a setting of {o.axis}={whose}, got {o.axis}={chosen!r}")
+        out[name] = value
+    for cls in {o.cls for o in OWNED.values() if getattr(obj, o.axis) in o.owners}:
+        if hasattr(cls, "check"):
+            cls(**{n: out.get(n, d) for n, d, _ in _fields(cls)}).check()
+    return tuple(sorted(out.items()))
 
 
 def from_strings(cls, given: dict[str, Any], what: str = "setting") -> dict[str, Any]:

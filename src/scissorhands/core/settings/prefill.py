@@ -1,7 +1,9 @@
 """The prefill settings: how a layer takes a prompt (the modes are :mod:`scissorhands.core.attend.prefill`).
 
-One group of :class:`~.config.CacheSettings`, with the rule among its own fields. Like every group it lives
-in this wing, below the modes it configures, and imports no torch, so ``--help`` reads it in a moment.
+One group of :class:`~.config.CacheSettings` (the mode and the streamed prefill's drop), and the settings the
+prompt-aware mode owns (:class:`PromptAwareSettings`, valid only with that mode: :func:`~.declare.own`). Like
+every group they live in this wing, below the modes they configure, and import no torch, so ``--help`` reads
+them in a moment; a mode registered from outside declares its own settings beside its class instead.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def _odd(name, value):
 
 @dataclass(frozen=True)
 class PrefillSettings:
-    """How a prompt enters a layer: streamed at the budget, or held once and scored by its last queries."""
+    """How a prompt enters a layer: the mode, and how a streamed prefill makes room."""
 
     prefill: str = setting(
         "stream", '`"stream"` (peak = budget) or `"prompt-aware"` (hold the prompt once, score it by its last queries)',
@@ -38,6 +40,13 @@ class PrefillSettings:
         "decoding. Larger means fewer, cheaper events; the peak stays the budget",
         s.parse_optional_count_or_fraction, s.fraction_or_count(1, fraction_closed_low=False, allow_none=True),
         metavar="M|none")
+
+
+@dataclass(frozen=True)
+class PromptAwareSettings:
+    """The settings of the prompt-aware prefill (:class:`~scissorhands.core.attend.prefill.PromptAware`), which
+    owns them: they are valid only with ``prefill="prompt-aware"`` (:func:`~.declare.own`)."""
+
     observe: int = setting(32, "prompt-aware prefill: how many of the prompt's last queries score it", s.parse_int,
                            s.integer(1), group=GROUP, metavar="N")
     prompt_chunk: int | None = setting(
@@ -48,8 +57,5 @@ class PrefillSettings:
     pool: int = setting(7, "prompt-aware prefill: max-pool width over neighbouring slots (odd), so a fact spanning "
                         "several tokens stays whole; 1 = none", s.parse_int, _odd, group=GROUP, metavar="N")
 
-    def check(self) -> None:
-        """The rules that tie this group's fields together."""
-        if self.prompt_chunk is not None and self.prefill != "prompt-aware":
-            raise ValueError(f"prompt_chunk: needs prefill='prompt-aware' (a streamed prefill already holds at most "
-                             f"the budget), got prefill={self.prefill!r}")
+
+s.own("prefill", "prompt-aware", PromptAwareSettings)

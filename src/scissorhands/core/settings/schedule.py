@@ -1,6 +1,7 @@
 """Per-layer budgets: how the total ``budget * n_layers`` is split across layers, and the settings that say how.
 
-:class:`ScheduleSettings` is one group of :class:`~.config.CacheSettings`; :func:`layer_budgets` reads it.
+:class:`ScheduleSettings` is one group of :class:`~.config.CacheSettings`, and :class:`IncreasingSettings` the
+setting the ``"increasing"`` schedule owns; :func:`layer_budgets` reads them.
 """
 
 from __future__ import annotations
@@ -39,9 +40,18 @@ class ScheduleSettings:
     schedule: str | tuple[int, ...] = setting(
         "uniform", '`"uniform"`, `"increasing"` (later layers more, same total), a list of budgets, or a JSON file',
         s.parse_schedule, _schedule, metavar="uniform|increasing|b1,b2,...|FILE.json")
+
+
+@dataclass(frozen=True)
+class IncreasingSettings:
+    """The settings the ``"increasing"`` schedule owns: valid only with it (:func:`~.declare.own`)."""
+
     increasing_slope: float = setting(
         0.5, '`"increasing"` schedule: the last layer gets 1 + slope times the average, the first 1 - slope',
         s.parse_float, s.real(0.0, 1.0))
+
+
+s.own("schedule", "increasing", IncreasingSettings)
 
 
 def round_to_total(weights: list[float], total: int, floor: int) -> list[int]:

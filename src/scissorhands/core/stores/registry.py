@@ -11,11 +11,12 @@ from .packed import PackedKVStore
 from .residual import ResidualStore
 from .tiered import TieredKVStore
 
-STORES: Registry[type[KVStore]] = Registry("register_store", KVStore)
+STORES: Registry[type[KVStore]] = Registry("register_store", KVStore, axis="kv_store")
 
 
 def register_store(cls: type[KVStore]) -> type[KVStore]:
-    """Class decorator: make ``cls`` available as ``kv_store=cls.name``."""
+    """Class decorator: make ``cls`` available as ``kv_store=cls.name`` (with the settings its ``Settings``
+    dataclass declares, if it has one: :class:`~scissorhands.core.registry.Registry`)."""
     return STORES.register(cls)
 
 
