@@ -57,17 +57,19 @@ def make_requests(tokenizer, text: str, n: int, prompt: tuple[int, int], new: tu
 
 #: The variants a run can alternate. "same flags": both run with chunked prefill and prefix caching off (the plugin
 #: holds each prompt whole); "vllm-defaults" is vLLM as it ships (chunked prefill, prefix caching, its compiled mode
-#: whatever ``--eager`` says).
-VARIANTS = ("vllm", "scissorhands", "vllm-defaults")
+#: whatever ``--eager`` says); "vllm-chunked", "vllm-prefix" and "vllm-compiled" are vLLM with the same flags but
+#: one of those three turned back on, to tell what each is worth to vLLM alone.
+VARIANTS = ("vllm", "scissorhands", "vllm-defaults", "vllm-chunked", "vllm-prefix", "vllm-compiled")
 
 
 def engine_args(name: str, folder: str, kv_blocks: int | None, max_seqs: int, max_len: int, eager: bool,
                 block_size: int | None, plugin: dict | None) -> dict:
-    args = dict(model=folder, dtype="float32", enforce_eager=eager and name != "vllm-defaults",
+    args = dict(model=folder, dtype="float32", enforce_eager=eager and name not in ("vllm-defaults", "vllm-compiled"),
                 max_model_len=max_len, max_num_seqs=max_seqs, seed=0)
     if name != "vllm-defaults":
-        args.update(enable_prefix_caching=False, enable_chunked_prefill=False,
-                    max_num_batched_tokens=max(max_len, 8192))
+        args.update(enable_prefix_caching=name == "vllm-prefix", enable_chunked_prefill=name == "vllm-chunked")
+        if name != "vllm-chunked":  # a whole prompt in one step, as the plugin takes it
+            args["max_num_batched_tokens"] = max(max_len, 8192)
     if kv_blocks is not None:
         args["num_gpu_blocks_override"] = kv_blocks
     if block_size is not None:
@@ -178,7 +180,8 @@ def plot(record_path: str) -> Path:
               ("decode_kv_bytes_per_request_measured", "KV per decoding request (MB)", 1e6)]
     panels = [x for x in panels if any(r.get(x[0]) is not None for rows in runs.values() for r in rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.1 * len(panels), 3.4))
-    colors = {"vllm": "tab:gray", "scissorhands": "tab:blue", "vllm-defaults": "tab:olive"}
+    colors = {"vllm": "tab:gray", "scissorhands": "tab:blue", "vllm-defaults": "tab:olive", "vllm-chunked": "tab:cyan",
+              "vllm-prefix": "tab:purple", "vllm-compiled": "tab:brown"}
     for ax, (key, title, unit) in zip(axes, panels):
         mids, lo, hi = [], [], []
         for name in names:
