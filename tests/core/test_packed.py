@@ -825,7 +825,8 @@ def test_batched_generation_with_a_residual_equals_each_sequence_alone(prefill):
     lengths = [30, 21, 9]
     ids, mask = left_padded(lengths, seed=4)
     cfg = ScissorhandsConfig(budget=12, recent=3, drop=4, window=8, window_buckets=4, kv_bits=4, kv_group_size=8,
-                             kv_residual=3, prefill=prefill, observe=4)
+                             kv_residual=3, prefill=prefill,
+                             **({"observe": 4} if prefill == "prompt-aware" else {}))
 
     def greedy(i, m):
         cache = ScissorhandsCache(model, cfg)
