@@ -58,13 +58,16 @@ def make_requests(tokenizer, text: str, n: int, prompt: tuple[int, int], new: tu
 #: The variants a run can alternate. "same flags": both run with chunked prefill and prefix caching off (the plugin
 #: holds each prompt whole); "vllm-defaults" is vLLM as it ships (chunked prefill, prefix caching, its compiled mode
 #: whatever ``--eager`` says); "vllm-chunked", "vllm-prefix" and "vllm-compiled" are vLLM with the same flags but
-#: one of those three turned back on, to tell what each is worth to vLLM alone.
-VARIANTS = ("vllm", "scissorhands", "vllm-defaults", "vllm-chunked", "vllm-prefix", "vllm-compiled")
+#: one of those three turned back on, to tell what each is worth to vLLM alone; "scissorhands-compiled" is the plugin
+#: in vLLM's compiled mode, to set beside "vllm-compiled".
+VARIANTS = ("vllm", "scissorhands", "vllm-defaults", "vllm-chunked", "vllm-prefix", "vllm-compiled",
+            "scissorhands-compiled")
+COMPILED = ("vllm-defaults", "vllm-compiled", "scissorhands-compiled")
 
 
 def engine_args(name: str, folder: str, kv_blocks: int | None, max_seqs: int, max_len: int, eager: bool,
                 block_size: int | None, plugin: dict | None) -> dict:
-    args = dict(model=folder, dtype="float32", enforce_eager=eager and name not in ("vllm-defaults", "vllm-compiled"),
+    args = dict(model=folder, dtype="float32", enforce_eager=eager and name not in COMPILED,
                 max_model_len=max_len, max_num_seqs=max_seqs, seed=0)
     if name != "vllm-defaults":
         args.update(enable_prefix_caching=name == "vllm-prefix", enable_chunked_prefill=name == "vllm-chunked")
@@ -74,7 +77,7 @@ def engine_args(name: str, folder: str, kv_blocks: int | None, max_seqs: int, ma
         args["num_gpu_blocks_override"] = kv_blocks
     if block_size is not None:
         args["block_size"] = block_size
-    if name == "scissorhands":
+    if name.startswith("scissorhands"):
         args["additional_config"] = {"scissorhands": plugin}
     return args
 
@@ -181,6 +184,7 @@ def plot(record_path: str) -> Path:
     panels = [x for x in panels if any(r.get(x[0]) is not None for rows in runs.values() for r in rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.1 * len(panels), 3.4))
     colors = {"vllm": "tab:gray", "scissorhands": "tab:blue", "vllm-defaults": "tab:olive", "vllm-chunked": "tab:cyan",
+              "scissorhands-compiled": "tab:red",
               "vllm-prefix": "tab:purple", "vllm-compiled": "tab:brown"}
     for ax, (key, title, unit) in zip(axes, panels):
         mids, lo, hi = [], [], []
