@@ -217,9 +217,9 @@ def test_row_labels_name_what_sets_rows_apart():
         return {"method": method, "key": {"method": method, "settings": settings}}
 
     exact = rec("full")
-    packed = rec("full", **{**dataclasses.asdict(BASE), "kv_bits": 4})
-    a = rec("scissorhands", **{**dataclasses.asdict(BASE), "prefill": "stream"})
-    b = rec("scissorhands", **{**dataclasses.asdict(BASE), "prefill": "prompt-aware"})
+    packed = rec("full", **{**BASE.as_dict(), "kv_bits": 4})
+    a = rec("scissorhands", **{**BASE.as_dict(), "prefill": "stream"})
+    b = rec("scissorhands", **{**BASE.as_dict(), "prefill": "prompt-aware"})
     assert row_labels([exact, a]) == ["full", "scissorhands"]  # one setting each: plain names
     labels = row_labels([exact, packed, a, b])
     assert labels[0] == "full" and "kv_bits=4" in labels[1] and "prefill" not in labels[1]

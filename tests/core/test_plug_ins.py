@@ -296,7 +296,12 @@ def test_a_plug_ins_setting_cannot_take_a_shared_name_or_another_plug_ins():
     class Theirs:
         observe: int = setting(3, "clashes with prompt-aware's", int, lambda name, v: v)
 
-    for settings, match in ((Clash, "^recent: already a setting of the shared settings"),
+    @dataclass(frozen=True)
+    class Hidden:  # a method of the settings would answer for it
+        with_budget: int = setting(3, "clashes with a method of the settings", int, lambda name, v: v)
+
+    for settings, match in ((Clash, "^recent: already a name of the shared settings"),
+                            (Hidden, "^with_budget: already a name of the shared settings"),
                             (Theirs, "^observe: already a setting of prefill='prompt-aware'")):
         mode = type("Clashing", (Streamed,), {"name": "test-clashing", "Settings": settings})
         with pytest.raises(ValueError, match=match):
@@ -534,3 +539,19 @@ def test_a_prompt_aware_prefill_whose_observed_queries_fill_the_budget_is_warned
         ScissorhandsCache(model, ScissorhandsConfig(budget=28, prefill="prompt-aware"))
     assert "observe: a prompt-aware prefill keeps the 32 queries that score the prompt, and a layer budget is 28" \
         in caplog.text
+
+
+def test_a_method_that_fixes_a_plug_in_drops_the_settings_of_the_one_it_replaces(caplog):
+    """A method's own choice of a plug-in wins over the given one (a warning names both), and the settings the
+    given plug-in owned go with it, named in a warning, instead of failing as settings of an unchosen plug-in."""
+    class Streaming(EvictionMethod):
+        name = "test-streaming-prefill"
+        settings = {"prefill": "stream"}
+
+    given = CacheSettings(prefill="prompt-aware", observe=4, prompt_chunk=8)
+    with caplog.at_level("WARNING", logger="scissorhands.core.methods.base"):
+        out = Streaming.resolve(given)
+    assert out == CacheSettings(prefill="stream") and out.observe == OWNED["observe"].default
+    assert any(r.getMessage().startswith("observe, prompt_chunk: method 'test-streaming-prefill' fixes prefill")
+               for r in caplog.records)
+    assert Streaming.resolve(out) == out  # applying it twice changes nothing

@@ -153,6 +153,9 @@ def test_vllm_refuses_prompt_chunk():
 
     with pytest.raises(ValueError, match=r"^prompt_chunk: not supported by the vLLM adapter"):
         parse({"method": "scissorhands", "budget": 16, "prompt_chunk": "64"})
+    # the increasing schedule's own setting: refused as the schedule is, not as a setting of an unchosen one
+    with pytest.raises(ValueError, match=r"^increasing_slope: not supported by the vLLM adapter"):
+        parse({"method": "scissorhands", "budget": 16, "increasing_slope": "0.3"})
 
 
 def test_perplexity_keeps_a_chunked_prompt_aware_prefill_and_streams_a_held_one():
@@ -165,3 +168,6 @@ def test_perplexity_keeps_a_chunked_prompt_aware_prefill_and_streams_a_held_one(
     chunked = ScoreSetup(method, 16, CacheSettings(prefill="prompt-aware", prompt_chunk=8))
     assert streamed(held).base.prefill == "stream"
     assert streamed(chunked).base == chunked.base
+    # prompt-aware's own settings leave with it: a streamed prefill does not take them
+    observed = ScoreSetup(method, 16, CacheSettings(prefill="prompt-aware", observe=4, pool=3))
+    assert streamed(observed).base == CacheSettings(prefill="stream")

@@ -228,7 +228,7 @@ class ScissorhandsLM(LM):
         K/V bytes, or a size per sequence such as ``"64MiB"``; the store and the token budget are chosen
         for each request's length.
     **settings
-        Every field of :class:`scissorhands.CacheSettings` by name (``recent``,
+        Every setting of :class:`scissorhands.CacheSettings` by name, a registered plug-in's own included (``recent``,
         ``window``, ``kv_bits``, ...), parsed and checked by its declaration,
         as the CLI's flags are (``window=none``; methods such as ``h2o`` or
         ``tova`` override some of them; with ``method=full`` and ``kv_bits``, a

@@ -8,7 +8,7 @@ is installed but off, and vLLM runs exactly as without it.
 
 The keys are ``method``, ``budget`` (tokens per layer and KV head),
 ``protect_prefix`` (the first N tokens of every prompt are never evicted) and
-every field of :class:`~scissorhands.core.settings.config.CacheSettings`, parsed and
+every setting of :class:`~scissorhands.core.settings.config.CacheSettings` (a registered plug-in's own too), parsed and
 checked by its declaration, as the CLI and the lm-eval backend do. The same
 method and settings give the same configuration here as through
 ``ScissorhandsCache(model, config, method)`` (a test holds the two equal).
@@ -54,7 +54,7 @@ ENV = "SCISSORHANDS_VLLM"
 FIXED = {"rounds": True, "prefill": "prompt-aware", "prefill_drop": None}
 _UNSUPPORTED = {"kv_bits": None, "kv_key_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_demote": None,
                 "kv_store": None, "merge": False, "schedule": "uniform", "decode": "dynamic",
-                "prompt_chunk": None}
+                "prompt_chunk": None, "increasing_slope": 0.5}
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,15 @@ class EvictionMethod:
             if given != getattr(DEFAULTS, name):
                 logger.warning("%s: method %r fixes %s=%r; the given %s=%r is not used", name, cls.name, name,
                                value, name, given)
-        return replace(base, **overrides) if overrides else base
+        axes = {k: overrides.pop(k) for k in list(overrides) if k in base.plugin_axes}
+        out = replace(base, **overrides) if overrides else base
+        for axis, name in axes.items():  # another plug-in on an axis: the settings the given one owned go
+            out = out.with_plugin(axis, name)
+            dropped = sorted(set(dict(base.owned)) - set(dict(out.owned)))
+            if dropped:
+                logger.warning("%s: method %r fixes %s=%r, whose plug-in does not take them; not used",
+                               ", ".join(dropped), cls.name, axis, name)
+        return out
 
     @classmethod
     def configure(cls, base: CacheSettings, budget: int) -> ScissorhandsConfig:

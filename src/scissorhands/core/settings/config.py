@@ -56,7 +56,7 @@ class CacheSettings(StorageSettings, StepSettings, PrefillSettings, ScheduleSett
     preset: str | None = setting(
         None, '`"paper"`: the published setting (w = 400 exact, r = 10, m = 0.4·B, `sum`); fields you set to other '
         "values win", s.parse_optional_text, s.one_of(("paper",), allow_none=True), metavar="paper")
-    owned: tuple[tuple[str, Any], ...] = field(default=(), repr=False)
+    owned: tuple[tuple[str, Any], ...] = field(default=())
     """The settings plug-ins own (:func:`~.declare.own`), those given other than their defaults, by name. Pass
     and read them by name like any other (``CacheSettings(prefill="prompt-aware", observe=16).observe``)."""
 
@@ -229,6 +229,8 @@ class ScissorhandsConfig(CacheSettings):
 
 _taking_owned(ScissorhandsConfig)
 s.RESERVED.add("budget")
+#: Names the classes already answer (methods, properties): a plug-in's setting of that name would be hidden.
+s.RESERVED.update(n for n in dir(ScissorhandsConfig) if not n.startswith("_"))
 
 
 def settings_rows() -> list:

@@ -105,8 +105,9 @@ def own(axis: str, owner: str, cls) -> None:
     for name, default, _ in rows:
         have = OWNED.get(name)
         if name in RESERVED or (have is not None and (have.cls is not cls or have.axis != axis)):
-            whose = "the shared settings" if have is None else f"{have.axis}={sorted(have.owners)[0]!r}"
-            raise ValueError(f"{name}: already a setting of {whose}; {owner!r} must name its setting otherwise")
+            whose = "a name of the shared settings" if have is None else \
+                f"a setting of {have.axis}={sorted(have.owners)[0]!r}"
+            raise ValueError(f"{name}: already {whose}; {owner!r} must name its setting otherwise")
         if default is REQUIRED:
             raise ValueError(f"{name}: a plug-in's setting needs a default ({owner!r})")
     for name, default, decl in rows:

@@ -31,7 +31,7 @@ def streamed(setup: ScoreSetup) -> ScoreSetup:
     left, so it measures what the chunking costs."""
     if setup.base.prefill == "prompt-aware" and setup.base.prompt_chunk is not None:
         return setup
-    return replace(setup, base=replace(setup.base, prefill="stream"))
+    return replace(setup, base=setup.base.with_plugin("prefill", "stream"))  # less prompt-aware's own settings
 
 
 class Perplexity(Task):
