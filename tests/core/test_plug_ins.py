@@ -555,3 +555,19 @@ def test_a_method_that_fixes_a_plug_in_drops_the_settings_of_the_one_it_replaces
     assert any(r.getMessage().startswith("observe, prompt_chunk: method 'test-streaming-prefill' fixes prefill")
                for r in caplog.records)
     assert Streaming.resolve(out) == out  # applying it twice changes nothing
+
+
+def test_the_streamed_prefill_owns_prefill_drop():
+    """``prefill_drop`` is the streamed prefill's own setting: refused in one line with another mode, taken by a
+    mode built on the streamed prefill that declares no settings of its own."""
+    assert OWNED["prefill_drop"].axis == "prefill" and "stream" in OWNED["prefill_drop"].owners
+    assert CacheSettings(prefill_drop=4).prefill_drop == 4  # the default prefill streams
+    with pytest.raises(ValueError, match=r"^prefill_drop: a setting of prefill=.*'stream'.*'prompt-aware'"):
+        CacheSettings(prefill="prompt-aware", prefill_drop=4)
+    plain = type("PlainStream", (Streamed,), {"name": "test-plain-stream"})
+    register_prefill(plain)
+    try:
+        assert CacheSettings(prefill="test-plain-stream", prefill_drop=4).prefill_drop == 4
+    finally:
+        unregister_prefill("test-plain-stream")
+    assert "test-plain-stream" not in OWNED["prefill_drop"].owners

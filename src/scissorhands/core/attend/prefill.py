@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..registry import Registry
-from ..settings.prefill import PromptAwareSettings
+from ..settings.prefill import PromptAwareSettings, StreamedSettings
 from .blocks import attend_block
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ class Streamed(Prefill):
     """
 
     name = "stream"
+    Settings = StreamedSettings  # prefill_drop: valid only with this mode (and modes built on it)
 
     def __init__(self, drop: int | None = None):
         self.drop = drop

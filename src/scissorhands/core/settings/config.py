@@ -60,7 +60,7 @@ class CacheSettings(StorageSettings, StepSettings, PrefillSettings, ScheduleSett
     """The settings plug-ins own (:func:`~.declare.own`), those given other than their defaults, by name. Pass
     and read them by name like any other (``CacheSettings(prefill="prompt-aware", observe=16).observe``)."""
 
-    plugin_axes = {"schedule": "schedule", "prefill": "prefill_drop", "decode": "decode", "kv_store": "kv_store"}
+    plugin_axes = {"schedule": "schedule", "prefill": "prefill", "decode": "decode", "kv_store": "kv_store"}
     """The fields that name a plug-in whose settings it may own, each with the field its settings follow."""
 
     def __post_init__(self):

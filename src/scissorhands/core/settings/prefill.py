@@ -1,7 +1,7 @@
 """The prefill settings: how a layer takes a prompt (the modes are :mod:`scissorhands.core.attend.prefill`).
 
-One group of :class:`~.config.CacheSettings` (the mode and the streamed prefill's drop), and the settings the
-prompt-aware mode owns (:class:`PromptAwareSettings`, valid only with that mode: :func:`~.declare.own`). Like
+One group of :class:`~.config.CacheSettings` (the mode), and the settings each shipped mode owns
+(:class:`StreamedSettings`, :class:`PromptAwareSettings`, each valid only with its mode: :func:`~.declare.own`). Like
 every group they live in this wing, below the modes they configure, and import no torch, so ``--help`` reads
 them in a moment; a mode registered from outside declares its own settings beside its class instead.
 """
@@ -29,11 +29,18 @@ def _odd(name, value):
 
 @dataclass(frozen=True)
 class PrefillSettings:
-    """How a prompt enters a layer: the mode, and how a streamed prefill makes room."""
+    """How a prompt enters a layer: the mode (each mode owns its own settings, below)."""
 
     prefill: str = setting(
         "stream", '`"stream"` (peak = budget) or `"prompt-aware"` (hold the prompt once, score it by its last queries)',
         s.parse_text, _prefill_name, group=GROUP, metavar="|".join(PREFILL_MODES))
+
+
+@dataclass(frozen=True)
+class StreamedSettings:
+    """The setting of the streamed prefill (:class:`~scissorhands.core.attend.prefill.Streamed`), which owns it:
+    valid only with ``prefill="stream"`` (or a registered mode built on it)."""
+
     prefill_drop: float | int | None = setting(
         None, "streamed prefill: tokens evicted at each compression event of a chunk of several tokens (a "
         "fraction of the layer budget, or a count); `None` = `drop`, which makes a chunk exactly token-by-token "
@@ -58,4 +65,5 @@ class PromptAwareSettings:
                         "several tokens stays whole; 1 = none", s.parse_int, _odd, group=GROUP, metavar="N")
 
 
+s.own("prefill", "stream", StreamedSettings)
 s.own("prefill", "prompt-aware", PromptAwareSettings)
