@@ -156,6 +156,8 @@ def test_vllm_refuses_prompt_chunk():
     # the increasing schedule's own setting: refused as the schedule is, not as a setting of an unchosen one
     with pytest.raises(ValueError, match=r"^increasing_slope: not supported by the vLLM adapter"):
         parse({"method": "scissorhands", "budget": 16, "increasing_slope": "0.3"})
+    with pytest.raises(ValueError, match=r"^prefill_drop: a setting of prefill='stream', got prefill='prompt-aware'$"):
+        parse({"method": "scissorhands", "budget": 16, "prefill_drop": "4"})
 
 
 def test_perplexity_keeps_a_chunked_prompt_aware_prefill_and_streams_a_held_one():

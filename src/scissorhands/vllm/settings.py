@@ -44,17 +44,17 @@ from dataclasses import dataclass, replace
 from scissorhands.core.methods import EvictionMethod, get_method
 from scissorhands.core.planning.assembly import plan
 from scissorhands.core.settings.config import CacheSettings, ScissorhandsConfig
-from scissorhands.core.settings.declare import from_strings
+from scissorhands.core.settings.declare import OWNED, from_strings
 from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.core.tokens.protect import Protection
 
 KEY = "scissorhands"
 ENV = "SCISSORHANDS_VLLM"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
-FIXED = {"rounds": True, "prefill": "prompt-aware", "prefill_drop": None}
+FIXED = {"rounds": True, "prefill": "prompt-aware"}
 _UNSUPPORTED = {"kv_bits": None, "kv_key_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_demote": None,
                 "kv_store": None, "merge": False, "schedule": "uniform", "decode": "dynamic",
-                "prompt_chunk": None, "increasing_slope": 0.5}
+                "prompt_chunk": None}
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,12 @@ def parse(given: dict) -> PluginSettings:
         if key in fields and fields[key] != value:
             raise ValueError(f"{key}: not supported by the vLLM adapter (K/V stay in vLLM's blocks, one budget for "
                              f"every layer), got {fields[key]!r}")
+    for key in sorted(fields.keys() & OWNED.keys()):  # a setting of a plug-in the adapter cannot run at all
+        owned = OWNED[key]  # (on the axes FIXED pins, the settings' own rule names the mode that is chosen)
+        if owned.axis in _UNSUPPORTED and _UNSUPPORTED[owned.axis] not in owned.owners:
+            whose = " or ".join(repr(o) for o in sorted(owned.owners))
+            raise ValueError(f"{key}: not supported by the vLLM adapter (a setting of {owned.axis}={whose}; the "
+                             f"adapter runs {owned.axis}={_UNSUPPORTED[owned.axis]!r})")
     settings = CacheSettings(**{**fields, **FIXED})
     protection = Protection.prefix(prefix) if prefix else None
     config = plan(settings.with_budget(budget), 1, method(), protection=protection,

@@ -138,10 +138,10 @@ class EvictionMethod:
         out = replace(base, **overrides) if overrides else base
         for axis, name in axes.items():  # another plug-in on an axis: the settings the given one owned go
             out = out.with_plugin(axis, name)
-            dropped = sorted(set(dict(base.owned)) - set(dict(out.owned)))
-            if dropped:
-                logger.warning("%s: method %r fixes %s=%r, whose plug-in does not take them; not used",
-                               ", ".join(dropped), cls.name, axis, name)
+        dropped = sorted(dict(base.owned).keys() - dict(out.owned).keys())
+        if dropped:
+            logger.warning("%s: method %r fixes %s, whose plug-ins do not take them; not used", ", ".join(dropped),
+                           cls.name, ", ".join(f"{a}={n!r}" for a, n in axes.items()))
         return out
 
     @classmethod
