@@ -167,7 +167,7 @@ def test_demotion_settings_are_the_same_through_every_entry_point_and_refused_by
     assert want[1][0] == (((16, 0.5), (4, 0.75)), (8, 12))
     for label, cache in [("cli", from_cli), ("scorer", scorer), ("eval", from_eval), ("lm-eval", from_lm_eval)]:
         assert (_built(cache), chain(cache)) == want, label
-    with pytest.raises(ValueError, match=r"^kv_demote: not supported by the vLLM adapter"):
+    with pytest.raises(ValueError, match=r"^kv_demote: not supported by the vLLM adapter \(a setting of kv_store="):
         parse({"method": "scissorhands", "budget": BUDGET, "kv_demote": "4:0.5"})
 
 

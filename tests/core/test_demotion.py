@@ -269,7 +269,7 @@ def test_a_demoted_token_reads_as_a_quantisation_at_its_width():
     (dict(kv_bits=2, kv_demote="4:1.5"), "kv_demote"),
     (dict(kv_bits=2, kv_demote="4"), "kv_demote"),
     (dict(kv_bits=2, kv_demote="4:0.5", kv_key_bits=8), "kv_key_bits"),
-    (dict(kv_bits=2, kv_demote="4:0.5", kv_store="packed"), "kv_store"),
+    (dict(kv_bits=2, kv_demote="4:0.5", kv_store="packed"), "kv_demote"),  # the tiered store's setting
     (dict(kv_bits=2, kv_demote="4:0.5", prefill="prompt-aware"), "kv_demote"),
 ])
 def test_bad_demotion_settings_are_one_line_errors(kwargs, param):

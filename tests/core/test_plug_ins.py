@@ -274,7 +274,8 @@ def test_a_new_store_brings_a_setting_of_its_own():
         with torch.no_grad():
             model(torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(2)), cache=cache)
         assert {layer.kv.store.keys.dtype for layer in cache.budgeted_layers} == {torch.bfloat16}
-        with pytest.raises(ValueError, match=r"^half_format: a setting of kv_store='test-half', got kv_store=None$"):
+        with pytest.raises(ValueError, match=r"^half_format: a setting of kv_store='test-half', got kv_store=None, "
+                           r"which is 'dense' with these settings$"):
             CacheSettings(half_format="bfloat16")
         with pytest.raises(ValueError, match=r"^half_format: must be one of 'float16' or 'bfloat16', got 'float8'$"):
             CacheSettings(kv_store="test-half", half_format="float8")
@@ -571,3 +572,41 @@ def test_the_streamed_prefill_owns_prefill_drop():
     finally:
         unregister_prefill("test-plain-stream")
     assert "test-plain-stream" not in OWNED["prefill_drop"].owners
+
+
+def test_the_packed_stores_own_their_settings_and_the_settings_imply_the_store():
+    """``kv_key_bits``, ``kv_group_size`` and ``kv_tile`` are the packed store's (and the tiered store's, built on
+    it), ``kv_demote`` the tiered store's alone. The store is chosen by name or implied (``kv_demote``: tiered;
+    ``kv_bits`` below 16: packed); a store's setting with another store is one line naming it, and every layer's
+    store is built with the value given. The vLLM adapter, which keeps K/V in its own blocks, refuses them all."""
+    from scissorhands.core.stores import PackedKVStore
+    from scissorhands.vllm.settings import parse
+
+    assert {n: (OWNED[n].axis, OWNED[n].owners) for n in ("kv_key_bits", "kv_group_size", "kv_tile", "kv_demote")} \
+        == {"kv_key_bits": ("kv_store", {"packed", "tiered"}), "kv_group_size": ("kv_store", {"packed", "tiered"}),
+            "kv_tile": ("kv_store", {"packed", "tiered"}), "kv_demote": ("kv_store", {"tiered"})}
+    packed = CacheSettings(kv_bits=4, kv_group_size=16, kv_tile=64)
+    assert (packed.store(), packed.kv_group_size, packed.kv_tile, packed.kv_key_bits) == ("packed", 16, 64, None)
+    assert CacheSettings(kv_bits=2, kv_demote="4:0.5", kv_group_size=8).store() == "tiered"
+    assert CacheSettings(kv_bits=16) == CacheSettings()  # 16 bits is the model's dtype: the dense store
+    for given, message in [
+        (dict(kv_group_size=16), "kv_group_size: a setting of kv_store='packed' or 'tiered', got kv_store=None, "
+                                 "which is 'dense' with these settings"),
+        (dict(kv_bits=4, kv_store="dense", kv_tile=64), "kv_tile: a setting of kv_store='packed' or 'tiered', "
+                                                        "got kv_store='dense'"),
+        (dict(kv_bits=4, kv_store="packed", kv_demote="8:0.5"), "kv_demote: a setting of kv_store='tiered', "
+                                                                "got kv_store='packed'"),
+        (dict(kv_bits=4, kv_group_size=12), "kv_group_size: must be a power of two >= 4, got 12"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            CacheSettings(**given)
+        assert str(err.value) == message
+    model = tiny_model("llama")
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=12, recent=3, kv_bits=4, kv_group_size=8, kv_tile=5))
+    stores = [layer.kv.store for layer in cache.budgeted_layers]
+    stores = [getattr(s, "inner", s) for s in stores]  # beside its residual
+    assert stores and all(isinstance(s, PackedKVStore) and (s.group_size, s.read_tile) == (8, 5) for s in stores)
+    for key in ("kv_group_size", "kv_tile", "kv_key_bits"):
+        with pytest.raises(ValueError, match=rf"^{key}: not supported by the vLLM adapter \(a setting of "
+                                             rf"kv_store='packed' or 'tiered'"):
+            parse({"method": "scissorhands", "budget": 16, key: "8"})

@@ -52,9 +52,8 @@ KEY = "scissorhands"
 ENV = "SCISSORHANDS_VLLM"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
 FIXED = {"rounds": True, "prefill": "prompt-aware"}
-_UNSUPPORTED = {"kv_bits": None, "kv_key_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_demote": None,
-                "kv_store": None, "merge": False, "schedule": "uniform", "decode": "dynamic",
-                "prompt_chunk": None}
+_UNSUPPORTED = {"kv_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_store": None, "merge": False,
+                "schedule": "uniform", "decode": "dynamic", "prompt_chunk": None}
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ import numbers
 import re
 from dataclasses import dataclass, replace
 from importlib import resources
+from typing import Any
 
 from ..settings.config import CacheSettings, ScissorhandsConfig
 from ..settings.tiers import tier_caps
@@ -280,9 +281,11 @@ def choose(memory, shape: Shape, length: int, base: CacheSettings,
         if rotary and family.kv_demote is not None:
             continue  # the tiered store takes fixed centres only
         try:
-            settings = replace(base, kv_bits=family.kv_bits, kv_key_bits=family.kv_key_bits,
-                               kv_demote=family.kv_demote, kv_residual=family.kv_residual if family.kv_bits else None,
-                               kv_key_centers=_centres_for(family, base.kv_key_centers, rotary))
+            store: dict[str, Any] = {
+                "kv_bits": family.kv_bits, "kv_key_bits": family.kv_key_bits, "kv_demote": family.kv_demote,
+                "kv_residual": family.kv_residual if family.kv_bits else None,
+                "kv_key_centers": _centres_for(family, base.kv_key_centers, rotary)}
+            settings = replace(base, **store)  # the packed stores' own settings among them, by name
         except ValueError:  # a store these settings cannot take (demotion with a prompt-aware prefill)
             continue
         floor = _floor(settings, length)

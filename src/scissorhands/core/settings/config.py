@@ -74,6 +74,11 @@ class CacheSettings(StorageSettings, StepSettings, PrefillSettings, ScheduleSett
                 check(self)
         self._check_across_groups()
 
+    def plugin(self, axis: str, owned: dict | None = None) -> Any:
+        """The plug-in ``axis`` chooses: the field's value; for the store, the one ``kv_store`` names or the
+        settings imply (:meth:`~.storage.StorageSettings.store`)."""
+        return self.store(owned) if axis == "kv_store" else getattr(self, axis)
+
     def _check_across_groups(self) -> None:
         """The rules that tie fields of different groups together."""
         if isinstance(self.schedule, tuple):

@@ -89,6 +89,9 @@ class Owned:
 OWNED: dict[str, Owned] = {}
 """Every plug-in-owned setting by name, while its plug-ins are registered."""
 
+PLUGIN_SETTINGS: dict[tuple[str, str], type] = {}
+"""The dataclass of each plug-in's own settings, by (axis, plug-in name): whose ``check`` runs when it is chosen."""
+
 RESERVED: set[str] = set()
 """Names a plug-in's setting may not take (the shared settings'; filled by the settings' composition)."""
 
@@ -99,12 +102,13 @@ def own(axis: str, owner: str, cls) -> None:
 
     They become settings like the shared ones (keyword arguments of the cache's settings, read as attributes,
     flags of the command line, lm-eval and vLLM keys), valid only while ``axis`` names ``owner``. A registry
-    calls this when a plug-in that has ``Settings`` registers; two plug-ins may share one dataclass.
+    calls this when a plug-in that has ``Settings`` registers; two plug-ins may share one dataclass, or one's
+    may subclass the other's (the tiered store's adds ``kv_demote`` to the packed store's).
     """
     rows = _fields(cls)
-    for name, default, _ in rows:
+    for name, default, decl in rows:
         have = OWNED.get(name)
-        if name in RESERVED or (have is not None and (have.cls is not cls or have.axis != axis)):
+        if name in RESERVED or (have is not None and (have.decl is not decl or have.axis != axis)):
             whose = "a name of the shared settings" if have is None else \
                 f"a setting of {have.axis}={sorted(have.owners)[0]!r}"
             raise ValueError(f"{name}: already {whose}; {owner!r} must name its setting otherwise")
@@ -112,10 +116,12 @@ def own(axis: str, owner: str, cls) -> None:
             raise ValueError(f"{name}: a plug-in's setting needs a default ({owner!r})")
     for name, default, decl in rows:
         OWNED.setdefault(name, Owned(axis, decl, default, cls)).owners.add(owner)
+    PLUGIN_SETTINGS[(axis, owner)] = cls
 
 
 def disown(axis: str, owner: str) -> None:
     """Forget what :func:`own` declared for ``owner`` (its plug-in is unregistered)."""
+    PLUGIN_SETTINGS.pop((axis, owner), None)
     for name in [n for n, o in OWNED.items() if o.axis == axis]:
         OWNED[name].owners.discard(owner)
         if not OWNED[name].owners:
@@ -125,24 +131,30 @@ def disown(axis: str, owner: str) -> None:
 def check_owned(obj, given: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
     """Plug-in settings given to ``obj`` (the cache's settings) checked, those at their default left out.
 
-    Each value passes its declaration's check; a value other than the default needs its plug-in chosen (its
-    axis naming it); then each chosen plug-in's own ``check`` runs over its settings.
+    Each value passes its declaration's check; a value other than the default needs its plug-in chosen
+    (``obj.plugin(axis, given)``: the axis names it, or for the store, implies it); then each chosen plug-in's
+    own ``check`` runs over its settings.
     """
-    out = {}
+    checked = {}
     for name, value in given:
         o = OWNED.get(name)
         if o is None:
             raise ValueError(f"{name}: unknown setting (its plug-in is not registered)")
         value = o.decl.check(name, value)
-        if value == o.default:
-            continue
-        chosen = getattr(obj, o.axis)
+        if value != o.default:
+            checked[name] = value
+    out = {}
+    for name, value in checked.items():
+        o = OWNED[name]
+        chosen = obj.plugin(o.axis, checked)
         if chosen not in o.owners:
             whose = " or ".join(repr(n) for n in sorted(o.owners))
-            raise ValueError(f"{name}: a setting of {o.axis}={whose}, got {o.axis}={chosen!r}")
+            got = f"{o.axis}={chosen!r}" if getattr(obj, o.axis) == chosen else \
+                f"{o.axis}={getattr(obj, o.axis)!r}, which is {chosen!r} with these settings"
+            raise ValueError(f"{name}: a setting of {o.axis}={whose}, got {got}")
         out[name] = value
-    for cls in {o.cls for o in OWNED.values() if getattr(obj, o.axis) in o.owners}:
-        if hasattr(cls, "check"):
+    for (axis, owner), cls in PLUGIN_SETTINGS.items():
+        if hasattr(cls, "check") and obj.plugin(axis, out) == owner:
             cls(**{n: out.get(n, d) for n, d, _ in _fields(cls)}).check()
     return tuple(sorted(out.items()))
 

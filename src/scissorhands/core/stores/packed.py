@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..settings.storage import PackedSettings
 from .base import KVStore, gather_rows
 from .centers import RotaryCenters, centers_frame
 
@@ -278,6 +279,7 @@ class PackedKVStore(KVStore):
     """
 
     name = "packed"
+    Settings = PackedSettings  # kv_key_bits, kv_group_size, kv_tile: valid only with this store (and tiered)
 
     def __init__(self, bits: int = 4, group_size: int = 32, key_bits: int | None = None, read_tile: int = 512,
                  key_center: torch.Tensor | RotaryCenters | None = None):

@@ -26,12 +26,9 @@ def unregister_store(name: str) -> None:
 
 
 def store_name(settings) -> str:
-    """The store the settings ask for: ``kv_store``, else packed for ``kv_bits`` below 16, else dense."""
-    if settings.kv_store is not None:
-        return settings.kv_store
-    if getattr(settings, "kv_demote", None) is not None:
-        return "tiered"
-    return "packed" if settings.quantized else "dense"
+    """The store the settings ask for: ``kv_store``, else tiered with ``kv_demote``, else packed for ``kv_bits``
+    below 16, else dense (:meth:`~scissorhands.core.settings.storage.StorageSettings.store`)."""
+    return settings.store()
 
 
 def make_store(settings, key_center: torch.Tensor | RotaryCenters | None = None, residual: int = 0) -> KVStore:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from ..settings.storage import TieredSettings
 from ..settings.tiers import check_tiers, parse_tiers, share_caps, tier_caps
 from .base import KVStore, gather_rows
 from .packed import (
@@ -116,6 +117,7 @@ class TieredKVStore(TieredBytes, KVStore):
     """
 
     name = "tiered"
+    Settings = TieredSettings  # the packed store's settings and kv_demote: valid only with this store
 
     def __init__(self, bits: int = 2, tiers=((4, 0.5),), group_size: int = 32, read_tile: int = 512,
                  key_center: torch.Tensor | None = None):
