@@ -82,7 +82,6 @@ class Owned:
     axis: str  # the field that names the plug-in: "prefill", "kv_store"
     decl: Setting
     default: Any
-    cls: type  # the dataclass that declares it
     owners: set[str] = field(default_factory=set)  # the plug-ins' names (several when they share a declaration)
 
 
@@ -115,7 +114,7 @@ def own(axis: str, owner: str, cls) -> None:
         if default is REQUIRED:
             raise ValueError(f"{name}: a plug-in's setting needs a default ({owner!r})")
     for name, default, decl in rows:
-        OWNED.setdefault(name, Owned(axis, decl, default, cls)).owners.add(owner)
+        OWNED.setdefault(name, Owned(axis, decl, default)).owners.add(owner)
     PLUGIN_SETTINGS[(axis, owner)] = cls
 
 
