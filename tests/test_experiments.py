@@ -3,6 +3,7 @@
 import importlib
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,27 @@ def test_paired_runs_against_one_method_pairs_each_peer_window_by_window(tmp_pat
     assert paired_runs.main([str(tmp_path), "--against", "tova"]) == 2
     with pytest.raises(SystemExit):
         paired_runs.main([str(tmp_path)])
+
+
+def test_paired_runs_picks_one_of_a_methods_rows_by_its_settings_and_tests_pass_rates(tmp_path, capsys):
+    """Two runs of one method into one folder (``--prefill`` then ``--preset paper``): ``--where`` picks ours, the
+    other is a peer named by its settings; right-or-wrong items get McNemar's p beside the paired difference."""
+    paired_runs = script("paired_runs")
+    ours, paper, h2o = [1, 1, 1, 0], [1, 0, 0, 0], [0, 1, 1, 1]
+    rows = [("scissorhands", {"prefill": "stream", "importance": "mean"}, ours),
+            ("scissorhands", {"prefill": "stream", "importance": "sum"}, paper),
+            ("h2o", {"prefill": "stream", "importance": "sum"}, h2o)]
+    (tmp_path / "results.jsonl").write_text("".join(
+        json.dumps({"task": "humaneval", "method": m, "budget": 0.2, "metric": "pass@1", "value": 0.0,
+                    "config": config, "item_scores": [{"passed": float(v)} for v in vals]}) + "\n"
+        for m, config, vals in rows))
+    assert paired_runs.main([str(tmp_path), "--against", "scissorhands"]) == 2  # two rows: which is ours?
+    assert paired_runs.main([str(tmp_path), "--against", "scissorhands", "--where", "importance=mean"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| humaneval")]
+    half = [1.96 * statistics.stdev([a - b for a, b in zip(ours, peer)]) / 2 for peer in (h2o, paper)]  # n = 4
+    # McNemar: against h2o one item each way (p = 1); against the paper row two of ours alone (p = 2 / 2**2)
+    assert lines == [f"| humaneval | 0.2 | +0.0000 ±{half[0]:.4f} | 1 | h2o |",
+                     f"| humaneval | 0.2 | +0.5000 ±{half[1]:.4f} | 0.5 | scissorhands (importance=sum) |"], lines
 
 
 def test_defaults_sweep_resumes_its_own_run_and_refuses_another(tmp_path, capsys):
