@@ -577,8 +577,9 @@ def test_the_streamed_prefill_owns_prefill_drop():
 def test_the_packed_stores_own_their_settings_and_the_settings_imply_the_store():
     """``kv_key_bits``, ``kv_group_size`` and ``kv_tile`` are the packed store's (and the tiered store's, built on
     it), ``kv_demote`` the tiered store's alone. The store is chosen by name or implied (``kv_demote``: tiered;
-    ``kv_bits`` below 16: packed); a store's setting with another store is one line naming it, and every layer's
-    store is built with the value given. The vLLM adapter, which keeps K/V in its own blocks, refuses them all."""
+    ``kv_bits`` below 16: packed), and a packed store needs a width to pack to; a store's setting with another
+    store is one line naming it, and every layer's store is built with the value given. The vLLM adapter, which
+    keeps K/V in its own blocks, refuses them all."""
     from scissorhands.core.stores import PackedKVStore
     from scissorhands.vllm.settings import parse
 
@@ -597,6 +598,7 @@ def test_the_packed_stores_own_their_settings_and_the_settings_imply_the_store()
         (dict(kv_bits=4, kv_store="packed", kv_demote="8:0.5"), "kv_demote: a setting of kv_store='tiered', "
                                                                 "got kv_store='packed'"),
         (dict(kv_bits=4, kv_group_size=12), "kv_group_size: must be a power of two >= 4, got 12"),
+        (dict(kv_store="packed"), "kv_bits: the packed store packs K/V to 8, 4 or 2 bits, got kv_bits=None"),
     ]:
         with pytest.raises(ValueError) as err:
             CacheSettings(**given)
