@@ -4,7 +4,7 @@ Each (method, prefill, budget) cell scores the same prompts (a 5-digit key
 planted at several depths of Shakespeare filler, lengths 1k-4k tokens; or, with
 ``--task multikey``, several named keys with one asked); one JSON line per
 cell, resumable. A run into a file made with another model, dtype, task,
-lengths, depths or key count is refused, and so is a cell whose name is there
+lengths, depths, key count or trials is refused, and so is a cell whose name is there
 with other settings. A cell with ``"protect_facts": true`` scores with the
 planted facts as protected spans.
 
@@ -49,6 +49,9 @@ def main(argv=None):
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--task", choices=("passkey", "multikey"), default="passkey")
     p.add_argument("--keys", type=int, default=4, help="multikey: facts per prompt (one is asked)")
+    p.add_argument("--trials", type=int, default=1,
+                   help="prompts per (length, depth) for passkey, per (length, asked key) for multikey; each trial "
+                        "draws its own filler, keys and names")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     cells = json.loads(Path(args.cells).read_text())
@@ -58,6 +61,8 @@ def main(argv=None):
     depths = tuple(float(x) for x in args.depths.split(","))
     run: dict[str, object] = {"model": args.model, "dtype": args.dtype, "task": args.task, "lengths": lengths}
     run.update({"keys": args.keys} if args.task == "multikey" else {"depths": depths})
+    if args.trials != 1:  # runs of one trial were recorded before the option existed, and pair with a new one
+        run["trials"] = args.trials
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
     check_same_run(out, records, run)
     done = {r["name"]: r for r in records}
@@ -65,8 +70,8 @@ def main(argv=None):
         if cell["name"] in done:
             check_same_cell(out, done[cell["name"]], cell)
     model, tok = load_model(args.model, dtype=args.dtype)
-    task = MultiKey(lengths=lengths, keys=args.keys) if args.task == "multikey" else \
-        Passkey(lengths=lengths, depths=depths)
+    task = MultiKey(lengths=lengths, keys=args.keys, trials=args.trials) if args.task == "multikey" else \
+        Passkey(lengths=lengths, depths=depths, trials=args.trials)
     items = task.items(tok, None)
     for cell in cells:
         if cell["name"] in done:

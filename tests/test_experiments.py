@@ -186,6 +186,32 @@ def test_passkey_grid_resumes_its_own_run_and_refuses_other_lengths(tmp_path):
     assert out.read_text() == first
 
 
+def test_passkey_grid_trials_draw_more_prompts_and_keep_runs_apart(tmp_path):
+    """--trials k scores k prompts per asked key, each with its own keys; a run of another trial count is refused."""
+    from conftest import save_tiny_model
+
+    passkey_grid = script("passkey_grid")
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    cells = tmp_path / "cells.json"
+    cells.write_text(json.dumps([{"name": "full", "method": "full", "budget": None}]))
+    out = tmp_path / "mk.jsonl"
+    base = ["--model", model, "--cells", str(cells), "--task", "multikey", "--keys", "2", "--lengths", "600",
+            "--out", str(out)]
+    passkey_grid.main([*base, "--trials", "3"])
+    rec = json.loads(out.read_text())
+    assert rec["trials"] == 3 and len(rec["item_scores"]) == 2 * 3
+    with pytest.raises(SystemExit) as err:
+        passkey_grid.main([*base, "--trials", "2"])
+    assert str(err.value).startswith("--trials: ") and "\n" not in str(err.value)
+    # the prompts of one (length, asked key) differ from trial to trial
+    from scissorhands.tools.eval.passkey import MultiKey
+    from transformers import AutoTokenizer
+
+    items = MultiKey(lengths=(600,), keys=2, trials=3).items(AutoTokenizer.from_pretrained(model), None)
+    asked_first = [it.data["cont"] for it in items if "-k0-" in it.key]
+    assert len(asked_first) == 3 and len({tuple(c) for c in asked_first}) == 3
+
+
 def test_peer_table_pairs_each_row_with_its_groups_full_cache(tmp_path, capsys):
     """Rows from two folders of one group (a peers run, a --preset paper run) are paired with the one full row."""
     from scissorhands.core.settings.config import DEFAULTS, PRESETS
