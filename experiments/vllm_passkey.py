@@ -7,6 +7,12 @@ prompt's first tokens (where the key is) in every layer and KV head.
     .venv-vllm/bin/python experiments/vllm_passkey.py --model FOLDER --prompts 5 --length 2048 \\
         --compression 5 --out docs/vllm/passkey.json
 
+With ``--depths``, the prompts are instead those of the transformers path's passkey task
+(:class:`scissorhands.tools.eval.passkey.Passkey`, as ``experiments/passkey_grid.py`` scores them), token for
+token: one per depth, sent as token ids, and a key counts when the greedy completion is the answer's tokens
+exactly. The key then sits inside the text, where a protected prefix cannot reach, so the protected variant
+is not run.
+
 Runs in the vLLM environment; starts one server per variant on a free local port.
 """
 
@@ -61,8 +67,16 @@ def serve(model: str, plugin: dict | None, port: int, log):
     raise SystemExit("vllm_passkey: error: the server did not start in 300 s")
 
 
-def complete(port: int, prompt: str) -> str:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+def grid_prompts(tokenizer, length: int, depths: tuple[float, ...], trials: int) -> list[tuple[list[int], str, int]]:
+    """The transformers path's passkey prompts: (context ids, the answer's text, the answer's token count)."""
+    from scissorhands.tools.eval.passkey import Passkey
+
+    items = Passkey(lengths=(length,), depths=depths, trials=trials).items(tokenizer, None)
+    return [(it.data["ctx"], tokenizer.decode(it.data["cont"]), len(it.data["cont"])) for it in items]
+
+
+def complete(port: int, prompt: str | list[int], max_tokens: int = 8) -> str:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -77,17 +91,29 @@ def main() -> None:
     p.add_argument("--compression", type=float, default=5.0)
     p.add_argument("--text", default=str(HAMLET))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--depths", default=None,
+                   help="comma-separated depths: the transformers path's passkey prompts instead (--prompts is then "
+                        "the trials per depth, --text and --seed unused)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    cases = prompts(tokenizer, Path(args.text).read_text(), args.prompts, args.length, args.seed)
     budget = round(args.length / args.compression)
-    prefix = max(n for _, _, n in cases) + 1
-    variants = {"full cache": None, f"scissorhands, budget {budget}": {"budget": budget},
-                f"scissorhands, budget {budget}, first {prefix} tokens protected": {"budget": budget,
-                                                                                    "protect_prefix": prefix}}
+    if args.depths:
+        try:
+            depths = tuple(float(d) for d in args.depths.split(","))
+        except ValueError:
+            raise SystemExit(f"vllm_passkey: error: --depths: comma-separated numbers, got {args.depths!r}") from None
+        cases = grid_prompts(tokenizer, args.length, depths, args.prompts)
+        variants = {"full cache": None, f"scissorhands, budget {budget}": {"budget": budget}}
+        prefix = 0
+    else:
+        cases = prompts(tokenizer, Path(args.text).read_text(), args.prompts, args.length, args.seed)
+        prefix = max(n for _, _, n in cases) + 1
+        variants = {"full cache": None, f"scissorhands, budget {budget}": {"budget": budget},
+                    f"scissorhands, budget {budget}, first {prefix} tokens protected": {"budget": budget,
+                                                                                        "protect_prefix": prefix}}
     rows = {}
     for name, plugin in variants.items():
         with socket.socket() as s:
@@ -95,11 +121,17 @@ def main() -> None:
             port = s.getsockname()[1]
         server = serve(args.model, plugin, port, subprocess.DEVNULL)
         try:
-            answers = [complete(port, prompt) for prompt, _, _ in cases]
+            if args.depths:  # the answer's tokens exactly, as the transformers path scores it
+                answers = [complete(port, ids, n) for ids, _, n in cases]
+            else:
+                answers = [complete(port, prompt) for prompt, _, _ in cases]
         finally:
             server.terminate()
             server.wait(timeout=60)
-        hits = [key in answer for (_, key, _), answer in zip(cases, answers)]
+        if args.depths:
+            hits = [answer == want for (_, want, _), answer in zip(cases, answers)]
+        else:
+            hits = [key in answer for (_, key, _), answer in zip(cases, answers)]
         rows[name] = {"recalled": sum(hits), "of": len(hits), "answers": answers}
         print(f"{name}: {sum(hits)}/{len(hits)}", flush=True)
     record = {"config": vars(args) | {"budget": budget, "protect_prefix": prefix}, "variants": rows}
