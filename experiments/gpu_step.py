@@ -404,7 +404,7 @@ class DeviceLayer:
         if self.acc is not None:
             imp = core.importance
             assert imp is not None
-            state = ImportanceState(imp.form, imp.bucket_steps, imp.n_buckets, imp.value_weighted)
+            state = ImportanceState(imp.form, imp.bucket_steps, imp.n_buckets, imp.value_weighted, imp.mean_cap)
             acc = self.acc[:, blk, :, off].permute(2, 0, 3, 1)  # (Rr, B, NB, H_kv) -> (NB, Rr, H_kv, B)
             state.acc = acc.gather(-1, order[None].expand_as(acc))
             state._allocated = True

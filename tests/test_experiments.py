@@ -204,8 +204,9 @@ def test_passkey_grid_trials_draw_more_prompts_and_keep_runs_apart(tmp_path):
         passkey_grid.main([*base, "--trials", "2"])
     assert str(err.value).startswith("--trials: ") and "\n" not in str(err.value)
     # the prompts of one (length, asked key) differ from trial to trial
-    from scissorhands.tools.eval.passkey import MultiKey
     from transformers import AutoTokenizer
+
+    from scissorhands.tools.eval.passkey import MultiKey
 
     items = MultiKey(lengths=(600,), keys=2, trials=3).items(AutoTokenizer.from_pretrained(model), None)
     asked_first = [it.data["cont"] for it in items if "-k0-" in it.key]

@@ -68,7 +68,7 @@ def pinned(position: int, sinks: int, spans) -> bool:
 
 def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_steps, importance, scaling,
                      sinks=0, value_weighted=False, protect=None, events=None, prefill=0, prefill_drop=None,
-                     tiers=None, base_bits=None, group=32, widths_out=None, rounds=False):
+                     tiers=None, base_bits=None, group=32, widths_out=None, rounds=False, mean_cap=None):
     """Stream a whole sequence batch through a budgeted cache, token by token.
 
     Parameters
@@ -80,6 +80,8 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
     window : int or None
     bucket_steps : int or None (None: exact window)
     importance : "sum", "count" or "mean" (the sum over the window divided by the queries in it)
+    mean_cap : int or None
+        ``"mean"``: the queries are counted up to this many.
     scaling : float
     sinks : int
         Positions below ``sinks`` are never evicted.
@@ -140,7 +142,8 @@ def reference_stream(q, k, v, valid, *, budget, recent, drop, window, bucket_ste
                         seen = [(u, val) for u, val in history.get(p, []) if in_window(u, pos, window, bucket_steps)]
                         score = sum(val for _, val in seen)
                         if importance == "mean":
-                            score /= max(1, len({u for u, _ in seen}))
+                            queries = max(1, len({u for u, _ in seen}))
+                            score /= queries if mean_cap is None else min(queries, mean_cap)
                         if value_weighted:
                             score *= math.sqrt(sum(x * x for x in vl[b][h][col]))
                         scores[p] = score

@@ -27,11 +27,12 @@ SYNCS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.
 @st.composite
 def decode_cases(draw):
     """A case of the layer's reference test, fed as a prompt chunk and then one token at a time, with every
-    importance form (the mean form included)."""
+    importance form (the mean form included, capped or not)."""
     case = draw(cases())
     prompt = draw(st.integers(1, case["t"]))
     importance = draw(st.sampled_from(["sum", "count", "mean"]))
-    return dict(case, importance=importance, chunks=[prompt] + [1] * (case["t"] - prompt))
+    mean_cap = draw(st.one_of(st.none(), st.integers(1, 12)))
+    return dict(case, importance=importance, mean_cap=mean_cap, chunks=[prompt] + [1] * (case["t"] - prompt))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -41,7 +42,8 @@ def test_static_step_matches_the_reference(case):
     layer never holds more than its budget."""
     q, k, v, valid = make_inputs(case)
     params = dict(budget=case["budget"], recent=case["recent"], drop=case["drop"], window=case["window"],
-                  bucket_steps=case["bucket_steps"], importance=case["importance"], scaling=0.5)
+                  bucket_steps=case["bucket_steps"], importance=case["importance"], scaling=0.5,
+                  mean_cap=case["mean_cap"])
     ref_out, ref_kept = reference_stream(q, k, v, valid, **params)
     out, layer = run_layer(q, k, v, valid, case["chunks"], query_tile=case["tile"], decode="static", **params)
     torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)

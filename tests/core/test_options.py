@@ -26,6 +26,8 @@ def option_cases(draw):
     room = case["budget"] - case["recent"] - case["drop"]
     case["sinks"] = draw(st.integers(0, max(room, 0)))
     case["importance"] = draw(st.sampled_from(["sum", "count", "mean"]))
+    # small caps, so that these short sequences have tokens scored by more queries than the cap
+    case["mean_cap"] = draw(st.one_of(st.none(), st.integers(1, 12)))
     case["value_weighted"] = draw(st.booleans())
     return case
 
@@ -38,7 +40,8 @@ def test_options_match_reference(case):
 
 OPTIONS = {
     "sinks": dict(sinks=4),
-    "mean": dict(importance="mean"),
+    "mean": dict(importance="mean", mean_cap=None),
+    "mean-capped": dict(importance="mean", mean_cap=6),
     "value-weighted": dict(value_weighted=True),
     "recent-fraction": dict(recent=0.25),
     "merge": dict(merge=True),

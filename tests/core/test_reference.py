@@ -23,11 +23,12 @@ def chunk_mask(valid_chunk: torch.Tensor) -> torch.Tensor:
 
 def run_layer(q, k, v, valid, chunks, *, budget, recent, drop, window, bucket_steps, importance, scaling,
               query_tile=256, sinks=0, value_weighted=False, prefill_drop=None, decode="dynamic", protect=None,
-              rounds=False):
+              rounds=False, mean_cap=None):
     """Feed the tensors through one ScissorhandsLayer in the given chunks."""
     n_buckets = 1 if window is None else math.ceil(window / (bucket_steps or 1))
     steps = None if window is None else (bucket_steps or 1)
-    layer = ScissorhandsLayer(budget, recent, drop, ImportanceState(importance, steps, n_buckets, value_weighted),
+    layer = ScissorhandsLayer(budget, recent, drop,
+                              ImportanceState(importance, steps, n_buckets, value_weighted, mean_cap),
                               Scissorhands(), query_tile=query_tile, sinks=sinks, prefill=Streamed(prefill_drop),
                               decode=decode, protect=protect, rounds=rounds)
     outs, i = [], 0
@@ -87,7 +88,7 @@ def check_case(case):
     params = dict(budget=case["budget"], recent=case["recent"], drop=case["drop"], window=case["window"],
                   bucket_steps=case["bucket_steps"], importance=case["importance"], scaling=0.5,
                   sinks=case.get("sinks", 0), value_weighted=case.get("value_weighted", False),
-                  rounds=case.get("rounds", False))
+                  rounds=case.get("rounds", False), mean_cap=case.get("mean_cap"))
     ref_out, ref_kept = reference_stream(q, k, v, valid, **params)
     out, layer = run_layer(q, k, v, valid, case["chunks"], query_tile=case["tile"], **params)
     assert kept_of(layer, case["b"], case["h_kv"]) == ref_kept

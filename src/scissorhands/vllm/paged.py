@@ -501,7 +501,7 @@ def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor 
         if state_acc is not None:
             assert layer.importance is not None
             imp = layer.importance
-            state = ImportanceState(imp.form, imp.bucket_steps, imp.n_buckets, imp.value_weighted)
+            state = ImportanceState(imp.form, imp.bucket_steps, imp.n_buckets, imp.value_weighted, imp.mean_cap)
             state.acc = state_acc[:, rows]
             state._allocated = True
 

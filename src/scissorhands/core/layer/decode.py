@@ -52,7 +52,7 @@ import torch
 
 from ..registry import Registry
 from ..stores.base import DenseKVStore
-from ..tokens.importance import ImportanceState, queries_in_window
+from ..tokens.importance import ImportanceState, per_query, queries_in_window
 from ..tokens.protect import in_spans
 from .kernel import attention_output, attention_probs
 
@@ -128,7 +128,8 @@ def check_static(kv, mode: str = "static") -> None:
 def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, acc: torch.Tensor,
                 seen: torch.Tensor, spans: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, *, budget: int, recent: int, drop: int, form: str, bucket_steps: int | None,
-                scaling: float, softcap: float | None, evict: bool = True) -> torch.Tensor:
+                scaling: float, softcap: float | None, evict: bool = True,
+                mean_cap: int | None = None) -> torch.Tensor:
     """One decode step of a budgeted layer, in place on its buffers; returns the attention output.
 
     Parameters
@@ -156,6 +157,9 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         Whether any head may be at its budget. The host knows this without reading the device (a full row
         always evicts exactly ``drop``), so a step that cannot evict skips the selection: two graphs, each with
         fixed shapes. With True the eviction is applied only where a head is full.
+    mean_cap : int or None
+        ``"mean"``: the queries each sum is divided by are counted up to this many
+        (:func:`~..tokens.importance.per_query`).
 
     Returns
     -------
@@ -168,7 +172,7 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
 
     # 1. Evict where a head is at its budget: the same rule as selection.lowest, read by position.
     if evict:
-        _evict(positions, acc, seen, spans, budget, recent, drop, form, bucket_steps)
+        _evict(positions, acc, seen, spans, budget, recent, drop, form, bucket_steps, mean_cap)
 
     # 2. Write the new token into its (row, head)'s first empty slot.
     free = (positions < 0).to(torch.uint8)
@@ -204,14 +208,14 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
 
 
 def _evict(positions: torch.Tensor, acc: torch.Tensor, seen: torch.Tensor, spans: torch.Tensor | None, budget: int,
-           recent: int, drop: int, form: str, bucket_steps: int | None) -> None:
+           recent: int, drop: int, form: str, bucket_steps: int | None, mean_cap: int | None) -> None:
     """Mark empty the ``drop`` lowest-scoring slots of every head at its budget (see :func:`static_step`)."""
     slot = torch.arange(positions.shape[-1], device=positions.device)
     stored = positions >= 0  # (B, H_kv, C)
     full = stored.sum(dim=-1) >= budget  # (B, H_kv)
     score = acc.sum(dim=0, dtype=torch.promote_types(acc.dtype, torch.float32))  # (B, H_kv, C)
     if form == "mean":
-        score = score / queries_in_window(positions, seen, bucket_steps, acc.shape[0])
+        score = per_query(score, queries_in_window(positions, seen, bucket_steps, acc.shape[0]), form, mean_cap)
     pos = positions.long()
     keep = ~stored | (pos >= (seen - recent)[:, None, None])  # empty slots and the recent window
     if spans is not None:
@@ -294,7 +298,8 @@ class StaticDecode(DecodeMode):
         fn = compiled_step() if self.compiled else static_step
         out = fn(kv.store.keys, kv.store.values, slots.positions, state.acc, self.seen, self.spans,
                  query, key, value, budget=kv.budget, recent=kv.recent, drop=kv.drop, form=state.form,
-                 bucket_steps=state.bucket_steps, scaling=scaling, softcap=softcap, evict=evict)
+                 bucket_steps=state.bucket_steps, scaling=scaling, softcap=softcap, evict=evict,
+                 mean_cap=state.mean_cap)
         if evict:
             kv.compressions += 1
             slots.lengths -= kv.drop if full is None else torch.where(full, kv.drop, 0)

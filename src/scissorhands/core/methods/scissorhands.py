@@ -26,8 +26,7 @@ class Scissorhands(EvictionMethod):
         state = view.state
         assert isinstance(state, ImportanceState)
         scores = state.scores(view.length)  # (B, H_kv, L)
-        if state.form == "mean":
-            scores = scores / state.queries_in_window(view.positions, view.seen).to(scores.dtype)
+        scores = state.ranked(scores, view.positions, view.seen)
         if state.value_weighted:
             scores = scores * view.values().to(scores.dtype).norm(dim=-1)
         return scores

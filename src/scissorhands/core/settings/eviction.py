@@ -13,6 +13,7 @@ from . import declare as s
 from .declare import setting
 
 IMPORTANCE_FORMS = ("sum", "count", "mean")
+MEAN_CAP = 2048  # chosen by measurement at 2,048 to 16,384 tokens (docs/results.md, "A default at every length")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,12 @@ class EvictionSettings:
         "vLLM adapter's eviction, [below](#eviction-in-rounds))", s.parse_bool, s.boolean, switch=True)
     importance: str = setting(
         "mean", '`"sum"` of attention probabilities, `"count"` of queries where it exceeded 1/n, or `"mean"` '
-        "(sum / queries in the window)", s.parse_text, s.one_of(IMPORTANCE_FORMS), metavar="|".join(IMPORTANCE_FORMS))
+        "(sum / queries in the window, counted up to `mean_cap`)", s.parse_text, s.one_of(IMPORTANCE_FORMS),
+        metavar="|".join(IMPORTANCE_FORMS))
+    mean_cap: int | None = setting(
+        MEAN_CAP, '`importance="mean"` only: the queries a token\'s sum is divided by are counted up to this many, '
+        "so a token scored by more is ranked by its sum; `None` = the plain mean (no other form reads it, so a grid "
+        "may pass it to every method)", s.parse_optional_int, s.integer(1, allow_none=True), metavar="N|none")
     value_weighted: bool = setting(False, "multiply importance by the value norm", s.parse_bool, s.boolean,
                                    switch=True)
     merge: bool = setting(False, "fold evicted tokens into the most similar kept token instead of dropping them",

@@ -79,6 +79,20 @@ def queries_in_window(positions: torch.Tensor, seen: torch.Tensor, bucket_steps:
     return (now - torch.maximum(positions.long(), start) + 1).clamp(min=1).to(torch.float32)
 
 
+def per_query(scores: torch.Tensor, queries: torch.Tensor, form: str, mean_cap: int | None) -> torch.Tensor:
+    """What a form ranks by: ``mean`` divides each sum by its queries, counted up to ``mean_cap``; others as they are.
+
+    Capped, a token scored by more than ``mean_cap`` queries is ranked by its sum over ``mean_cap``: the plain
+    mean (no cap) favours young tokens more as a sequence grows, and at 8,192 tokens and more the sum ranks old
+    tokens better on some models and texts (docs/results.md, "A default at every length").
+    scores, queries: (B, H_kv, L) -> (B, H_kv, L).
+    """
+    if form != "mean":
+        return scores
+    queries = queries.to(scores.dtype)
+    return scores / (queries if mean_cap is None else queries.clamp(max=mean_cap))
+
+
 class ImportanceState(TokenState):
     """Per-token importance accumulators, kept beside K/V and compacted with them.
 
@@ -88,6 +102,8 @@ class ImportanceState(TokenState):
         What a query contributes to a key: its probability (``sum``, and
         ``mean``, which divides by the number of queries when scoring), or 1
         if the probability exceeded ``1/n`` (``count``).
+    mean_cap : int or None
+        ``mean``: the queries are counted up to this many (:func:`per_query`).
     bucket_steps : int or None
         Steps per bucket ``s``; ``None`` for an unbounded window.
     n_buckets : int
@@ -99,8 +115,10 @@ class ImportanceState(TokenState):
     wants_attention = True
     compacts_rows = True
 
-    def __init__(self, form: str, bucket_steps: int | None, n_buckets: int, value_weighted: bool = False):
+    def __init__(self, form: str, bucket_steps: int | None, n_buckets: int, value_weighted: bool = False,
+                 mean_cap: int | None = None):
         self.form = form
+        self.mean_cap = mean_cap
         self.value_weighted = value_weighted
         self.bucket_steps = bucket_steps
         self.n_buckets = n_buckets
@@ -109,7 +127,8 @@ class ImportanceState(TokenState):
     @classmethod
     def from_settings(cls, settings) -> ImportanceState:
         """The state a :class:`~scissorhands.core.settings.config.CacheSettings` describes."""
-        return cls(settings.importance, settings.bucket_steps(), settings.n_buckets(), settings.value_weighted)
+        return cls(settings.importance, settings.bucket_steps(), settings.n_buckets(), settings.value_weighted,
+                   settings.mean_cap)
 
     # -- storage -------------------------------------------------------------------------
     @property
@@ -232,6 +251,12 @@ class ImportanceState(TokenState):
     def queries_in_window(self, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """How many queries inside the window each stored token has been scored by (see :func:`queries_in_window`)."""
         return queries_in_window(positions, seen, self.bucket_steps, self.n_buckets)
+
+    def ranked(self, scores: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """``scores`` (:meth:`scores`) in what this form ranks by (:func:`per_query`)."""
+        if self.form != "mean":
+            return scores
+        return per_query(scores, self.queries_in_window(positions, seen), self.form, self.mean_cap)
 
     def compact(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Reorder the first ``L`` slots by ``keep`` (kept slots first, in stored order).
