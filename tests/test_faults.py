@@ -160,6 +160,26 @@ def test_a_record_from_before_a_setting_existed_is_reused_at_its_default(tmp_pat
     assert len(rows(out)) == 2 * len(old)
 
 
+def test_a_record_from_before_mean_cap_is_reused_as_the_plain_mean_only(tmp_path, text_file):
+    """``mean_cap`` came with a default (2048) that changes what a long cell computes, so a row written before it
+    existed is the plain mean (``mean_cap=None``): reused at None, scored again at the default."""
+    from scissorhands.tools.eval.runner import key_id
+
+    out = tmp_path / "out"
+    grid(out, text_file)
+    old = []
+    for r in rows(out):
+        if r["method"] != "full":
+            del r["key"]["settings"]["mean_cap"]
+        old.append({**r, "key_id": key_id(r["key"])})
+    (out / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in old))
+    grid(out, text_file, base=dataclasses.replace(BASE, mean_cap=None))
+    assert len(rows(out)) == len(old)  # reused
+    grid(out, text_file)  # the default cap: the budgeted row is new, the full row shared
+    new = rows(out)[len(old):]
+    assert [(r["method"], r["key"]["settings"]["mean_cap"]) for r in new] == [("scissorhands", 2048)] * 2
+
+
 def test_a_changed_data_file_is_not_reused(tmp_path, text_file):
     out = tmp_path / "out"
     first = grid(out, text_file)

@@ -181,13 +181,19 @@ def key_id(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
+#: Settings added with a default that changed what a cell computes, and the value that computes as before:
+#: a record written without ``mean_cap`` divided by every query (the plain mean, ``None``).
+BEFORE_IT_EXISTED = {"mean_cap": None}
+
+
 def as_keyed_today(key: dict) -> dict:
     """An older record's key as a run today would write it.
 
     - Settings added since it was written take their defaults. A setting is added with a default that
       keeps the behaviour from before it existed, so a cell scored before the setting existed is the cell
       scored at its default (the rows of a grid from before ``decode`` and ``kv_demote`` existed, scored
-      again, are equal to every bit).
+      again, are equal to every bit). A setting whose default changed what a cell computes takes the value
+      that behaves as before it existed (:data:`BEFORE_IT_EXISTED`).
     - An exact full cache's settings are dropped, as :func:`run_key` now keys it by none.
 
     Any other difference (version, model, task, a setting's value) still makes a new cell.
@@ -197,7 +203,8 @@ def as_keyed_today(key: dict) -> dict:
         return key
     if key.get("method") == "full" and not CacheSettings(kv_bits=settings.get("kv_bits")).quantized:
         return {**key, "settings": {}, "files": {}}
-    missing = {k: v for k, v in _jsonable(CacheSettings().as_dict()).items() if k not in settings}
+    missing = {k: BEFORE_IT_EXISTED.get(k, v) for k, v in _jsonable(CacheSettings().as_dict()).items()
+               if k not in settings}
     return {**key, "settings": {**settings, **missing}} if missing else key
 
 
