@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_reference import cases, check_case
+from reference import reference_stream
+from test_reference import cases, check_case, kept_of, make_inputs, run_layer
 from test_scoring import decode_logprobs
 
 from conftest import left_padded, scored_and_decoded, tiny_model
@@ -63,6 +64,30 @@ def test_options_keep_the_scorer_exact(arch, option):
     if base.sinks:
         for layer in cache.budgeted_layers:
             assert set(range(base.sinks)) <= set(layer.stored_positions(0).flatten().tolist())
+
+
+def test_a_mean_cap_above_the_sequence_is_the_plain_mean():
+    """``mean_cap`` changes nothing while no token has been scored by more queries than the cap (so the 2,048
+    default leaves every sequence of 2,048 tokens or fewer as the plain mean had it), and changes the scores
+    once tokens are older than the cap."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(4))
+
+    def scored(cap):
+        settings = CacheSettings(importance="mean", mean_cap=cap, recent=3, drop=2)
+        return token_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 12, settings))[0]
+
+    plain = scored(None)
+    assert torch.equal(scored(48), plain) and torch.equal(scored(2048), plain)
+    # A cap below the tokens' ages ranks the old ones by their sum, which keeps other tokens (this tiny model
+    # keeps its first tokens either way, so the layer is fed random queries and keys, as the reference is).
+    case = dict(b=1, h_kv=1, group=2, t=60, seed=1, pads=[0])
+    q, k, v, valid = make_inputs(case)
+    params = dict(budget=12, recent=3, drop=2, window=None, bucket_steps=None, importance="mean", scaling=0.5)
+    kept = {cap: kept_of(run_layer(q, k, v, valid, [1] * 60, mean_cap=cap, **params)[1], 1, 1)
+            for cap in (None, 60, 4)}
+    assert kept[60] == kept[None] != kept[4]
+    assert kept[4] == reference_stream(q, k, v, valid, mean_cap=4, **params)[1]
 
 
 def test_sinks_survive_any_pressure():
