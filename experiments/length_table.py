@@ -67,6 +67,12 @@ def cell_rows(path: Path, budget: float) -> tuple[dict[str, list[float]], list[f
     return out, base
 
 
+def show(values: list[float]) -> str:
+    """Mean and, over several windows, its 95% half-width."""
+    m, ci = paired_difference(values, [0.0] * len(values))
+    return f"{m:+.4f}" + (f" ±{ci:.4f}" if len(values) > 1 and math.isfinite(ci) else "")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("cells", nargs="+", metavar="LABEL=PATH")
@@ -83,11 +89,6 @@ def main(argv=None) -> int:
             raise SystemExit(f"length_table: error: cells: {path} lacks {sorted(set(FORMS) - set(forms))} at "
                              f"budget {args.budget}")
         n = len(forms["mean"])
-
-        def show(values: list[float]) -> str:
-            m, ci = paired_difference(values, [0.0] * len(values))
-            return f"{m:+.4f}" + (f" ±{ci:.4f}" if n > 1 and math.isfinite(ci) else "")
-
         better = "mean" if sum(forms["mean"]) <= sum(forms["sum"]) else "sum"
         gap = [c - b for c, b in zip(forms["capped"], forms[better])]
         print(f"| {label} | {n} | {show(forms['mean'])} | {show(forms['sum'])} | **{show(forms['capped'])}** | "

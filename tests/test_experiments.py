@@ -213,6 +213,31 @@ def test_passkey_grid_trials_draw_more_prompts_and_keep_runs_apart(tmp_path):
     assert len(asked_first) == 3 and len({tuple(c) for c in asked_first}) == 3
 
 
+def test_length_table_pairs_the_three_forms_and_refuses_a_cell_without_one(tmp_path, capsys):
+    """The plain mean (rows without mean_cap are the plain mean), the sum (h2o) and the capped mean, each against
+    the full cache window by window, and the capped mean against the better of the other two."""
+    from scissorhands.core.settings.config import DEFAULTS
+
+    length_table = script("length_table")
+    d = {k: v for k, v in DEFAULTS.as_dict().items() if k != "mean_cap"}
+    full, plain, summed, capped = [3.0, 3.2], [3.1, 3.4], [3.2, 3.25], [3.05, 3.35]
+    rows = [("full", None, d, full), ("scissorhands", 0.2, d, plain), ("h2o", 0.2, {**d, "importance": "sum"}, summed),
+            ("scissorhands", 0.2, {**d, "mean_cap": 2048}, capped),
+            ("scissorhands", 0.2, {**d, "recent": 0.1, "mean_cap": 2048}, [9.0, 9.0])]  # another setting: left out
+    (tmp_path / "cell").mkdir()
+    (tmp_path / "cell" / "results.jsonl").write_text("".join(json.dumps(
+        {"task": "ppl", "method": m, "budget": b, "metric": "ppl", "value": 20.0, "config": c,
+         "item_scores": [{"nll": v} for v in vals], "metrics": {"n": len(vals), "ppl": 20.0}}) + "\n"
+        for m, b, c, vals in rows))
+    assert length_table.main([f"tiny={tmp_path / 'cell'}"]) == 0
+    line = capsys.readouterr().out.splitlines()[2]
+    assert line.startswith("| tiny | 2 | +0.1500 ±") and "| **+0.1000 ±" in line
+    assert line.endswith("(sum) |") and "| -0.0250 ±" in line  # capped - sum: (0.05 - 0.2 + 0.15 - 0.05) / 2
+    with pytest.raises(SystemExit) as err:
+        length_table.main([f"tiny={tmp_path / 'cell'}", "--budget", "0.1"])
+    assert "lacks ['capped', 'mean', 'sum'] at budget 0.1" in str(err.value)
+
+
 def test_peer_table_pairs_each_row_with_its_groups_full_cache(tmp_path, capsys):
     """Rows from two folders of one group (a peers run, a --preset paper run) are paired with the one full row."""
     from scissorhands.core.settings.config import DEFAULTS, PRESETS
