@@ -102,14 +102,14 @@ class ImportanceState(TokenState):
         What a query contributes to a key: its probability (``sum``, and
         ``mean``, which divides by the number of queries when scoring), or 1
         if the probability exceeded ``1/n`` (``count``).
-    mean_cap : int or None
-        ``mean``: the queries are counted up to this many (:func:`per_query`).
     bucket_steps : int or None
         Steps per bucket ``s``; ``None`` for an unbounded window.
     n_buckets : int
         Number of buckets in the ring.
     value_weighted : bool
         Read by the scoring method: weigh importance by the value norm.
+    mean_cap : int or None
+        ``mean``: the queries are counted up to this many (:func:`per_query`).
     """
 
     wants_attention = True
