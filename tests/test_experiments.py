@@ -160,14 +160,18 @@ def test_defaults_sweep_resumes_its_own_run_and_refuses_another(tmp_path, capsys
     assert out.read_text().count("\n") == 4  # nothing was added by the refused runs
 
 
-def test_passkey_grid_resumes_its_own_run_and_refuses_other_lengths(tmp_path):
+def _passkey_grid_run(tmp_path, out_name):
+    """The script, a tiny model's folder, a one-cell (full cache) file and the output path."""
     from conftest import save_tiny_model
 
-    passkey_grid = script("passkey_grid")
     model = str(save_tiny_model(tmp_path / "tiny"))
     cells = tmp_path / "cells.json"
     cells.write_text(json.dumps([{"name": "full", "method": "full", "budget": None}]))
-    out = tmp_path / "pk.jsonl"
+    return script("passkey_grid"), model, cells, tmp_path / out_name
+
+
+def test_passkey_grid_resumes_its_own_run_and_refuses_other_lengths(tmp_path):
+    passkey_grid, model, cells, out = _passkey_grid_run(tmp_path, "pk.jsonl")
     base = ["--model", model, "--cells", str(cells), "--depths", "0.5", "--out", str(out)]
     passkey_grid.main([*base, "--lengths", "300"])
     first = out.read_text()
@@ -188,13 +192,7 @@ def test_passkey_grid_resumes_its_own_run_and_refuses_other_lengths(tmp_path):
 
 def test_passkey_grid_trials_draw_more_prompts_and_keep_runs_apart(tmp_path):
     """--trials k scores k prompts per asked key, each with its own keys; a run of another trial count is refused."""
-    from conftest import save_tiny_model
-
-    passkey_grid = script("passkey_grid")
-    model = str(save_tiny_model(tmp_path / "tiny"))
-    cells = tmp_path / "cells.json"
-    cells.write_text(json.dumps([{"name": "full", "method": "full", "budget": None}]))
-    out = tmp_path / "mk.jsonl"
+    passkey_grid, model, cells, out = _passkey_grid_run(tmp_path, "mk.jsonl")
     base = ["--model", model, "--cells", str(cells), "--task", "multikey", "--keys", "2", "--lengths", "600",
             "--out", str(out)]
     passkey_grid.main([*base, "--trials", "3"])
