@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 HAMLET = Path(__file__).resolve().parent.parent / "src" / "scissorhands" / "tools" / "data" / "hamlet_act1.txt"
@@ -83,6 +84,14 @@ def complete(port: int, prompt: str | list[int], max_tokens: int = 8) -> str:
         return json.loads(r.read())["choices"][0]["text"]
 
 
+def _exactly(want: str) -> Callable[[str], bool]:
+    return lambda answer: answer == want
+
+
+def _containing(key: str) -> Callable[[str], bool]:
+    return lambda answer: key in answer
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a safetensors model folder")
@@ -100,17 +109,21 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     budget = round(args.length / args.compression)
+    cases: list[tuple[str | list[int], int, Callable[[str], bool]]]  # prompt, tokens to generate, recalled?
     if args.depths:
         try:
             depths = tuple(float(d) for d in args.depths.split(","))
         except ValueError:
             raise SystemExit(f"vllm_passkey: error: --depths: comma-separated numbers, got {args.depths!r}") from None
-        cases = grid_prompts(tokenizer, args.length, depths, args.prompts)
+        # the answer's tokens exactly, as the transformers path scores it
+        grid = grid_prompts(tokenizer, args.length, depths, args.prompts)
+        cases = [(ids, n, _exactly(want)) for ids, want, n in grid]
         variants = {"full cache": None, f"scissorhands, budget {budget}": {"budget": budget}}
         prefix = 0
     else:
-        cases = prompts(tokenizer, Path(args.text).read_text(), args.prompts, args.length, args.seed)
-        prefix = max(n for _, _, n in cases) + 1
+        made = prompts(tokenizer, Path(args.text).read_text(), args.prompts, args.length, args.seed)
+        cases = [(prompt, 8, _containing(key)) for prompt, key, _ in made]
+        prefix = max(n for _, _, n in made) + 1
         variants = {"full cache": None, f"scissorhands, budget {budget}": {"budget": budget},
                     f"scissorhands, budget {budget}, first {prefix} tokens protected": {"budget": budget,
                                                                                         "protect_prefix": prefix}}
@@ -121,17 +134,11 @@ def main() -> None:
             port = s.getsockname()[1]
         server = serve(args.model, plugin, port, subprocess.DEVNULL)
         try:
-            if args.depths:  # the answer's tokens exactly, as the transformers path scores it
-                answers = [complete(port, ids, n) for ids, _, n in cases]
-            else:
-                answers = [complete(port, prompt) for prompt, _, _ in cases]
+            answers = [complete(port, prompt, max_tokens) for prompt, max_tokens, _ in cases]
         finally:
             server.terminate()
             server.wait(timeout=60)
-        if args.depths:
-            hits = [answer == want for (_, want, _), answer in zip(cases, answers)]
-        else:
-            hits = [key in answer for (_, key, _), answer in zip(cases, answers)]
+        hits = [recalled(answer) for (_, _, recalled), answer in zip(cases, answers)]
         rows[name] = {"recalled": sum(hits), "of": len(hits), "answers": answers}
         print(f"{name}: {sum(hits)}/{len(hits)}", flush=True)
     record = {"config": vars(args) | {"budget": budget, "protect_prefix": prefix}, "variants": rows}
