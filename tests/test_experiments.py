@@ -293,3 +293,39 @@ def test_scale_plot_pairs_two_models_on_the_same_windows(tmp_path, capsys):
     with pytest.raises(SystemExit):
         scale_plot.main([*runs, "--out", str(tmp_path / "t.png"), "--same-windows", "a,z"])
     assert "same-windows:" in capsys.readouterr().err
+
+
+def test_retrieval_probe_finds_protected_keys_in_every_head_and_refuses_bad_flags(tmp_path, capsys):
+    """Protected facts are held whole in every layer and KV head of an evicting cache; the full cache answers as
+    generate() does; a bad --cell, --settings or --items is one line naming the flag."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scissorhands.tools.eval.passkey import MultiKey
+
+    _, model, cells, _ = _passkey_grid_run(tmp_path, "unused")
+    cells.write_text(json.dumps([
+        {"name": "full", "method": "full", "budget": None},
+        {"name": "protected", "method": "scissorhands", "budget": 0.2, "protect_facts": True}]))
+    probe = script("retrieval_probe")
+    base = ["--model", model, "--cells", str(cells), "--task", "multikey", "--keys", "2", "--lengths", "600"]
+    assert probe.main([*base, "--cell", "protected"]) == 0
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["item"] for r in recs] == ["L600-k0-t0", "L600-k1-t0"]
+    for r in recs:
+        assert len(r["facts"]) == 2 and sum(f["asked"] for f in r["facts"]) == 1
+        assert all(f["kept"] == 1.0 and f["whole"] == 1.0 and f["key"].isdigit() for f in r["facts"])
+    assert probe.main([*base, "--cell", "full", "--items", "L600-k1-t0"]) == 0
+    (rec,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tok, lm = AutoTokenizer.from_pretrained(model), AutoModelForCausalLM.from_pretrained(model)
+    item = MultiKey(lengths=(600,), keys=2).items(tok, None)[1]
+    ids = torch.tensor([item.data["ctx"]])
+    out = lm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=len(item.data["cont"]) + 2, pad_token_id=0)
+    assert rec["answer"] == tok.decode(out[0, ids.shape[1]:])
+    for flag, value in [("--cell", "nope"), ("--settings", "[1]"), ("--settings", "{\"pool\": 4}"),
+                        ("--items", "L600-k9-t0")]:
+        args = [*base, "--cell", "full", flag, value] if flag != "--cell" else [*base, flag, value]
+        with pytest.raises(SystemExit) as err:
+            probe.main(args)
+        assert str(err.value).startswith(f"{flag}: ") and "\n" not in str(err.value)
