@@ -25,6 +25,7 @@ import sys
 import torch
 
 from scissorhands import CacheSettings, get_method, resolve_budget
+from scissorhands.core.layer.audit import held_by_head
 from scissorhands.hf.scoring import ScoreSetup
 from scissorhands.tools.eval.passkey import MultiKey, Passkey
 from scissorhands.tools.models import load_model
@@ -37,13 +38,8 @@ def key_positions(tokenizer, ctx: list[int], span: tuple[int, int]) -> list[int]
 
 def held(cache, positions: list[int]) -> torch.Tensor:
     """(layers, KV heads, len(positions)) bool: which key tokens each budgeted layer and head holds."""
-    want = torch.tensor(positions)
-    rows = []
-    for layer in cache.budgeted_layers:
-        slots = layer.kv.slots
-        stored = slots.positions[0, :, : int(slots.lengths[0])].cpu()  # (H_kv, stored)
-        rows.append(torch.stack([torch.isin(want, stored[h]) for h in range(stored.shape[0])]))
-    return torch.stack(rows)
+    by_layer = held_by_head(cache)
+    return torch.stack([by_layer[layer][:, positions] for layer in sorted(by_layer)])
 
 
 def probe(model, tokenizer, item, method, budget, settings, protect: bool) -> dict:

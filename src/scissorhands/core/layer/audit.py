@@ -164,8 +164,8 @@ class EvictionAudit:
         return record
 
 
-def _held_positions(cache, row: int) -> dict[int, tuple[torch.Tensor, int]]:
-    """layer -> (fraction of KV heads holding each position, tokens seen) for sequence ``row``."""
+def held_by_head(cache, row: int = 0) -> dict[int, torch.Tensor]:
+    """layer -> (KV heads, tokens seen) bool: which positions each KV head of each budgeted layer holds now."""
     out = {}
     for layer in cache.budgeted_layers:
         kv = layer.kv
@@ -174,9 +174,15 @@ def _held_positions(cache, row: int) -> dict[int, tuple[torch.Tensor, int]]:
         seen = int(kv.slots.seen[row])
         pos = kv.slots.positions[row, :, : int(kv.slots.lengths[row])].long().cpu()  # (H_kv, stored)
         hits = torch.zeros(pos.shape[0], max(seen, 1))
-        hits.scatter_(1, pos.clamp(min=0), (pos >= 0).float())
-        out[layer.layer_idx] = (hits.mean(dim=0)[:seen], seen)
+        hits.scatter_reduce_(1, pos.clamp(min=0), (pos >= 0).float(), reduce="amax")  # an empty slot marks nothing
+        out[layer.layer_idx] = hits[:, :seen] > 0
     return out
+
+
+def _held_positions(cache, row: int) -> dict[int, tuple[torch.Tensor, int]]:
+    """layer -> (fraction of KV heads holding each position, tokens seen) for sequence ``row``."""
+    return {layer: (by_head.float().mean(dim=0), by_head.shape[1])
+            for layer, by_head in held_by_head(cache, row).items()}
 
 
 def held_map(cache, row: int = 0) -> torch.Tensor:
