@@ -211,9 +211,17 @@ class PromptAware(Prefill):
         attend_block(kv, q, out, base, cum, valid, scaling, softcap, query_tile, (watch, snap))
         self.evict_held(kv, snap)
 
+    def kept_observed(self, budget: int) -> int:
+        """How many of the observed queries' own tokens the selection keeps whatever they score: all ``observe``
+        of them, up to half the layer's budget. Kept whole at a budget of ``observe`` or less they would fill it,
+        and the selection would hold the prompt's tail and nothing it scored (HumanEval at 5x, 28 tokens a layer
+        against 32 observed, passed no problem so); beyond half they compete by their scores with the rest."""
+        return min(self.observe, budget // 2)
+
     def evict_held(self, kv, snap: torch.Tensor) -> None:
         """Score what a layer holds beside its budget by ``snap`` (B, H_kv, >= length), the attention its last
-        ``observe`` queries paid each slot, and evict back to the budget. (An adapter that attends a held
+        ``observe`` queries paid each slot, and evict back to the budget, keeping the newest
+        :meth:`kept_observed` tokens. (An adapter that attends a held
         prompt by other means calls this with the same snapshot; the selection is this one.)"""
         length = kv.slots.length
         scores = kv.method.score(kv.view(prompt_attention=snap[:, :, :length]))  # (B, H_kv, L)
@@ -224,7 +232,7 @@ class PromptAware(Prefill):
                 scores = pooled.view_as(scores)
             scores = scores.clone()
             seen = kv.slots.seen.to(snap.device)[:, None, None]  # (B, 1, 1): the chunk's end
-            last = kv.slots.positions[:, :, :length] >= seen - self.observe
+            last = kv.slots.positions[:, :, :length] >= seen - self.kept_observed(kv.budget)
             # Above any attention score but below the shields (recent window, protected spans), which stay inf.
             scores.masked_fill_(last, torch.finfo(scores.dtype).max)
         kv.evict(scores, (kv.slots.lengths - kv.budget).clamp(min=0))

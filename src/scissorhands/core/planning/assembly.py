@@ -10,7 +10,6 @@ mode and its per-token state.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,7 +18,6 @@ from ..settings.declare import integer
 from ..settings.schedule import layer_budgets
 from ..tokens.protect import Protection, check_room
 
-logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -117,10 +115,6 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
         raise ValueError(f"kv_key_centers: needs packed K/V (kv_bits below 16) or memory=, got "
                          f"kv_bits={config.kv_bits}")
     budgets = layer_budgets(config, n_layers)
-    if config.prefill == "prompt-aware" and not method.is_full and config.observe >= min(budgets):
-        logger.warning("observe: a prompt-aware prefill keeps the %d queries that score the prompt, and a layer "
-                       "budget is %d: it keeps only the prompt's last tokens; set observe below the budget, or use "
-                       "prefill='stream'", config.observe, min(budgets))
     check_room(protection, [(b, config.recent_for(b), config.drop_for(b)) for b in budgets], name=protect_name)
     layers = []
     for budget in budgets:
