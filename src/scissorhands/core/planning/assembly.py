@@ -18,7 +18,6 @@ from ..settings.declare import integer
 from ..settings.schedule import layer_budgets
 from ..tokens.protect import Protection, check_room
 
-
 if TYPE_CHECKING:
     import torch
 
