@@ -131,6 +131,70 @@ def test_interrupted_grid_resumes_then_changed_settings_never_reuse(tmp_path, te
     assert [r["wall_s"] for r in again] == [r["wall_s"] for r in resumed] and len(rows(out)) == count
 
 
+def counted_scores(monkeypatch) -> list:
+    """Count the items Perplexity scores."""
+    real, calls = Perplexity.score, []
+
+    def score(self, model, item, setup):
+        calls.append(item.key)
+        return real(self, model, item, setup)
+
+    monkeypatch.setattr(Perplexity, "score", score)
+    return calls
+
+
+def test_a_cell_cut_off_midway_resumes_at_its_first_unscored_item(tmp_path, text_file, monkeypatch):
+    """Each scored item waits in ``partial/<key_id>.jsonl`` until its cell's record is written: a resumed grid
+    scores only the items not yet there, and its records equal an uninterrupted run's. A torn last line is
+    scored again; ``resume=False`` starts afresh; a finished grid leaves no partial file."""
+    task = Perplexity(seq_len=48, n_windows=4, data=str(text_file))
+    whole = grid(tmp_path / "whole", text_file, task=task)
+    assert len(whole[0]["item_scores"]) == 4
+
+    def settled(records):
+        return [{k: v for k, v in r.items() if k != "wall_s"} for r in records]
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        interrupt_after(m, 6)  # the full cell (4 items) is written, the first budget's cell is cut after 2
+        grid(out, text_file, task=task)
+    assert [r["method"] for r in rows(out)] == ["full"]
+    (waiting,) = (out / "partial").iterdir()
+    assert waiting.name == f"{whole[1]['key_id']}.jsonl" and len(waiting.read_text().splitlines()) == 2
+    with monkeypatch.context() as m:
+        calls = counted_scores(m)
+        resumed = grid(out, text_file, task=task)
+    assert len(calls) == 2 + 4  # the cut cell's last two items, then the second budget's four
+    assert settled(resumed) == settled(whole)
+    assert not (out / "partial").exists()
+
+    # a torn last line: that item is scored again
+    out2 = tmp_path / "torn"
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        interrupt_after(m, 7)
+        grid(out2, text_file, task=task)
+    (waiting,) = (out2 / "partial").iterdir()
+    text = waiting.read_text()
+    waiting.write_text(text[: len(text) - 20])
+    with monkeypatch.context() as m:
+        calls = counted_scores(m)
+        assert settled(grid(out2, text_file, task=task)) == settled(whole)
+    assert len(calls) == 2 + 4
+
+    # resume=False scores every item again
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        interrupt_after(m, 2)  # the full cell is reused: the new budget's cell is cut after 2
+        grid(out2, text_file, task=task, budgets=(0.3,))
+    (waiting,) = (out2 / "partial").iterdir()
+    assert len(waiting.read_text().splitlines()) == 2
+    with monkeypatch.context() as m:
+        calls = counted_scores(m)
+        methods = [get_method(x) for x in ("full", "scissorhands")]
+        run_grid(tiny_model("llama"), ByteTokenizer(), model_name="tiny-llama", tasks=[task], methods=methods,
+                 budgets=[0.3], base=BASE, out_dir=out2, resume=False)
+    assert len(calls) == 4 + 4 and not (out2 / "partial").exists()
+
+
 def test_a_record_from_before_a_setting_existed_is_reused_at_its_default(tmp_path, text_file):
     """Rows written before ``decode`` existed resume a grid at the default ``decode``, not at another value.
 
@@ -437,8 +501,8 @@ def test_sigterm_ends_an_eval_in_one_line_that_says_it_resumes(tmp_path, tiny_fo
     code, seen, rest = _signal_once_loaded(command, signal.SIGTERM, env)
     assert code == 143, seen + rest
     assert "Traceback" not in rest
-    assert rest.strip().splitlines()[-1] == (f"scissorhands: terminated; the rows finished are in {out}, and the "
-                                             "same command resumes from them")
+    assert rest.strip().splitlines()[-1] == (f"scissorhands: terminated; the rows finished are in {out} (a row cut "
+                                             "off keeps its scored items), and the same command resumes from them")
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

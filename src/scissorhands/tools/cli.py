@@ -660,7 +660,8 @@ def _terminate(signum, frame) -> None:
 def _terminated(args) -> str:
     """The one line a terminated run ends with: where its results are, and that the same command resumes."""
     if args.command == "eval":  # every finished row is written whole as it finishes (tools/eval/runner.py)
-        return f"terminated; the rows finished are in {args.out}, and the same command resumes from them"
+        return (f"terminated; the rows finished are in {args.out} (a row cut off keeps its scored items), and the "
+                "same command resumes from them")
     return "terminated"  # bench has said where the parts it finished are
 
 

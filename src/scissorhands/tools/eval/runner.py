@@ -331,6 +331,58 @@ def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], bud
         seen[used] = spec
 
 
+PARTIAL_DIR = "partial"
+"""Folder of ``out_dir`` where a cell's finished items wait, one JSON line each, until its record is written."""
+
+
+class Partial:
+    """The items of one cell scored so far, in ``out_dir/partial/<key_id>.jsonl``, so that an interrupted cell
+    resumes at its first unscored item (a HumanEval cell can take an hour).
+
+    The file is named by the cell's key, so it serves only the same settings; each line names its item, and the
+    lines are read up to the first that is torn or names another item (the rest is scored again). ``resume``
+    False starts the cell afresh.
+    """
+
+    def __init__(self, path: Path, items: list, resume: bool):
+        self.path = path
+        self.scores: list[dict] = []
+        self.wall_s = 0.0
+        if not resume or not path.is_file():
+            self.path.unlink(missing_ok=True)
+            return
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        for index, line in enumerate(lines[: len(items)]):
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if not isinstance(entry, dict) or entry.get("index") != index or entry.get("item") != items[index].key:
+                break
+            self.scores.append(entry["score"])
+            self.wall_s = float(entry["wall_s"])
+        if len(self.scores) < len(lines):  # rewrite without what is not taken, so new lines follow good ones
+            self._write_all(lines[: len(self.scores)])
+        if self.scores:
+            logger.info("%s: resuming after %d scored items", path, len(self.scores))
+
+    def _write_all(self, lines: list[str]) -> None:
+        self.path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+    def add(self, index: int, item, score: dict, wall_s: float) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(_jsonable({"index": index, "item": item.key, "score": score, "wall_s": wall_s}))
+                    + "\n")
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+        try:
+            self.path.parent.rmdir()  # only when no other cell is waiting there
+        except OSError:
+            pass
+
+
 def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: list[type[EvictionMethod]],
              budgets: list, base: CacheSettings, out_dir: Path, limit: int | None = None, seed: int = 0,
              resume: bool = True) -> list[dict]:
@@ -341,7 +393,8 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
     settings and data files; method, budget, every cache setting, limit, seed)
     and its digest ``key_id``. With ``resume``, a cell whose key is already in
     ``out_dir/results.jsonl`` is reused, so an interrupted grid continues where
-    it stopped; records of other settings stay in the file untouched and are
+    it stopped, and a cell cut off midway resumes at its first unscored item
+    (:class:`Partial`); records of other settings stay in the file untouched and are
     never reused: the new results are appended beside them. A record from
     before a cache setting existed matches at that setting's default
     (:func:`as_keyed_today`), and one full row serves every setting. A torn last line
@@ -405,11 +458,13 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                     if kid in done:
                         results.append(done[kid])
                         continue
-                    start = time.perf_counter()
                     scores, budgets_used = [], []
                     desc = f"{task.name} {method.name} {'full' if spec is None else spec}"
                     choices = []
-                    for item in tqdm(items, desc=desc, leave=False):
+                    partial = Partial(out_dir / PARTIAL_DIR / f"{kid}.jsonl", items, resume)
+                    earlier = partial.wall_s  # the cell's time before an interruption
+                    start = time.perf_counter()
+                    for index, item in enumerate(tqdm(items, desc=desc, leave=False)):
                         cell_base = base
                         if isinstance(spec, MemorySpec):
                             choice = _choose(model, spec, item.length, method, base)
@@ -418,7 +473,11 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         else:
                             budget = None if spec is None else resolve_budget(spec, item.length, protected)
                         budgets_used.append(item.length if budget is None else min(budget, item.length))
+                        if index < len(partial.scores):
+                            scores.append(partial.scores[index])
+                            continue
                         scores.append(task.score(model, item, ScoreSetup(method, budget, cell_base, seed)))
+                        partial.add(index, item, scores[-1], earlier + time.perf_counter() - start)
                     metrics = task.aggregate(scores)
                     mean_len = sum(i.length for i in items) / len(items)
                     mean_budget = sum(budgets_used) / len(budgets_used)
@@ -429,7 +488,7 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         "kv_bytes": (sum(c.peak_bytes for c in choices) / len(choices)) if choices else
                         kv_bytes(model, method.resolve(base), mean_budget, evicts=not method.is_full),
                         "full_kv_bytes": mean_len * per_token,
-                        "wall_s": time.perf_counter() - start, "n_items": len(items), "seed": seed,
+                        "wall_s": earlier + time.perf_counter() - start, "n_items": len(items), "seed": seed,
                         "config": _jsonable(method.resolve(base).as_dict()),
                         "key_id": kid, "key": key,
                         "item_scores": scores,
@@ -440,6 +499,7 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         rec["config"] = _jsonable(choices[0].config.settings.as_dict())
                     with path.open("a") as f:
                         f.write(json.dumps(_jsonable(rec)) + "\n")
+                    partial.remove()
                     logger.info("%s: %s=%.4f (%.1f s)", desc, task.main_metric, rec["value"], rec["wall_s"])
                     results.append(rec)
         return results
