@@ -3,7 +3,8 @@
 Each (method, prefill, budget) cell scores the same prompts (a 5-digit key
 planted at several depths of Shakespeare filler, lengths 1k-4k tokens; or, with
 ``--task multikey``, several named keys with one asked); one JSON line per
-cell, resumable. A run into a file made with another model, dtype, task,
+cell, resumable (a cell cut off midway resumes at its first unscored prompt: the scored ones wait in
+``<out>.partial/``). A run into a file made with another model, dtype, task,
 lengths, depths, key count or trials is refused, and so is a cell whose name is there
 with other settings. A cell with ``"protect_facts": true`` scores with the
 planted facts as protected spans.
@@ -13,6 +14,7 @@ planted facts as protected spans.
 """
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ from pathlib import Path
 from scissorhands import CacheSettings, get_method, resolve_budget
 from scissorhands.hf.scoring import ScoreSetup
 from scissorhands.tools.eval.passkey import MultiKey, Passkey
+from scissorhands.tools.eval.runner import Partial
 from scissorhands.tools.models import load_model
 from scissorhands.tools.paths import check_same_run
 
@@ -79,16 +82,21 @@ def main(argv=None):
         method = get_method(cell["method"])
         settings = method.resolve(CacheSettings(**cell.get("settings", {})))
         task.protect_facts = bool(cell.get("protect_facts", False))
-        start = time.perf_counter()
-        scores = []
-        for item in items:
+        digest = hashlib.sha256(json.dumps({**run, **cell, "settings": settings.as_dict()}, sort_keys=True,
+                                           default=str).encode()).hexdigest()[:20]
+        partial = Partial(out.with_name(out.name + ".partial") / f"{digest}.jsonl", items, resume=True)
+        earlier, start = partial.wall_s, time.perf_counter()
+        scores = list(partial.scores)
+        for index, item in enumerate(items[len(scores):], start=len(scores)):
             budget = None if cell["budget"] is None else resolve_budget(cell["budget"], item.length, settings.protected)
             scores.append(task.score(model, item, ScoreSetup(method, budget, settings)))
+            partial.add(index, item, scores[-1], earlier + time.perf_counter() - start)
         metrics = task.aggregate(scores)
         rec = {**cell, "settings": settings.as_dict(), "metrics": metrics, "item_scores": scores,
-               **run, "wall_s": time.perf_counter() - start}
+               **run, "wall_s": earlier + time.perf_counter() - start}
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
+        partial.remove()
         print(f"{cell['name']:<40} acc {metrics['acc']:.3f} by length {metrics['by_length']} "
               f"({rec['wall_s']:.0f} s)", flush=True)
 

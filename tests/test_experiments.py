@@ -190,6 +190,38 @@ def test_passkey_grid_resumes_its_own_run_and_refuses_other_lengths(tmp_path):
     assert out.read_text() == first
 
 
+def test_passkey_grid_resumes_a_cell_cut_off_at_its_first_unscored_prompt(tmp_path, monkeypatch):
+    """A 16,384-token prompt takes minutes: the scored prompts of a cell cut off wait in ``<out>.partial/`` and
+    a rerun scores only the rest, to the record an uninterrupted run writes."""
+    from scissorhands.tools.eval.passkey import Passkey
+
+    passkey_grid, model, cells, out = _passkey_grid_run(tmp_path, "pk.jsonl")
+    base = ["--model", model, "--cells", str(cells), "--depths", "0.2,0.5,0.8", "--lengths", "300"]
+    passkey_grid.main([*base, "--out", str(tmp_path / "whole.jsonl")])
+    whole = json.loads((tmp_path / "whole.jsonl").read_text())
+    real, calls = Passkey.score, []
+
+    def score(self, model, item, setup):
+        calls.append(item.key)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, model, item, setup)
+
+    with monkeypatch.context() as m:
+        m.setattr(Passkey, "score", score)
+        with pytest.raises(KeyboardInterrupt):
+            passkey_grid.main([*base, "--out", str(out)])
+    assert not out.exists() and len(next((tmp_path / "pk.jsonl.partial").iterdir()).read_text().splitlines()) == 1
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(Passkey, "score", lambda self, *a: calls.append(a[1].key) or real(self, *a))
+        passkey_grid.main([*base, "--out", str(out)])
+    assert calls == ["L300-d0.5-t0", "L300-d0.8-t0"]
+    rec = json.loads(out.read_text())
+    assert rec["item_scores"] == whole["item_scores"] and rec["metrics"] == whole["metrics"]
+    assert not (tmp_path / "pk.jsonl.partial").exists()
+
+
 def test_passkey_grid_trials_draw_more_prompts_and_keep_runs_apart(tmp_path):
     """--trials k scores k prompts per asked key, each with its own keys; a run of another trial count is refused."""
     passkey_grid, model, cells, out = _passkey_grid_run(tmp_path, "mk.jsonl")
