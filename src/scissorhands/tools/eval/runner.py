@@ -355,12 +355,13 @@ class Partial:
         for index, line in enumerate(lines[: len(items)]):
             try:
                 entry = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if not isinstance(entry, dict) or entry.get("index") != index or entry.get("item") != items[index].key:
+                if entry["index"] != index or entry["item"] != items[index].key or not isinstance(entry["score"], dict):
+                    break
+                wall_s = float(entry["wall_s"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):  # torn, or not a line of ours
                 break
             self.scores.append(entry["score"])
-            self.wall_s = float(entry["wall_s"])
+            self.wall_s = wall_s
         if len(self.scores) < len(lines):  # rewrite without what is not taken, so new lines follow good ones
             self._write_all(lines[: len(self.scores)])
         if self.scores:
