@@ -528,24 +528,25 @@ def test_a_new_decode_mode_is_one_class_registered_from_outside():
 
 
 def test_a_prompt_aware_prefill_at_a_budget_below_its_observed_queries_still_selects():
-    """Its last ``observe`` (32) queries' own tokens are kept whatever they score only up to half the budget: at
-    28 tokens a layer every KV head holds the prompt's newest 14 and 14 older ones chosen by their scores (kept
-    whole, the 32 would fill the budget and the selection would hold only the prompt's tail: HumanEval at 5x
-    passed no problem so). At 64, half the budget covers the 32, which are all kept."""
+    """Its last ``observe`` (32) queries' own tokens are kept whatever they score only up to a quarter of the
+    budget: at 28 tokens a layer every KV head holds the prompt's newest 7 and 21 older ones chosen by their
+    scores (kept whole, the 32 would fill the budget and the selection would hold only the prompt's tail:
+    HumanEval at 5x passed no problem so). At 128, a quarter covers the 32, which are all kept."""
     from conftest import tiny_model
     from scissorhands import ScissorhandsCache, ScissorhandsConfig
 
     model = tiny_model("llama")
-    ids = torch.randint(0, model.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(0))
-    for budget, newest in ((28, 14), (64, 32)):
+    t = 200
+    ids = torch.randint(0, model.config.vocab_size, (1, t), generator=torch.Generator().manual_seed(0))
+    for budget, newest in ((28, 7), (128, 32)):
         cache = ScissorhandsCache(model, ScissorhandsConfig(budget=budget, prefill="prompt-aware"))
         model(ids, cache=cache)
         for layer in cache.budgeted_layers:
             heads = layer.stored_positions(0).tolist()
             for held in heads:
-                assert sorted(held)[-newest:] == list(range(100 - newest, 100))
-                assert sum(p < 100 - newest for p in held) == budget - newest
-            assert any(p < 100 - 32 for held in heads for p in held)  # chosen from before the observed queries
+                assert sorted(held)[-newest:] == list(range(t - newest, t))
+                assert sum(p < t - newest for p in held) == budget - newest
+            assert any(p < t - 32 for held in heads for p in held)  # chosen from before the observed queries
 
 
 def test_a_method_that_fixes_a_plug_in_drops_the_settings_of_the_one_it_replaces(caplog):

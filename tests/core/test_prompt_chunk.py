@@ -56,7 +56,7 @@ def naive_chunked(q, k, v, *, budget, recent, observe, pool, chunk, scaling, sin
                     attn = torch.nn.functional.max_pool1d(attn[None, None], pool, 1, pool // 2)[0, 0]
                 score = attn.clone()
                 for j, p in enumerate(slots):
-                    if p >= end - min(observe, budget // 2):  # the observed tokens kept: up to half the budget
+                    if p >= end - min(observe, budget // 4):  # the observed tokens kept: up to a quarter of the budget
                         score[j] = torch.finfo(torch.float64).max
                     if j >= len(slots) - recent or p < sinks:
                         score[j] = math.inf
