@@ -14,7 +14,6 @@ planted facts as protected spans.
 """
 
 import argparse
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 from scissorhands import CacheSettings, get_method, resolve_budget
 from scissorhands.hf.scoring import ScoreSetup
 from scissorhands.tools.eval.passkey import MultiKey, Passkey
-from scissorhands.tools.eval.runner import Partial
+from scissorhands.tools.eval.runner import Partial, key_id
 from scissorhands.tools.models import load_model
 from scissorhands.tools.paths import check_same_run
 
@@ -82,8 +81,7 @@ def main(argv=None):
         method = get_method(cell["method"])
         settings = method.resolve(CacheSettings(**cell.get("settings", {})))
         task.protect_facts = bool(cell.get("protect_facts", False))
-        digest = hashlib.sha256(json.dumps({**run, **cell, "settings": settings.as_dict()}, sort_keys=True,
-                                           default=str).encode()).hexdigest()[:20]
+        digest = key_id(json.loads(json.dumps({**run, **cell, "settings": settings.as_dict()})))
         partial = Partial(out.with_name(out.name + ".partial") / f"{digest}.jsonl", items, resume=True)
         earlier, start = partial.wall_s, time.perf_counter()
         scores = list(partial.scores)

@@ -363,12 +363,9 @@ class Partial:
             self.scores.append(entry["score"])
             self.wall_s = wall_s
         if len(self.scores) < len(lines):  # rewrite without what is not taken, so new lines follow good ones
-            self._write_all(lines[: len(self.scores)])
+            path.write_text("".join(line + "\n" for line in lines[: len(self.scores)]), encoding="utf-8")
         if self.scores:
             logger.info("%s: resuming after %d scored items", path, len(self.scores))
-
-    def _write_all(self, lines: list[str]) -> None:
-        self.path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
     def add(self, index: int, item, score: dict, wall_s: float) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
