@@ -428,10 +428,10 @@ class PagedLayer:
 def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, out: torch.Tensor,
                 scale: float, softcap: float | None, query_tile: int) -> bool:
     """A prompt longer than the budget, held whole in the one-row layer ``one`` as the core's prompt-aware prefill
-    holds it, attended once by the compiled prompt operator (:func:`.kernels.prompt`): its output, the importance
-    the core's state would have observed, and the snapshot the core's selection scores, in one pass; then the core's
-    own selection (``PromptAware.evict_held``). False (nothing done) where the core's path is needed: a short
-    prompt, a chunked one.
+    holds it, attended once by the compiled prompt operator (:func:`.kernels.prompt`): its output and the snapshot
+    the core's selection scores (and a count state's counts) in one pass; then the core's own selection
+    (``PromptAware.evict_held``), which also sets the state by its judgement. False (nothing done) where the
+    core's path is needed: a short prompt, a chunked one.
 
     ``q`` (T, H_q, D) is the prompt's queries, ``k4``/``v4`` (1, H_kv, T, D) its keys and values, ``out``
     (T, H_q, D) receives its attention.
@@ -449,7 +449,9 @@ def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Te
     one.reserve(t, limit=t)
     one.append(k4, v4, None, torch.arange(1, t + 1)[None])
     state = one.state if isinstance(one.state, ImportanceState) else None  # the one state that observes
-    acc = None if state is None else torch.empty(state.n_buckets, h, t)
+    # What the prompt's queries would leave in the state: only a count keeps it past the selection's judgement
+    # (``ImportanceState.judged``), so only a count needs the operator to record it.
+    acc = None if state is None or state.form != "count" else torch.empty(state.n_buckets, h, t)
     snap = torch.empty(h, t)
     ctx = torch.empty(t, h * g, d)
     count = state is not None and state.form == "count"
@@ -461,7 +463,7 @@ def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Te
         held.copy_(acc if held.dtype.is_floating_point else acc.round())
     snapshot = torch.zeros(1, h, one.capacity)
     snapshot[0, :, :t] = snap
-    prefill.evict_held(one, snapshot)
+    prefill.evict_held(one, snapshot, min(prefill.observe, t))
     one.resize(one.budget)
     one.store.settle()
     return True

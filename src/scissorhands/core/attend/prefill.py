@@ -209,7 +209,7 @@ class PromptAware(Prefill):
         watch = (cum > (real - self.observe)[:, None]) & (valid if valid is not None else True)  # (B, c)
         snap = torch.zeros(b, key.shape[1], kv.capacity, device=q.device)  # (B, H_kv, capacity)
         attend_block(kv, q, out, base, cum, valid, scaling, softcap, query_tile, (watch, snap))
-        self.evict_held(kv, snap)
+        self.evict_held(kv, snap, real.clamp(max=self.observe))
 
     def kept_observed(self, budget: int) -> int:
         """How many of the observed queries' own tokens the selection keeps whatever they score: all ``observe``
@@ -220,11 +220,13 @@ class PromptAware(Prefill):
         with a quarter (docs/results.md)."""
         return min(self.observe, budget // 4)
 
-    def evict_held(self, kv, snap: torch.Tensor) -> None:
+    def evict_held(self, kv, snap: torch.Tensor, watched: int | torch.Tensor | None = None) -> None:
         """Score what a layer holds beside its budget by ``snap`` (B, H_kv, >= length), the attention its last
-        ``observe`` queries paid each slot, and evict back to the budget, keeping the newest
-        :meth:`kept_observed` tokens. (An adapter that attends a held
-        prompt by other means calls this with the same snapshot; the selection is this one.)"""
+        ``watched`` queries (an int, or one per row; default ``observe``) paid each slot, and evict back to the
+        budget, keeping the newest :meth:`kept_observed` tokens. The layer's states are told the judgement first
+        (:meth:`~scissorhands.core.tokens.state.TokenState.judged`), so that decoding ranks what is kept as the
+        selection did. (An adapter that attends a held prompt by other means calls this with the same snapshot;
+        the selection is this one.)"""
         length = kv.slots.length
         scores = kv.method.score(kv.view(prompt_attention=snap[:, :, :length]))  # (B, H_kv, L)
         if kv.state.wants_attention:
@@ -232,9 +234,15 @@ class PromptAware(Prefill):
                 pooled = torch.nn.functional.max_pool1d(scores.reshape(-1, 1, length), kernel_size=self.pool,
                                                         stride=1, padding=self.pool // 2)
                 scores = pooled.view_as(scores)
-            scores = scores.clone()
+            positions = kv.slots.positions[:, :, :length].long()
             seen = kv.slots.seen.to(snap.device)[:, None, None]  # (B, 1, 1): the chunk's end
-            last = kv.slots.positions[:, :, :length] >= seen - self.kept_observed(kv.budget)
+            n = torch.as_tensor(self.observe if watched is None else watched).expand(kv.slots.lengths.shape)
+            n = torch.where(kv.slots.lengths > kv.budget, n, 0).to(snap.device)  # a row within its budget: not judged
+            saw = torch.minimum((seen - positions).clamp(min=1), n[:, None, None])  # watched queries per slot (or 0)
+            for state in kv.states:
+                state.judged(scores, saw.to(scores.dtype), positions, kv.slots.seen)
+            scores = scores.clone()
+            last = positions >= seen - self.kept_observed(kv.budget)
             # Above any attention score but below the shields (recent window, protected spans), which stay inf.
             scores.masked_fill_(last, torch.finfo(scores.dtype).max)
         kv.evict(scores, (kv.slots.lengths - kv.budget).clamp(min=0))

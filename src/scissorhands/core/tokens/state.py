@@ -4,10 +4,10 @@ A :class:`TokenState` keeps some numbers per stored slot (per row and KV head)
 and is told everything that happens to the slots, so it can stay aligned with
 K/V without the layer knowing what it holds. The layer calls, in order of a
 token's life: :meth:`clear` (appended), :meth:`observe` (attended to),
-:meth:`compact` (survived an eviction), and around them :meth:`allocate`,
-:meth:`resize`, :meth:`select_batch` (beam reordering, batch expansion) and
-:meth:`reset`. Every hook defaults to doing nothing, so a state overrides only
-what it needs.
+:meth:`judged` (a held prompt was scored by its last queries), :meth:`compact`
+(survived an eviction), and around them :meth:`allocate`, :meth:`resize`,
+:meth:`select_batch` (beam reordering, batch expansion) and :meth:`reset`.
+Every hook defaults to doing nothing, so a state overrides only what it needs.
 """
 
 from __future__ import annotations
@@ -55,6 +55,27 @@ class TokenState:
             when every row is at the same step and ``n == 1``.
         valid : BoolTensor of shape (B, n), CPU, or None
             False for padding queries; None when all are real.
+        """
+
+    def judged(self, observed: torch.Tensor, watched: torch.Tensor, positions: torch.Tensor,
+               seen: torch.Tensor) -> None:
+        """A held prompt was judged by its last queries (the prompt-aware prefill), just before it is evicted
+        down to the budget by that judgement.
+
+        A state that ranks slots may replace what the prompt's queries left in it with the judgement, so that
+        decoding goes on ranking the kept slots as the selection did.
+
+        Parameters
+        ----------
+        observed : Tensor, shape (B, H_kv, L)
+            The attention the watched queries paid each slot, summed over them and the query heads of a group
+            (and max-pooled as the selection pools it).
+        watched : Tensor, shape (B, H_kv, L)
+            How many of the watched queries saw each slot; 0 in a row that had none (a chunk without its tokens).
+        positions : Tensor, shape (B, H_kv, L)
+            Each slot's position.
+        seen : LongTensor, shape (B,)
+            Tokens each row has seen (the prompt's end).
         """
 
     def compact(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> None:
