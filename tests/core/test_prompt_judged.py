@@ -7,18 +7,18 @@ drop the very tokens the question picked (a multikey key on Qwen2.5-Coder-0.5B, 
 
 Checked against a naive reference written here in float64: the watched queries' attention per slot, max-pooled,
 and its rate per watched query that saw the slot. The first decode step's eviction must drop the ``drop`` kept
-tokens of lowest rate (``mean``) or pooled sum (``sum``) outside the recent window, for any window and cap,
-since the judgement is spread over the ring so that the state ranks each kept token by it exactly.
+tokens of lowest rate (``mean``) or pooled sum (``sum``) outside the recent window, for any window and cap:
+the state ranks each kept token by the judgement (a rate rounded to the bits that keep it exact, which at these
+lengths is 18 or more and leaves these random rates apart).
 """
 
-import math
 
 import pytest
 import torch
 
 from scissorhands.core.attend.prefill import PromptAware
 from scissorhands.core.methods.scissorhands import Scissorhands
-from scissorhands.core.tokens.importance import ImportanceState, queries_in_window, ring_shares
+from scissorhands.core.tokens.importance import ImportanceState, queries_in_window, ring_steps
 from scissorhands.hf.cache import ScissorhandsLayer
 
 
@@ -73,21 +73,36 @@ def test_the_first_eviction_after_a_prompt_aware_prefill_drops_what_the_selectio
 
 
 @pytest.mark.parametrize("steps,buckets,now", [(4, 3, 0), (4, 3, 13), (5, 2, 29), (1, 6, 9), (3, 4, 11)])
-def test_ring_shares_split_a_tokens_window_by_bucket(steps, buckets, now):
-    """Each ring slot's share of the steps from a token's own to ``now`` inside the window (the naive count)."""
+def test_ring_steps_split_a_tokens_window_by_bucket(steps, buckets, now):
+    """Each ring slot's count of the steps from a token's own to ``now`` inside the window (the naive count)."""
     positions = torch.arange(now + 1)[None, None]  # (1, 1, L)
     seen = torch.tensor([now + 1])
-    shares = ring_shares(positions, seen, steps, buckets)  # (NB, 1, 1, L)
+    counts = ring_steps(positions, seen, steps, buckets)  # (NB, 1, 1, L)
     start = max(0, (now // steps - buckets + 1) * steps)
     for p in range(now + 1):
-        counts = [0] * buckets
+        want = [0] * buckets
         for step in range(max(p, start), now + 1):
-            counts[(step // steps) % buckets] += 1
-        total = sum(counts)
-        assert total == int(queries_in_window(positions, seen, steps, buckets)[0, 0, p])
-        want = torch.tensor([c / total for c in counts])
-        torch.testing.assert_close(shares[:, 0, 0, p], want, rtol=0, atol=1e-6)
-        assert math.isclose(float(shares[:, 0, 0, p].sum()), 1.0, abs_tol=1e-6)
+            want[(step // steps) % buckets] += 1
+        assert counts[:, 0, 0, p].tolist() == want
+        assert sum(want) == int(queries_in_window(positions, seen, steps, buckets)[0, 0, p])
+
+
+def test_a_judged_rate_ranks_a_pooled_run_exactly_equal():
+    """Slots the selection scored equal (a max-pooled run, each seen by a different number of queries) rank
+    exactly equal after the judgement, so ties are broken by position alone, on any path."""
+    for cap, window in ((None, None), (2048, None), (None, (16, 8)), (64, (16, 8))):
+        steps, buckets = window if window is not None else (None, 1)
+        state = ImportanceState("mean", steps, buckets, mean_cap=cap)
+        t = 3000
+        state.allocate(1, 1, t, group=1, device="cpu")
+        positions = torch.arange(t)[None, None]
+        seen = torch.tensor([t])
+        observed = torch.full((1, 1, t), 0.1234567)  # one value everywhere: the rates tie
+        watched = torch.minimum(seen - positions, torch.tensor(32)).float()
+        state.judged(observed, watched, positions, seen)
+        ranked = state.ranked(state.scores(t), positions, seen)[0, 0, : t - 32]  # those all 32 queries saw
+        assert bool((ranked == ranked[0]).all()), (cap, window)
+        torch.testing.assert_close(ranked[0], torch.tensor(0.1234567 / 32), rtol=2e-4, atol=0)  # 12 bits kept
 
 
 def test_a_count_state_keeps_the_prompts_own_history():

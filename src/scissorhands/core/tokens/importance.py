@@ -79,28 +79,42 @@ def queries_in_window(positions: torch.Tensor, seen: torch.Tensor, bucket_steps:
     return (now - torch.maximum(positions.long(), start) + 1).clamp(min=1).to(torch.float32)
 
 
-def ring_shares(positions: torch.Tensor, seen: torch.Tensor, bucket_steps: int | None,
-                n_buckets: int) -> torch.Tensor:
-    """Which share of the queries that scored each stored token inside the window falls in each ring slot.
+def ring_steps(positions: torch.Tensor, seen: torch.Tensor, bucket_steps: int, n_buckets: int) -> torch.Tensor:
+    """How many of the queries that scored each stored token inside the window fall in each ring slot.
 
-    positions (B, H_kv, L), seen (B,) -> float32 (NB, B, H_kv, L), summing to 1 over the ring: the steps from a
-    token's own to ``now = seen - 1`` that lie in the window (:func:`queries_in_window`), by the bucket they
-    belong to. One bucket (no window) holds them all.
+    positions (B, H_kv, L), seen (B,) -> float32 (NB, B, H_kv, L), whole numbers adding up over the ring to
+    :func:`queries_in_window`: the steps from a token's own to ``now = seen - 1`` that lie in the window, by the
+    bucket they belong to.
     """
-    if bucket_steps is None:
-        return torch.ones(1, *positions.shape, device=positions.device)
     s, nb = bucket_steps, n_buckets
     now = (seen - 1).to(positions.device)[:, None, None]  # (B, 1, 1)
     pos = positions.long()
-    shares = torch.zeros(nb, *positions.shape, device=positions.device)
+    steps = torch.zeros(nb, *positions.shape, device=positions.device)
     for back in range(nb):  # the window's buckets, newest first
         bucket = now // s - back  # (B, 1, 1)
         lo = torch.maximum(bucket * s, pos)
         hi = torch.minimum(bucket * s + s - 1, now)
-        steps = ((hi - lo + 1).clamp(min=0) * (bucket >= 0)).to(torch.float32)  # (B, H_kv, L)
-        slot = (bucket % nb).expand_as(pos)  # (B, H_kv, L)
-        shares.scatter_add_(0, slot[None], steps[None])
-    return shares / queries_in_window(positions, seen, bucket_steps, n_buckets)[None]
+        count = ((hi - lo + 1).clamp(min=0) * (bucket >= 0)).to(torch.float32)  # (B, H_kv, L)
+        steps.scatter_add_(0, (bucket % nb).expand_as(pos)[None], count[None])
+    return steps
+
+
+def credited(steps: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Whole numbers per ring slot, in proportion to ``steps`` (NB, ...) and adding up to ``total`` (...): the
+    steps themselves when they add up to it, else rounded by largest remainder (a cap below the window)."""
+    share = steps * (total / steps.sum(dim=0).clamp(min=1))
+    whole = share.floor()
+    short = total - whole.sum(dim=0)  # (...) what rounding down left out
+    place = (share - whole).argsort(dim=0, descending=True, stable=True).argsort(dim=0)  # by remainder
+    return whole + (place < short).to(whole.dtype)
+
+
+def coarse(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` rounded to ``bits`` significant bits, so that its product with a whole number below
+    ``2 ** (24 - bits)`` is exact in float32."""
+    mantissa, exponent = torch.frexp(x)
+    scale = float(2 ** max(bits, 1))
+    return torch.ldexp(torch.round(mantissa * scale) / scale, exponent)
 
 
 def per_query(scores: torch.Tensor, queries: torch.Tensor, form: str, mean_cap: int | None) -> torch.Tensor:
@@ -215,12 +229,18 @@ class ImportanceState(TokenState):
                seen: torch.Tensor) -> None:
         """Replace the held prompt's history by the judgement of its last queries (see :meth:`TokenState.judged`).
 
-        Each slot's history becomes what ranks it as the selection does: ``sum`` holds the watched queries'
-        attention; ``mean`` holds their rate (``observed / watched``) times the queries it divides by (those in
-        the window, up to ``mean_cap``), as if every query that saw the token had paid it that rate. The history
-        is spread over the ring as those queries' steps fall in its buckets, so it leaves the window as theirs
-        would. ``count`` keeps what the prompt's queries counted: a count over ``1/n`` cannot be made from
-        summed probabilities.
+        Each slot's history becomes one that ranks it as the selection did:
+
+        - ``sum``: the watched queries' attention, in the ring slot of the prompt's last step, where their steps
+          end (it leaves the window when they would);
+        - ``mean``: their rate, ``observed / watched``, credited for every query it divides by (those in the
+          window, up to ``mean_cap``), as if each query that saw the token had paid it that rate, and spread
+          over the ring as those queries' steps fall in its buckets. The rate is rounded to the significant bits
+          that keep ``rate x queries`` exact in float32 (12 at the default cap), so that slots the selection
+          ranked equal (a max-pooled run) stay exactly equal, and any two paths that hold the same judgement
+          (the transformers cache and the vLLM adapter) break those ties alike;
+        - ``count`` keeps what the prompt's queries counted: a count over ``1/n`` cannot be made from summed
+          probabilities.
 
         Without it, decoding ranks the kept prompt by the attention of all its queries, which the selection did
         not look at, and the first eviction after the prompt undoes the selection: on Qwen2.5-Coder-0.5B at
@@ -230,15 +250,21 @@ class ImportanceState(TokenState):
         if self.form == "count":
             return
         length = observed.shape[-1]
-        if self.form == "mean":
-            queries = self.queries_in_window(positions, seen)
-            rate = observed / watched.clamp(min=1)
-            total = rate * (queries if self.mean_cap is None else queries.clamp(max=self.mean_cap))
+        nb = self.n_buckets
+        if self.form == "sum":
+            history = torch.zeros(nb, *observed.shape, device=observed.device, dtype=observed.dtype)
+            now = 0 if self.bucket_steps is None else ((seen - 1) // self.bucket_steps) % nb  # (B,) ring slot
+            history[now, torch.arange(observed.shape[0])] = observed
         else:
-            total = observed
-        shares = ring_shares(positions, seen, self.bucket_steps, self.n_buckets)  # (NB, B, H_kv, L)
+            queries = self.queries_in_window(positions, seen)
+            counted = queries if self.mean_cap is None else queries.clamp(max=self.mean_cap)
+            rate = coarse(observed / watched.clamp(min=1), 24 - int(counted.max()).bit_length())
+            if self.bucket_steps is None:
+                history = (rate * counted)[None]
+            else:
+                history = rate * credited(ring_steps(positions, seen, self.bucket_steps, nb), counted)
         judged = (watched > 0)[None]  # a row none of whose queries was watched (no tokens in a chunk) keeps its own
-        self.acc[..., :length] = torch.where(judged, total[None] * shares, self.acc[..., :length]).to(self.acc.dtype)
+        self.acc[..., :length] = torch.where(judged, history, self.acc[..., :length]).to(self.acc.dtype)
 
     def contributions(self, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """What each query adds to each key, summed over the query heads of a group.
