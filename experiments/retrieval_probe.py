@@ -9,9 +9,11 @@ with the cell's name, the settings changed by ``--settings`` and the token budge
 - ``answer`` and ``asked``: the greedy answer's text and the asked key's; ``exact``: the answer starts with
   the asked key (what ``passkey_grid.py`` counts, by teacher forcing);
 - per fact: its first token's position, its key, whether it was asked, ``kept`` (the share of
-  (layer, KV head, key token) held) and ``whole`` (the share of (layer, KV head) holding all its key tokens).
+  (layer, KV head, key token) held) and ``whole`` (the share of (layer, KV head) holding all its key tokens)
+  after the prompt, and ``whole_after`` once the answer is written (what decoding's own evictions left).
 
-A lost key is then either evicted (``kept`` low) or held but outweighed by another fact.
+A lost key is then either evicted (``kept`` low, or ``whole_after`` below ``whole``) or held but outweighed by
+another fact.
 
     python experiments/retrieval_probe.py --model qwen2.5-coder-0.5b --task multikey --keys 4 --trials 3 \
         --lengths 4096 --cells experiments/configs/passkey_qwen.json --cell "defaults 5x prompt-aware" \
@@ -52,11 +54,16 @@ def probe(model, tokenizer, item, method, budget, settings, protect: bool) -> di
     ids = torch.tensor([ctx], device=model.device)
     with torch.no_grad():
         logits = model(ids, cache=cache, logits_to_keep=1).logits  # the prompt: what is kept is now fixed
+    keys = [key_positions(tokenizer, ctx, span) for span in spans]
+
+    def masks() -> list[torch.Tensor]:
+        if not hasattr(cache, "budgeted_layers"):
+            return [torch.ones(1, 1, len(k), dtype=torch.bool) for k in keys]
+        return [held(cache, k) for k in keys]
+
     facts = []
-    for i, span in enumerate(spans):
-        keys = key_positions(tokenizer, ctx, span)
-        mask = held(cache, keys) if hasattr(cache, "budgeted_layers") else torch.ones(1, 1, len(keys), dtype=torch.bool)
-        facts.append({"fact": i, "at": span[0], "key": tokenizer.decode([ctx[k] for k in keys]).strip(),
+    for i, (span, mask) in enumerate(zip(spans, masks())):
+        facts.append({"fact": i, "at": span[0], "key": tokenizer.decode([ctx[k] for k in keys[i]]).strip(),
                       "kept": round(float(mask.float().mean()), 3),
                       "whole": round(float(mask.all(-1).float().mean()), 3)})
         facts[-1]["asked"] = facts[-1]["key"] == asked
@@ -66,6 +73,8 @@ def probe(model, tokenizer, item, method, budget, settings, protect: bool) -> di
             nxt = torch.tensor([[answer[-1]]], device=model.device)
             pos = torch.tensor([[len(ctx) + step]], device=model.device)
             answer.append(int(model(nxt, cache=cache, position_ids=pos).logits[0, -1].argmax()))
+    for fact, mask in zip(facts, masks()):  # and once the answer is written: what decoding evicted since
+        fact["whole_after"] = round(float(mask.all(-1).float().mean()), 3)
     text = tokenizer.decode(answer)
     return {"item": item.key, "asked": asked, "answer": text, "exact": text.strip().startswith(asked),
             "facts": facts}

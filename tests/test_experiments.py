@@ -328,8 +328,9 @@ def test_scale_plot_pairs_two_models_on_the_same_windows(tmp_path, capsys):
 
 
 def test_retrieval_probe_finds_protected_keys_in_every_head_and_refuses_bad_flags(tmp_path, capsys):
-    """Protected facts are held whole in every layer and KV head of an evicting cache; the full cache answers as
-    generate() does; a bad --cell, --settings or --items is one line naming the flag."""
+    """Protected facts are held whole in every layer and KV head of an evicting cache, before the answer and after
+    it; the full cache answers as generate() does; a bad --cell, --settings or --items is one line naming the
+    flag."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -347,6 +348,7 @@ def test_retrieval_probe_finds_protected_keys_in_every_head_and_refuses_bad_flag
     for r in recs:
         assert len(r["facts"]) == 2 and sum(f["asked"] for f in r["facts"]) == 1
         assert all(f["kept"] == 1.0 and f["whole"] == 1.0 and f["key"].isdigit() for f in r["facts"])
+        assert all(f["whole_after"] == 1.0 for f in r["facts"])  # and still whole once the answer is written
     assert probe.main([*base, "--cell", "full", "--items", "L600-k1-t0"]) == 0
     (rec,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     tok, lm = AutoTokenizer.from_pretrained(model), AutoModelForCausalLM.from_pretrained(model)
