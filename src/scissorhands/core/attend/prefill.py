@@ -132,8 +132,11 @@ class PromptAware(Prefill):
     Methods that score by attention use it; it is then max-pooled over ``pool``
     neighbouring slots so that a fact spanning several tokens stays whole, and
     those last queries themselves are kept. Other methods (position or random
-    based) score the held prompt their own way. Peak memory is the prompt's
-    length; from the next token on the budget holds as usual.
+    based) score the held prompt their own way. The layer's per-token state is
+    told the judgement before the eviction (``TokenState.judged``): the
+    importance ring takes it as the kept tokens' history, so that decoding
+    ranks them as the selection did. Peak memory is the prompt's length; from
+    the next token on the budget holds as usual.
 
     With ``chunk`` (``prompt_chunk``) the prompt is taken ``chunk`` tokens at a
     time: while the stored tokens and the next chunk fit the budget, the chunk
