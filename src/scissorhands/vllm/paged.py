@@ -448,19 +448,17 @@ def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Te
     one.states_ready = True
     one.reserve(t, limit=t)
     one.append(k4, v4, None, torch.arange(1, t + 1)[None])
-    state = one.state if isinstance(one.state, ImportanceState) else None  # the one state that observes
-    # What the prompt's queries would leave in the state: only a count keeps it past the selection's judgement
+    # What the prompt's queries leave in the importance state: only a count keeps it past the selection's judgement
     # (``ImportanceState.judged``), so only a count needs the operator to record it.
-    acc = None if state is None or state.form != "count" else torch.empty(state.n_buckets, h, t)
+    counts = one.state if isinstance(one.state, ImportanceState) and one.state.form == "count" else None
+    acc = None if counts is None else torch.empty(counts.n_buckets, h, t)
     snap = torch.empty(h, t)
     ctx = torch.empty(t, h * g, d)
-    count = state is not None and state.form == "count"
-    kernels.prompt(qf, kf, vf, ctx, acc, snap, scale, softcap, count,
-                   None if state is None else state.bucket_steps, t - prefill.observe, query_tile)
+    kernels.prompt(qf, kf, vf, ctx, acc, snap, scale, softcap, counts is not None,
+                   None if counts is None else counts.bucket_steps, t - prefill.observe, query_tile)
     out.copy_(ctx.to(out.dtype))
-    if state is not None and acc is not None:
-        held = state.acc[:, 0, :, :t]
-        held.copy_(acc if held.dtype.is_floating_point else acc.round())
+    if counts is not None and acc is not None:
+        counts.acc[:, 0, :, :t] = acc.round().to(counts.acc.dtype)
     snapshot = torch.zeros(1, h, one.capacity)
     snapshot[0, :, :t] = snap
     prefill.evict_held(one, snapshot, min(prefill.observe, t))
