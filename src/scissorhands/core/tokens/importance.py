@@ -251,18 +251,19 @@ class ImportanceState(TokenState):
             return
         length = observed.shape[-1]
         nb = self.n_buckets
-        if self.form == "sum":
-            history = torch.zeros(nb, *observed.shape, device=observed.device, dtype=observed.dtype)
-            now = 0 if self.bucket_steps is None else ((seen - 1) // self.bucket_steps) % nb  # (B,) ring slot
-            history[now, torch.arange(observed.shape[0])] = observed
+        if self.form == "sum":  # in place: a window of exact steps has hundreds of ring slots
+            rows = (watched > 0).flatten(1).any(dim=1).nonzero().squeeze(1).to(self.acc.device)  # the judged rows
+            now = torch.zeros_like(seen) if self.bucket_steps is None else ((seen - 1) // self.bucket_steps) % nb
+            self.acc[:, rows, :, :length] = 0
+            self.acc[now.to(self.acc.device)[rows], rows, :, :length] = observed[rows].to(self.acc.dtype)
+            return
+        queries = self.queries_in_window(positions, seen)
+        counted = queries if self.mean_cap is None else queries.clamp(max=self.mean_cap)
+        rate = coarse(observed / watched.clamp(min=1), 24 - int(counted.max()).bit_length())
+        if self.bucket_steps is None:
+            history = (rate * counted)[None]
         else:
-            queries = self.queries_in_window(positions, seen)
-            counted = queries if self.mean_cap is None else queries.clamp(max=self.mean_cap)
-            rate = coarse(observed / watched.clamp(min=1), 24 - int(counted.max()).bit_length())
-            if self.bucket_steps is None:
-                history = (rate * counted)[None]
-            else:
-                history = rate * credited(ring_steps(positions, seen, self.bucket_steps, nb), counted)
+            history = rate * credited(ring_steps(positions, seen, self.bucket_steps, nb), counted)
         judged = (watched > 0)[None]  # a row none of whose queries was watched (no tokens in a chunk) keeps its own
         self.acc[..., :length] = torch.where(judged, history, self.acc[..., :length]).to(self.acc.dtype)
 
