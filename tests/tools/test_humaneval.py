@@ -100,6 +100,39 @@ def test_humaneval_through_the_grid_pairs_every_cell_with_the_full_cache(tmp_pat
     assert ours["mean_budget"] == 24 and ours["mean_length"] > 24  # prompt + canonical solution, in tokens
 
 
+def test_a_later_run_pairs_with_the_full_answers_on_file(tmp_path, capsys):
+    """A method added to a folder later is paired with the full row already there, not with a second run of the
+    full cache: with that row's verdicts flipped on file, the new cell reports the flipped ones as the full
+    cache's. A row that kept no tokens (written before rows kept them) is not taken: the full cache runs again."""
+    model_dir = tmp_path / "tiny"
+    save_tiny_model(model_dir)
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps(dict(ADD, task_id=f"Test/{i}")) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    results = out / "results.jsonl"
+
+    def run(*args):
+        code, _, err = run_cli(capsys, "eval", "--model", str(model_dir), "--tasks", "humaneval", "--data",
+                               str(problems), "--out", str(out), *args)
+        assert code == 0, err
+        return [json.loads(line) for line in results.read_text().splitlines()]
+
+    (full,) = run("--methods", "full")
+    truth = [s["passed"] for s in full["item_scores"]]
+    assert all(isinstance(s["tokens"], list) and len(s["tokens"]) == s["new_tokens"] for s in full["item_scores"])
+    for s in full["item_scores"]:
+        s["passed"] = 1.0 - s["passed"]
+    results.write_text(json.dumps(full) + "\n")
+    taken = run("--methods", "full,scissorhands", "--budgets", "24")[-1]
+    assert [s["full_passed"] for s in taken["item_scores"]] == [1.0 - t for t in truth]
+
+    for s in full["item_scores"]:
+        del s["tokens"]
+    results.write_text(json.dumps(full) + "\n")
+    again = run("--methods", "full,scissorhands", "--budgets", "20")[-1]
+    assert [s["full_passed"] for s in again["item_scores"]] == truth
+
+
 @pytest.mark.slow
 def test_the_real_default_model_writes_code_that_passes_and_a_covering_budget_changes_nothing():
     """SmolLM2-135M completes a real problem; a budgeted cache as large as the whole sequence gives the same

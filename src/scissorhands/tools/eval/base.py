@@ -26,3 +26,8 @@ class Task:
 
     def aggregate(self, scores: list[dict]) -> dict:
         raise NotImplementedError
+
+    def take_full(self, items: list[Item], scores: list[dict]) -> None:
+        """The exact full cache's scores of ``items``, already in the results file (a finished full cell, or the
+        finished items of one cut off). A task that pairs every cell with the full cache inside :meth:`score`
+        keeps what it needs of them instead of running the full cache again; by default nothing."""

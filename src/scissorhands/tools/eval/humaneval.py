@@ -7,8 +7,9 @@ end-of-sequence token or ``max_new_tokens``. The program (prompt, completion, th
 its ``check``) then runs in a process of its own (:func:`run_program`): a time limit, a memory limit, a scratch
 folder, and no network. A problem passes when the program exits cleanly: pass@1 with greedy decoding.
 
-Each problem is also completed once with the full cache (kept for the grid's other cells), so every cell is
-paired with the full cache over the same problems: the difference in pass@1 with a paired interval, the
+Each problem is also completed once with the full cache (kept for the grid's other cells, and in the full row's
+scores for a later run into the same folder: adding a method later costs that method's cell alone), so every
+cell is paired with the full cache over the same problems: the difference in pass@1 with a paired interval, the
 discordant problems and McNemar's exact test, and where the compressed cache's answer first parts from the full
 cache's (its first differing token).
 
@@ -188,12 +189,22 @@ class HumanEval(Task):
         cache = setup.make_cache(model, total)
         from transformers import DynamicCache
 
-        mine = full if isinstance(cache, DynamicCache) else self._judged(model, item, cache)
+        exact = isinstance(cache, DynamicCache)
+        mine = full if exact else self._judged(model, item, cache)
         a, b = mine["tokens"], full["tokens"]
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        return {"passed": float(mine["passed"]), "full_passed": float(full["passed"]), "first_divergence": first,
-                "same_answer": float(mine["completion"] == full["completion"]), "error": mine["error"],
-                "completion": mine["completion"], "new_tokens": len(a)}
+        score = {"passed": float(mine["passed"]), "full_passed": float(full["passed"]), "first_divergence": first,
+                 "same_answer": float(mine["completion"] == full["completion"]), "error": mine["error"],
+                 "completion": mine["completion"], "new_tokens": len(a)}
+        if exact:  # the full row keeps its answers' tokens, so a later run pairs with them (take_full)
+            score["tokens"] = a
+        return score
+
+    def take_full(self, items, scores):
+        for item, s in zip(items, scores):
+            if isinstance(s.get("tokens"), list) and "full" not in item.data:  # rows from before kept no tokens
+                item.data["full"] = {"tokens": s["tokens"], "completion": s["completion"],
+                                     "passed": bool(s["passed"]), "error": s["error"]}
 
     def aggregate(self, scores):
         passed = [s["passed"] for s in scores]

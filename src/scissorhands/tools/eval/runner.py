@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from scissorhands import __version__
-from scissorhands.core.methods import EvictionMethod
+from scissorhands.core.methods import EvictionMethod, get_method
 from scissorhands.core.planning.memory_target import store_bytes
 from scissorhands.core.settings.budget import resolve_budget
 from scissorhands.core.settings.config import CacheSettings
@@ -331,6 +331,8 @@ def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], bud
         seen[used] = spec
 
 
+FULL = get_method("full")
+
 PARTIAL_DIR = "partial"
 """Folder of ``out_dir`` where a cell's finished items wait, one JSON line each, until its record is written."""
 
@@ -448,6 +450,9 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
         results = []
         for task, items in zip(tasks, all_items):
             task_id = task_identity(task)
+            exact = done.get(key_id(run_key(model_id, task_id, FULL, None, CacheSettings(), limit, seed)))
+            if exact is not None and isinstance(exact.get("item_scores"), list):
+                task.take_full(items, exact["item_scores"])
             for method in methods:
                 protected = base.protected  # the floor of resolve_budget, as the recorded results always used
                 for spec in ([None] if method.is_full else budgets):
@@ -473,6 +478,8 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         budgets_used.append(item.length if budget is None else min(budget, item.length))
                         if index < len(partial.scores):
                             scores.append(partial.scores[index])
+                            if method.is_full and not method.resolve(base).quantized:
+                                task.take_full([item], [partial.scores[index]])
                             continue
                         scores.append(task.score(model, item, ScoreSetup(method, budget, cell_base, seed)))
                         partial.add(index, item, scores[-1], earlier + time.perf_counter() - start)
