@@ -25,6 +25,7 @@ import torch
 
 from ..registry import Registry
 from ..settings.prefill import PromptAwareSettings, StreamedSettings
+from ..stores.base import DenseKVStore
 from .blocks import attend_block
 
 if TYPE_CHECKING:
@@ -211,8 +212,41 @@ class PromptAware(Prefill):
         kv.append(key, value, valid, cum)
         watch = (cum > (real - self.observe)[:, None]) & (valid if valid is not None else True)  # (B, c)
         snap = torch.zeros(b, key.shape[1], kv.capacity, device=q.device)  # (B, H_kv, capacity)
-        attend_block(kv, q, out, base, cum, valid, scaling, softcap, query_tile, (watch, snap))
+        fused = self._fused_head(kv, q, out, valid, base, scaling, softcap)
+        if fused:  # the queries that judge, with their probabilities
+            attend_block(kv, q[:, :, :, fused:], out[:, :, :, fused:], base, cum[:, fused:], None, scaling, softcap,
+                         query_tile, (watch[:, fused:], snap))
+        else:
+            attend_block(kv, q, out, base, cum, valid, scaling, softcap, query_tile, (watch, snap))
         self.evict_held(kv, snap, real.clamp(max=self.observe))
+
+    def _fused_head(self, kv, q, out, valid, base, scaling, softcap) -> int:
+        """Attend a whole held prompt's queries before its last ``observe`` by PyTorch's fused attention, and
+        return how many (0: none, where the exact tiles are needed).
+
+        Their probabilities are needed by nothing: the method scores the held prompt by what the last queries
+        paid (``held_prompt_by_snapshot``), and the layer's state takes that judgement as each kept slot's whole
+        history (``judged_replaces``). So only the last queries go through the tiles that write probabilities,
+        and the rest cost what a full cache's prefill costs. That holds for a first chunk without padding over a
+        dense store, with no soft cap and no merging; otherwise every query takes the tiles. The outputs equal
+        the tiles' to float rounding (the tests hold them to each other); the kept tokens are the same.
+        """
+        b, h, g, t, d = q.shape
+        first = t - self.observe
+        if (first < 1 or valid is not None or softcap is not None or kv.merge is not None
+                or not isinstance(kv.store, DenseKVStore) or int(base.max()) != 0):
+            return 0
+        if kv.state.wants_attention and not (kv.method.held_prompt_by_snapshot and kv.state.judged_replaces):
+            return 0
+        keys, values = kv.store.read(first)  # (B, H_kv, first, D): the prompt's first tokens, in order
+        if keys.dtype != q.dtype or values.dtype != q.dtype:
+            return 0
+        if g > 1:
+            keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+        ctx = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, :, :first].reshape(b, h * g, first, d), keys, values, is_causal=True, scale=scaling)
+        out[:, :, :, :first] = ctx.view(b, h, g, first, -1)
+        return first
 
     def kept_observed(self, budget: int) -> int:
         """How many of the observed queries' own tokens the selection keeps whatever they score: all ``observe``

@@ -114,6 +114,9 @@ class EvictionMethod:
     settings: ClassVar[dict[str, object]] = {}
     is_full: ClassVar[bool] = False
     stackable: ClassVar[bool] = False
+    #: Whether :meth:`score` ranks a held prompt by the view's ``prompt_attention`` alone, never by what the
+    #: prompt's own queries left in the layer's state (a method whose state wants no attention need not say so).
+    held_prompt_by_snapshot: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0):
         self.seed = seed

@@ -14,6 +14,7 @@ from .registry import register
 class Scissorhands(EvictionMethod):
     name = "scissorhands"
     stackable = True  # rows alone, no layer index
+    held_prompt_by_snapshot = True  # score() returns prompt_attention for a held prompt
     description = ("attention over the last w steps, in the configured importance form "
                    "(default: summed probabilities)")
 

@@ -168,6 +168,11 @@ class ImportanceState(TokenState):
         return cls(settings.importance, settings.bucket_steps(), settings.n_buckets(), settings.value_weighted,
                    settings.mean_cap)
 
+    @property
+    def judged_replaces(self) -> bool:
+        """``sum`` and ``mean`` take the judgement as each held slot's whole history; a ``count`` keeps its own."""
+        return self.form != "count"
+
     # -- storage -------------------------------------------------------------------------
     @property
     def allocated(self) -> bool:

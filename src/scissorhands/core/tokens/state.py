@@ -24,6 +24,12 @@ class TokenState:
     compacts_rows = False
     """Set True to receive attention probabilities in :meth:`observe` (they cost a little to hand over)."""
 
+    @property
+    def judged_replaces(self) -> bool:
+        """Whether :meth:`judged` replaces all that a held prompt's queries left in this state, so that the
+        prompt-aware prefill need not hand it their attention (only that of the queries that judge)."""
+        return not self.wants_attention
+
     def allocate(self, batch: int, heads: int, capacity: int, group: int, device, dtype: torch.dtype) -> None:
         """First call of a sequence: ``group`` query heads share each of ``heads`` KV heads."""
 
