@@ -450,7 +450,7 @@ def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Te
     one.append(k4, v4, None, torch.arange(1, t + 1)[None])
     # What the prompt's queries leave in the importance state: only a count keeps it past the selection's judgement
     # (``ImportanceState.judged``), so only a count needs the operator to record it.
-    counts = one.state if isinstance(one.state, ImportanceState) and one.state.form == "count" else None
+    counts = one.state if isinstance(one.state, ImportanceState) and not one.state.judged_replaces else None
     acc = None if counts is None else torch.empty(counts.n_buckets, h, t)
     snap = torch.empty(h, t)
     ctx = torch.empty(t, h * g, d)

@@ -212,12 +212,9 @@ class PromptAware(Prefill):
         kv.append(key, value, valid, cum)
         watch = (cum > (real - self.observe)[:, None]) & (valid if valid is not None else True)  # (B, c)
         snap = torch.zeros(b, key.shape[1], kv.capacity, device=q.device)  # (B, H_kv, capacity)
-        fused = self._fused_head(kv, q, out, valid, base, scaling, softcap)
-        if fused:  # the queries that judge, with their probabilities
-            attend_block(kv, q[:, :, :, fused:], out[:, :, :, fused:], base, cum[:, fused:], None, scaling, softcap,
-                         query_tile, (watch[:, fused:], snap))
-        else:
-            attend_block(kv, q, out, base, cum, valid, scaling, softcap, query_tile, (watch, snap))
+        fused = self._fused_head(kv, q, out, valid, base, scaling, softcap)  # > 0 only where valid is None
+        attend_block(kv, q[:, :, :, fused:], out[:, :, :, fused:], base, cum[:, fused:], valid, scaling, softcap,
+                     query_tile, (watch[:, fused:], snap))  # the rest, with the judging queries' probabilities
         self.evict_held(kv, snap, real.clamp(max=self.observe))
 
     def _fused_head(self, kv, q, out, valid, base, scaling, softcap) -> int:
