@@ -29,7 +29,7 @@ from scissorhands.tools.stats import mcnemar_p, paired_difference, plus_minus
 
 def _values(row: dict) -> list[float]:
     scores = row["item_scores"]
-    key = "nll" if row["task"] == "ppl" else "passed" if row["task"] == "humaneval" else "correct"
+    key = "nll" if row["task"] == "ppl" else "passed" if row["task"].startswith("humaneval") else "correct"
     return [float(s[key]) for s in scores]
 
 

@@ -153,9 +153,17 @@ def scored_and_decoded(model, context, cont, setup):
     return total, float(sum(lp)), cache
 
 
-def save_tiny_model(folder, arch: str = "llama", max_positions: int = 1024):
-    """Write a tiny random model with a byte-level tokenizer to ``folder`` (loadable by ``load_model``)."""
+# ChatML, as SmolLM2's and Qwen2.5's tokenizers write it (without their default system turns).
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def save_tiny_model(folder, arch: str = "llama", max_positions: int = 1024, chat_template: str | None = None):
+    """Write a tiny random model with a byte-level tokenizer to ``folder`` (loadable by ``load_model``), with
+    ``chat_template`` if given."""
     tokenizer = byte_tokenizer_fast()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     config = tiny_config(arch)
     config.vocab_size = len(tokenizer)
     config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id

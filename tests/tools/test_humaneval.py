@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from conftest import run_cli, save_tiny_model
-from scissorhands.tools.eval.humaneval import HumanEval, cut_at_stop, program_of, read_problems, run_program
+from conftest import CHATML, run_cli, save_tiny_model
+from scissorhands.tools.eval.humaneval import CHAT_STOPS, HumanEval, cut_at_stop, program_of, read_problems, run_program
 from scissorhands.tools.stats import mcnemar_p
 
 ADD = {
@@ -133,10 +133,54 @@ def test_a_later_run_pairs_with_the_full_answers_on_file(tmp_path, capsys):
     assert [s["full_passed"] for s in again["item_scores"]] == truth
 
 
+def test_the_chat_task_asks_through_the_template_and_stops_where_its_block_closes(tmp_path, capsys):
+    """``humaneval-chat``: the prompt is the template's turns, the assistant's opened with a code block holding
+    the problem's prompt; a completion ends where that block closes; the grid pairs its cells with the full cache
+    as for the plain task, under its own name, and a budget's fraction counts the template's tokens."""
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "tiny"
+    save_tiny_model(model_dir, chat_template=CHATML)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = HumanEval(chat=True).prompt_text(tokenizer, ADD)
+    assert text.startswith("<|im_start|>user\nComplete the following Python function.")
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n```python\n" + ADD["prompt"])
+    assert HumanEval().prompt_text(tokenizer, ADD) == ADD["prompt"]
+    assert cut_at_stop("    return a + b\n```\n\nThis adds.", CHAT_STOPS) == "    return a + b"
+    assert cut_at_stop("    return a + b\n```") == "    return a + b\n```"  # the plain task has no block
+
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps(dict(ADD, task_id=f"Test/{i}")) + "\n" for i in range(2)))
+    lengths = {}
+    for task in ("humaneval", "humaneval-chat"):
+        code, _, err = run_cli(capsys, "eval", "--model", str(model_dir), "--tasks", task, "--data", str(problems),
+                               "--methods", "full,scissorhands", "--budgets", "0.5", "--out", str(tmp_path / task))
+        assert code == 0, err
+        rows = [json.loads(line) for line in (tmp_path / task / "results.jsonl").read_text().splitlines()]
+        assert [(r["task"], r["method"]) for r in rows] == [(task, "full"), (task, "scissorhands")]
+        assert rows[1]["metrics"]["n"] == 2 and rows[1]["metrics"]["full_pass@1"] == rows[0]["metrics"]["pass@1"]
+        lengths[task] = rows[1]["mean_length"]
+    ask = len(tokenizer(text, add_special_tokens=False).input_ids) - len(tokenizer(ADD["prompt"]).input_ids)
+    assert lengths["humaneval-chat"] == lengths["humaneval"] + ask  # the template's tokens count in the budget
+
+
+def test_the_chat_task_on_a_model_without_a_template_is_one_line(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    save_tiny_model(model_dir)
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(json.dumps(ADD) + "\n")
+    code, _, err = run_cli(capsys, "eval", "--model", str(model_dir), "--tasks", "humaneval-chat", "--data",
+                           str(problems), "--methods", "full", "--out", str(tmp_path / "out"))
+    assert code != 0
+    assert "tasks: humaneval-chat needs a model whose tokenizer has a chat template" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.slow
-def test_the_real_default_model_writes_code_that_passes_and_a_covering_budget_changes_nothing():
+def test_the_real_default_model_writes_code_that_passes_and_a_covering_budget_changes_nothing(tmp_path):
     """SmolLM2-135M completes a real problem; a budgeted cache as large as the whole sequence gives the same
-    tokens, so the same verdict; a budget far below the prompt still gives a program that is run and judged."""
+    tokens, so the same verdict; a budget far below the prompt still gives a program that is run and judged; the
+    same through its chat template."""
     from scissorhands import ScissorhandsCache, ScissorhandsConfig
     from scissorhands.tools.eval.base import Item
     from scissorhands.tools.models import load_model
@@ -152,3 +196,13 @@ def test_the_real_default_model_writes_code_that_passes_and_a_covering_budget_ch
     assert covering["tokens"] == full["tokens"] and covering["passed"]
     tight = task._judged(model, item, ScissorhandsCache(model, ScissorhandsConfig(budget=16, recent=4)))
     assert isinstance(tight["passed"], bool) and tight["tokens"]
+
+    # Through its chat template (SmolLM2's tokenizer has one): the covering budget again changes nothing.
+    problems = tmp_path / "add.jsonl"
+    problems.write_text(json.dumps(ADD) + "\n")
+    chat = HumanEval(max_new_tokens=48, chat=True, data=str(problems))
+    (item,) = chat.items(tokenizer, 1)
+    assert tokenizer.decode(item.data["prompt"]) == chat.prompt_text(tokenizer, ADD)
+    full = chat._full(model, item)
+    covering = chat._judged(model, item, ScissorhandsCache(model, ScissorhandsConfig(budget=1024)))
+    assert covering["tokens"] == full["tokens"] and covering["passed"] == full["passed"]

