@@ -68,6 +68,7 @@ def _alone(layer: PagedLayer):
 
 PLUGINS = {
     "defaults": {"budget": 12},
+    "observe-8": {"budget": 12, "observe": 8},  # prompts longer than 8 + 1: their first queries take the fused head
     "drop4": {"budget": 12, "drop": 4},
     "paper": {"budget": 12, "preset": "paper"},
     "h2o": {"budget": 12, "method": "h2o", "recent": 2, "drop": 3},
@@ -173,6 +174,10 @@ def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, 
 
     layer, _, _ = _serve(PLUGINS[name], compiled, check=check)
     assert (layer.prompts_fused > 0) == compiled  # the operator's run attends long prompts the fused way
+    # With 8 observed queries, the first queries of the prompts of 30, 21 and 17 go through torch's fused attention
+    # (of the states here, only a count reads their probabilities).
+    counted = settings.config.importance == "count"
+    assert layer.head_queries_fused == (22 + 13 + 9 if compiled and name == "observe-8" and not counted else 0)
 
 
 @pytest.mark.parametrize("name", ["defaults", "h2o", "count-buckets"])
@@ -303,6 +308,30 @@ def test_the_compiled_prompt_pass_equals_its_torch_reference(t, form, bucket_ste
     if acc is not None:
         torch.testing.assert_close(acc[0], acc[1], atol=1e-5, rtol=1e-5)
         assert not torch.equal(acc[0], torch.full_like(acc[0], 7.0))
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("t,given", [(45, 6), (45, 20), (45, 45), (7, 1)])
+def test_the_prompt_pass_over_its_last_queries_equals_the_whole_pass_there(t, given, softcap):
+    """Given only the prompt's last ``given`` queries (the plugin attends the others by torch's fused attention),
+    the operator and its reference give those queries' rows of the whole pass, and the same snapshot: the queries
+    sit at their positions in the prompt, each seeing the keys up to its own."""
+    gen = torch.Generator().manual_seed(given)
+    g = HQ // HKV
+    q = torch.randn(HKV, g, t, D, generator=gen)
+    k, v = torch.randn(HKV, t, D, generator=gen), torch.randn(HKV, t, D, generator=gen)
+    observe_from = t - given
+    whole, whole_snap = torch.empty(t, HQ, D), torch.empty(HKV, t)
+    kernels.prompt_reference(q, k, v, whole, None, whole_snap, SCALE, softcap, False, None, observe_from, tile=16)
+    for run in (kernels.prompt, kernels.prompt_reference):
+        out, snap = torch.full((given, HQ, D), float("nan")), torch.full((HKV, t), 7.0)
+        run(q[:, :, observe_from:].contiguous(), k, v, out, None, snap, SCALE, softcap, False, None, observe_from,
+            tile=16)
+        torch.testing.assert_close(out, whole[observe_from:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(snap, whole_snap, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="acc: every query"):  # an importance needs every query's shares
+        kernels.prompt(q[:, :, 1:].contiguous(), k, v, torch.empty(t - 1, HQ, D), torch.empty(1, HKV, t), None,
+                       SCALE, softcap, False, None, 0)
 
 
 

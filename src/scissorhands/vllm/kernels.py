@@ -231,21 +231,24 @@ void decode(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor tok, torc
   }
 }
 
-// A prompt attended once: exact causal attention of T queries over the prompt's own keys, and in the same pass what
-// the core's prompt-aware prefill records from it. Per KV head and tile of queries: one product Q K^T (logits), one
+// A prompt attended once: exact causal attention of its last Tq queries (all T, or those the caller did not attend
+// by a fused attention) over the prompt's own T keys, and in the same pass what the core's prompt-aware prefill
+// records from them. Per KV head and tile of queries: one product Q K^T (logits), one
 // pass over each row (soft cap, softmax, the row's shares added to its bucket's accumulator and, for the last
 // queries, to the snapshot), one product P V (the output). Work items (head, tile) are dealt round-robin, largest
 // first, each slot of the thread range keeping its own column sums, which are added up at the end.
 void prompt(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor acc,
             torch::Tensor snap, double scale, double softcap, bool count, int64_t bucket_steps, int64_t n_buckets,
             int64_t observe_from, int64_t tile, bool want_acc, bool want_snap) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "q (H, g, T, D), k and v (H, T, D)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "q (H, g, Tq, D), k and v (H, T, D)");
   for (const torch::Tensor* t : {&q, &k, &v, &out})
     TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous(), "q, k, v, out: float32, contiguous");
-  const int64_t H = q.size(0), g = q.size(1), T = q.size(2), D = q.size(3);
-  TORCH_CHECK(k.size(0) == H && k.size(1) == T && k.size(2) == D && v.sizes() == k.sizes(), "k, v: (H, T, D)");
-  TORCH_CHECK(out.dim() == 3 && out.size(0) == T && out.size(1) == H * g && out.size(2) == D, "out: (T, H*g, D)");
+  const int64_t H = q.size(0), g = q.size(1), Tq = q.size(2), D = q.size(3), T = k.size(1), p0 = T - Tq;
+  TORCH_CHECK(k.size(0) == H && k.size(2) == D && v.sizes() == k.sizes() && Tq <= T, "k, v: (H, T, D), T >= Tq");
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == Tq && out.size(1) == H * g && out.size(2) == D, "out: (Tq, H*g, D)");
   TORCH_CHECK(tile >= 1 && n_buckets >= 1, "tile, n_buckets: >= 1");
+  TORCH_CHECK(!want_acc || p0 == 0, "acc: every query's shares, so every query (Tq == T)");
+  TORCH_CHECK(!want_snap || observe_from >= p0, "observe_from: a query given (>= T - Tq)");
   const int64_t NB = want_acc ? n_buckets : 0, S = NB + (want_snap ? 1 : 0);  // column sums kept per item slot
   TORCH_CHECK(!want_acc || (acc.scalar_type() == torch::kFloat32 && acc.is_contiguous() && acc.numel() == NB * H * T),
               "acc: float32, contiguous, (n_buckets, H, T)");
@@ -253,7 +256,7 @@ void prompt(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
               "snap: float32, contiguous, (H, T)");
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int64_t last_bucket = bucket_steps > 0 ? (T - 1) / bucket_steps : 0;
-  const int64_t nt = (T + tile - 1) / tile;
+  const int64_t nt = (Tq + tile - 1) / tile;
   std::vector<int64_t> items;  // head * nt + tile, the costliest (latest) tiles first
   for (int64_t t = nt - 1; t >= 0; --t)
     for (int64_t h = 0; h < H; ++h) items.push_back(h * nt + t);
@@ -265,12 +268,14 @@ void prompt(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
     for (int64_t w = begin; w < end; ++w) {
       float* mine = S > 0 ? sums.data() + w * S * H * T : nullptr;
       for (size_t it = w; it < items.size(); it += workers) {
-        const int64_t h = items[it] / nt, a = (items[it] % nt) * tile, e = std::min<int64_t>(T, a + tile), n = e - a;
+        // Queries a..a+n-1 of q, at positions p0+a.. of the prompt, see keys 0..e-1.
+        const int64_t h = items[it] / nt, a = (items[it] % nt) * tile, n = std::min<int64_t>(Tq, a + tile) - a;
+        const int64_t e = p0 + a + n;
         torch::Tensor logits = at::matmul(qs[h].narrow(1, a, n), k[h].narrow(0, 0, e).t()).contiguous();  // (g,n,e)
         float* lg = logits.data_ptr<float>();
         for (int64_t j = 0; j < g; ++j) {
           for (int64_t r = 0; r < n; ++r) {
-            const int64_t i = a + r, L = i + 1;  // query i sees keys 0..i
+            const int64_t i = p0 + a + r, L = i + 1;  // the query at position i sees keys 0..i
             float* row = lg + (j * n + r) * e;
             softmax_row(row, L, cap);
             for (int64_t x = L; x < e; ++x) row[x] = 0.f;  // keys after the query: none
@@ -425,12 +430,13 @@ def prompt(q, k, v, out, acc, snap, scale: float, softcap: float | None, count: 
            observe_from: int, tile: int = 64) -> None:
     """Attend a prompt once, exactly and causally, and record its importance and snapshot in the same pass.
 
-    q (H_kv, g, T, D), k and v (H_kv, T, D), float32 and contiguous; ``out`` (T, H_kv * g, D) float32 receives
-    the output. ``acc`` (NB, H_kv, T) float32 receives what the core's importance state holds after observing
-    every query (query ``i``'s shares, summed over its group's heads or counted above ``1/(i+1)``, in bucket
+    q (H_kv, g, T_q, D): the prompt's last ``T_q`` queries (``T_q <= T``: the caller may attend the first ones by
+    other means), k and v (H_kv, T, D), float32 and contiguous; ``out`` (T_q, H_kv * g, D) float32 receives
+    their output. ``acc`` (NB, H_kv, T) float32 (only with every query, ``T_q == T``) receives what the core's
+    importance state holds after observing every query (query ``i``'s shares, summed over its group's heads or counted above ``1/(i+1)``, in bucket
     ``(i // bucket_steps) % NB``; buckets restarted by later ones hold only their latest queries), or None.
-    ``snap`` (H_kv, T) float32 receives the shares of queries ``observe_from..T-1`` (the prompt-aware prefill's
-    snapshot), or None. ``tile``: queries per product.
+    ``snap`` (H_kv, T) float32 receives the shares of the queries at positions ``observe_from..T-1`` (the
+    prompt-aware prefill's snapshot; ``observe_from >= T - T_q``), or None. ``tile``: queries per product.
     """
     nb = 1 if acc is None else acc.shape[0]
     _ops().prompt(q, k, v, out, _NONE if acc is None else acc, _NONE if snap is None else snap, float(scale),
@@ -440,14 +446,16 @@ def prompt(q, k, v, out, acc, snap, scale: float, softcap: float | None, count: 
 
 def prompt_reference(q, k, v, out, acc, snap, scale: float, softcap: float | None, count: bool,
                      bucket_steps: int | None, observe_from: int, tile: int = 64) -> None:
-    """:func:`prompt` in plain torch over the whole ``T x T`` matrix (the tests' reference)."""
-    h, g, t, d = q.shape
+    """:func:`prompt` in plain torch over the whole ``T_q x T`` matrix (the tests' reference)."""
+    h, g, tq, d = q.shape
+    t = k.shape[1]
+    assert acc is None or tq == t, "acc: every query's shares, so every query"
     logits = torch.einsum("hgid,hjd->hgij", q.double(), k.double()) * scale
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    causal = torch.arange(t)[None, :] <= torch.arange(t)[:, None]  # (i, j)
-    probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)  # (H, g, T, T)
-    out.copy_(torch.einsum("hgij,hjd->ihgd", probs, v.double()).reshape(t, h * g, d).float())
+    causal = torch.arange(t)[None, :] <= torch.arange(t - tq, t)[:, None]  # (i, j): the query at t - tq + i
+    probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)  # (H, g, T_q, T)
+    out.copy_(torch.einsum("hgij,hjd->ihgd", probs, v.double()).reshape(tq, h * g, d).float())
     if acc is not None:
         if count:
             contrib = (probs > 1.0 / torch.arange(1, t + 1, dtype=torch.float64)[:, None]).double().sum(1)
@@ -461,7 +469,7 @@ def prompt_reference(q, k, v, out, acc, snap, scale: float, softcap: float | Non
                 acc[slot] = 0
             acc[slot] += contrib[:, i].float()
     if snap is not None:
-        snap.copy_(probs[:, :, observe_from:].sum(dim=(1, 2)).float())
+        snap.copy_(probs[:, :, observe_from - (t - tq):].sum(dim=(1, 2)).float())
 
 
 def dequantize(x: torch.Tensor, fp8: str | None, scale: float = 1.0) -> torch.Tensor:

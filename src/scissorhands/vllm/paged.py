@@ -306,10 +306,12 @@ class PagedLayer:
         if settings.protection() is not None:
             self.shields.append(settings.protection())  # type: ignore[arg-type]
         self.decode = kernels.decode if compiled else kernels.decode_reference
-        #: Prompts longer than the budget attended by torch's fused attention (:func:`_hold_fused`); False: by the
+        #: Prompts longer than the budget attended by the compiled prompt operator and, for the queries whose
+        #: probabilities nothing reads, torch's fused attention (:func:`_hold_fused`); False: by the
         #: core's tiled pass, as the transformers cache attends them.
         self.fused_prompt = compiled
         self.prompts_fused = 0  # prompts attended that way (tests)
+        self.head_queries_fused = 0  # of their queries, those attended by torch's fused attention (tests)
         self.acc: torch.Tensor | None = None  # (NB, num_blocks, H_kv, N) float32
         self.pos: torch.Tensor | None = None  # (num_blocks * N, H_kv) int32: each slot's token position
         self.rounds = 0
@@ -372,9 +374,11 @@ class PagedLayer:
         one = self._budgeted(DenseKVStore(), make_prefill(self.settings.config))
         k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
         one.allocate(k4, v4)
-        if self.fused_prompt and _hold_fused(one, q, k4, v4, out, self.scale, self.softcap,
-                                             self.settings.config.query_tile):
+        held = _hold_fused(one, q, k4, v4, out, self.scale, self.softcap,
+                           self.settings.config.query_tile) if self.fused_prompt else None
+        if held is not None:
             self.prompts_fused += 1
+            self.head_queries_fused += held
         else:
             ctx = attend(one, q.transpose(0, 1)[None], k4, v4, None, self.scale, self.softcap,
                          self.settings.config.query_tile)  # (1, H_q, T, D)
@@ -426,12 +430,14 @@ class PagedLayer:
 
 
 def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, out: torch.Tensor,
-                scale: float, softcap: float | None, query_tile: int) -> bool:
+                scale: float, softcap: float | None, query_tile: int) -> int | None:
     """A prompt longer than the budget, held whole in the one-row layer ``one`` as the core's prompt-aware prefill
     holds it, attended once by the compiled prompt operator (:func:`.kernels.prompt`): its output and the snapshot
-    the core's selection scores (and a count state's counts) in one pass; then the core's own selection
-    (``PromptAware.evict_held``), which also sets the state by its judgement. False (nothing done) where the
-    core's path is needed: a short prompt, a chunked one.
+    the core's selection scores (and a count state's counts) in one pass, the queries before the last ``observe``
+    by torch's fused attention where nothing reads their probabilities (no count state, no soft cap); then the
+    core's own selection (``PromptAware.evict_held``), which also sets the state by its judgement. Returns how
+    many queries the fused attention took; None (nothing done) where the core's path is needed: a short prompt,
+    a chunked one.
 
     ``q`` (T, H_q, D) is the prompt's queries, ``k4``/``v4`` (1, H_kv, T, D) its keys and values, ``out``
     (T, H_q, D) receives its attention.
@@ -440,7 +446,7 @@ def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Te
     t, h, d = q.shape[0], k4.shape[1], q.shape[-1]
     g = q.shape[1] // h
     if not isinstance(prefill, PromptAware) or prefill.chunk is not None or t <= one.budget:
-        return False
+        return None
     qf = q.float().view(t, h, g, d).permute(1, 2, 0, 3).contiguous()  # (H, g, T, D)
     kf, vf = k4[0].float().contiguous(), v4[0].float().contiguous()  # (H, T, D)
     for each in one.states:  # allocated as the core's attend allocates them, then held as its prefill holds
@@ -452,11 +458,20 @@ def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Te
     # (``ImportanceState.judged``), so only a count needs the operator to record it.
     counts = one.state if isinstance(one.state, ImportanceState) and not one.state.judged_replaces else None
     acc = None if counts is None else torch.empty(counts.n_buckets, h, t)
+    # Without counts, only the last ``observe`` queries' probabilities are read: the queries before them are
+    # attended by torch's fused attention (as the core's ``PromptAware._fused_head`` attends them), which has
+    # no soft cap.
+    head = max(0, t - prefill.observe) if counts is None and softcap is None else 0
+    if head:
+        keys, values = (x[None, :, :head].repeat_interleave(g, dim=1) for x in (kf, vf))  # (1, H_q, head, D)
+        ctx = torch.nn.functional.scaled_dot_product_attention(
+            qf[:, :, :head].reshape(1, h * g, head, d), keys, values, is_causal=True, scale=scale)
+        out[:head] = ctx[0].transpose(0, 1).to(out.dtype)
     snap = torch.empty(h, t)
-    ctx = torch.empty(t, h * g, d)
-    kernels.prompt(qf, kf, vf, ctx, acc, snap, scale, softcap, counts is not None,
-                   None if counts is None else counts.bucket_steps, t - prefill.observe, query_tile)
-    out.copy_(ctx.to(out.dtype))
+    ctx = torch.empty(t - head, h * g, d)
+    kernels.prompt(qf[:, :, head:].contiguous(), kf, vf, ctx, acc, snap, scale, softcap, counts is not None,
+                   None if counts is None else counts.bucket_steps, max(0, t - prefill.observe), query_tile)
+    out[head:] = ctx.to(out.dtype)
     if counts is not None and acc is not None:
         counts.acc[:, 0, :, :t] = acc.round().to(counts.acc.dtype)
     snapshot = torch.zeros(1, h, one.capacity)
@@ -464,7 +479,7 @@ def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Te
     prefill.evict_held(one, snapshot, min(prefill.observe, t))
     one.resize(one.budget)
     one.store.settle()
-    return True
+    return head
 
 
 def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,
