@@ -154,6 +154,35 @@ def test_same_numbers_as_lm_evals_hf_backend_with_the_full_cache(tiny, tokenizer
     assert ours.generate_until(gen, disable_tqdm=True) == hf.generate_until(gen, disable_tqdm=True)
 
 
+def test_a_chat_template_is_applied_as_lm_evals_hf_backend_applies_it(tiny, tokenizer, task_manager):
+    """``apply_chat_template``: the same prompts (the SmolLM2 tokenizer's ChatML turns) and the same answers as
+    lm-eval's hf model, with the full cache; a budget as large as every prompt and answer changes nothing."""
+    hf = HFLM(pretrained=tiny, tokenizer=tokenizer, batch_size=1, device="cpu")
+
+    def run(lm):
+        res = lm_eval.simple_evaluate(model=lm, tasks=["scissorhands_tiny_gen"], task_manager=task_manager,
+                                      bootstrap_iters=0, log_samples=True, apply_chat_template=True, limit=3)
+        return [(s["arguments"][0][0], s["resps"][0][0]) for s in res["samples"]["scissorhands_tiny_gen"]]
+
+    theirs = run(hf)
+    assert all(context.startswith("<|im_start|>") and context.endswith("<|im_start|>assistant\n")
+               for context, _ in theirs)
+    assert run(ScissorhandsLM(model=(tiny, tokenizer), method="full")) == theirs
+    assert run(ScissorhandsLM(model=(tiny, tokenizer), method="scissorhands", budget=512)) == theirs
+    chat = ScissorhandsLM(model=(tiny, tokenizer), method="full")
+    assert chat.chat_template(False) is None and chat.chat_template(True) == tokenizer.chat_template
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert chat.apply_chat_template(system).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+
+def test_a_chat_template_on_a_tokenizer_without_one_is_one_line(tiny):
+    from conftest import byte_tokenizer_fast
+
+    bare = ScissorhandsLM(model=(tiny, byte_tokenizer_fast()), method="full")
+    with pytest.raises(ValueError, match="^apply_chat_template: the model's tokenizer has no chat template$"):
+        bare.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
 def test_rolling_with_a_budget_that_holds_the_text_equals_the_full_cache(tiny, tokenizer):
     n = len(tokenizer.encode(TEXT)) + 1  # the prefix token included
     request = [Instance("loglikelihood_rolling", {}, (TEXT,), 0)]

@@ -310,6 +310,41 @@ class ScissorhandsLM(LM):
     def tokenizer_name(self) -> str:
         return str(getattr(self.tokenizer, "name_or_path", "tokenizer")).replace("/", "__")
 
+    # -- chat templates (lm-eval's ``--apply_chat_template``) ---------------------------------------------
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The tokenizer's chat template when lm-eval is asked to apply one (``True``, or a template's name where
+        the tokenizer has several); None when it is not."""
+        if chat_template is False or chat_template is None:
+            return None
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("apply_chat_template: the model's tokenizer has no chat template")
+        if isinstance(template, dict):
+            name = chat_template if isinstance(chat_template, str) else "default"
+            if name not in template:
+                raise ValueError(f"apply_chat_template: no template {name!r} in the tokenizer's "
+                                 f"{', '.join(sorted(template))}")
+            return template[name]
+        return template
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation as the tokenizer's chat template writes it, as lm-eval's ``hf`` model writes it: an
+        assistant turn opened (``add_generation_prompt``) or the last one continued; a template that refuses a
+        system turn gets the conversation without it."""
+        import jinja2
+
+        self.chat_template(True)  # one line if the tokenizer has none
+
+        def render(turns):
+            return self.tokenizer.apply_chat_template(turns, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt)
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            return render([turn for turn in chat_history if turn["role"] != "system"])
+
     def get_model_info(self) -> dict:
         """Settings recorded in lm-eval's results under ``config``: method, budget and every cache setting."""
         settings = {f"scissorhands_{k}": v for k, v in self.base.as_dict().items()}
