@@ -175,12 +175,18 @@ def test_a_chat_template_is_applied_as_lm_evals_hf_backend_applies_it(tiny, toke
     assert chat.apply_chat_template(system).startswith("<|im_start|>system\nBe brief.<|im_end|>")
 
 
-def test_a_chat_template_on_a_tokenizer_without_one_is_one_line(tiny):
+def test_a_chat_template_missing_or_refusing_a_system_turn(tiny):
     from conftest import byte_tokenizer_fast
 
     bare = ScissorhandsLM(model=(tiny, byte_tokenizer_fast()), method="full")
     with pytest.raises(ValueError, match="^apply_chat_template: the model's tokenizer has no chat template$"):
         bare.apply_chat_template([{"role": "user", "content": "Hi"}])
+    # A template that refuses a system turn (as Gemma's does) gets the conversation without it, as with lm-eval's hf.
+    bare.tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                    "{{ raise_exception('no system turn') }}{% endif %}"
+                                    "{{ '<' + m['role'] + '>' + m['content'] }}{% endfor %}")
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert bare.apply_chat_template(system) == "<user>Hi"
 
 
 def test_rolling_with_a_budget_that_holds_the_text_equals_the_full_cache(tiny, tokenizer):
