@@ -433,8 +433,9 @@ def prompt(q, k, v, out, acc, snap, scale: float, softcap: float | None, count: 
     q (H_kv, g, T_q, D): the prompt's last ``T_q`` queries (``T_q <= T``: the caller may attend the first ones by
     other means), k and v (H_kv, T, D), float32 and contiguous; ``out`` (T_q, H_kv * g, D) float32 receives
     their output. ``acc`` (NB, H_kv, T) float32 (only with every query, ``T_q == T``) receives what the core's
-    importance state holds after observing every query (query ``i``'s shares, summed over its group's heads or counted above ``1/(i+1)``, in bucket
-    ``(i // bucket_steps) % NB``; buckets restarted by later ones hold only their latest queries), or None.
+    importance state holds after observing every query (query ``i``'s shares, summed over its group's heads or
+    counted above ``1/(i+1)``, in bucket ``(i // bucket_steps) % NB``; buckets restarted by later ones hold only
+    their latest queries), or None.
     ``snap`` (H_kv, T) float32 receives the shares of the queries at positions ``observe_from..T-1`` (the
     prompt-aware prefill's snapshot; ``observe_from >= T - T_q``), or None. ``tile``: queries per product.
     """
