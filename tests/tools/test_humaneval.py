@@ -164,6 +164,20 @@ def test_the_chat_task_asks_through_the_template_and_stops_where_its_block_close
     assert lengths["humaneval-chat"] == lengths["humaneval"] + ask  # the template's tokens count in the budget
 
 
+def test_the_tasks_keys_are_those_of_the_records_on_file():
+    """A cell's key holds its task's identity (its public attributes): the plain task's must stay what the records
+    in docs/ were keyed by, or a run into their folder would score their cells again; the chat task's differs."""
+    from pathlib import Path
+
+    from scissorhands.tools.eval.runner import task_identity
+
+    results = Path(__file__).resolve().parents[2] / "docs" / "results" / "humaneval"
+    for folder, task in (("q05_164", HumanEval()), ("q15", HumanEval()), ("q05_chat", HumanEval(chat=True))):
+        record = json.loads((results / folder / "results.jsonl").read_text().splitlines()[0])
+        assert record["key"]["task"] == task_identity(task), folder
+    assert task_identity(HumanEval()) != task_identity(HumanEval(chat=True))
+
+
 def test_the_chat_task_on_a_model_without_a_template_is_one_line(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
     save_tiny_model(model_dir)

@@ -155,21 +155,23 @@ class HumanEval(Task):
 
     def __init__(self, max_new_tokens: int = 384, timeout: float = TIMEOUT_S, data: str | None = None,
                  chat: bool = False):
-        self.max_new_tokens, self.timeout, self.data, self.chat = max_new_tokens, timeout, data, chat
+        self.max_new_tokens, self.timeout, self.data = max_new_tokens, timeout, data
+        # The name tells the two apart in a cell's key (``runner.task_identity`` keys a task by its public
+        # attributes), so the plain task's key, and the records on file, stay what they were.
         self.name = "humaneval-chat" if chat else "humaneval"
-        self.stops = CHAT_STOPS if chat else STOPS
+        self._chat, self._stops = chat, CHAT_STOPS if chat else STOPS
         self._tokenizer: Any = None  # the tokenizer items() was given; generation decodes with it
 
     def prompt_text(self, tokenizer, problem: dict) -> str:
         """What the model is given: the problem's prompt, or in chat mode the template's turns around it."""
-        if not self.chat:
+        if not self._chat:
             return problem["prompt"]
         ask = [{"role": "user", "content": CHAT_ASK.format(prompt=problem["prompt"])}]
         turns = tokenizer.apply_chat_template(ask, tokenize=False, add_generation_prompt=True)
         return f"{turns}```python\n{problem['prompt']}"
 
     def items(self, tokenizer, limit):
-        if self.chat and not getattr(tokenizer, "chat_template", None):
+        if self._chat and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tasks: {self.name} needs a model whose tokenizer has a chat template; this one has "
                              "none (use humaneval)")
         self._tokenizer = tokenizer
@@ -192,12 +194,12 @@ class HumanEval(Task):
         ids = torch.tensor([prompt], device=model.device)
         eos = model.generation_config.eos_token_id
         pad = eos[0] if isinstance(eos, list) else eos
-        stop = StoppingCriteriaList([_StopAtStatement(self._tokenizer, len(prompt), self.stops)])
+        stop = StoppingCriteriaList([_StopAtStatement(self._tokenizer, len(prompt), self._stops)])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
                                  max_new_tokens=self.max_new_tokens, pad_token_id=pad, stopping_criteria=stop)
         new = out[0, len(prompt):].tolist()
-        return new, cut_at_stop(self._tokenizer.decode(new, skip_special_tokens=True), self.stops)
+        return new, cut_at_stop(self._tokenizer.decode(new, skip_special_tokens=True), self._stops)
 
     def _judged(self, model, item, cache) -> dict:
         tokens, completion = self._complete(model, item, cache)
