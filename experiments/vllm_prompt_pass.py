@@ -20,16 +20,15 @@ from pathlib import Path
 
 import torch
 
+from scissorhands.core.attend.prefill import causal_attention
 from scissorhands.vllm import kernels
 
 
 def _fused(q, k, v, scale, upto):
-    """Torch's causal fused attention of queries ``0..upto-1`` (GQA by repeating the KV heads), (upto, H_q, D)."""
+    """Torch's causal fused attention of queries ``0..upto-1``, as the plugin calls it, (upto, H_q, D)."""
     h, g, _, d = q.shape
-    keys, values = (x[None, :, :upto].repeat_interleave(g, dim=1) for x in (k, v))
-    ctx = torch.nn.functional.scaled_dot_product_attention(q[:, :, :upto].reshape(1, h * g, upto, d), keys,
-                                                           values, is_causal=True, scale=scale)
-    return ctx[0].transpose(0, 1)
+    ctx = causal_attention(q[None, :, :, :upto], k[None, :, :upto], v[None, :, :upto], scale)
+    return ctx[0].reshape(h * g, upto, d).transpose(0, 1)
 
 
 def variants(q, k, v, scale, observe):

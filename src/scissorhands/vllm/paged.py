@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scissorhands.core.attend.prefill import PromptAware, make_prefill
+from scissorhands.core.attend.prefill import PromptAware, causal_attention, make_prefill
 from scissorhands.core.attend.streaming import attend
 from scissorhands.core.layer.budgeted import BudgetedKV
 from scissorhands.core.methods.base import LayerView
@@ -463,10 +463,8 @@ def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Te
     # no soft cap.
     head = max(0, t - prefill.observe) if counts is None and softcap is None else 0
     if head:
-        keys, values = (x[None, :, :head].repeat_interleave(g, dim=1) for x in (kf, vf))  # (1, H_q, head, D)
-        ctx = torch.nn.functional.scaled_dot_product_attention(
-            qf[:, :, :head].reshape(1, h * g, head, d), keys, values, is_causal=True, scale=scale)
-        out[:head] = ctx[0].transpose(0, 1).to(out.dtype)
+        ctx = causal_attention(qf[None, :, :, :head], kf[None, :, :head], vf[None, :, :head], scale)  # (1,H,g,head,D)
+        out[:head] = ctx[0].reshape(h * g, head, d).transpose(0, 1).to(out.dtype)
     snap = torch.empty(h, t)
     ctx = torch.empty(t - head, h * g, d)
     kernels.prompt(qf[:, :, head:].contiguous(), kf, vf, ctx, acc, snap, scale, softcap, counts is not None,

@@ -228,7 +228,7 @@ class PromptAware(Prefill):
         dense store, with no soft cap and no merging; otherwise every query takes the tiles. The outputs equal
         the tiles' to float rounding (the tests hold them to each other); the kept tokens are the same.
         """
-        b, h, g, t, d = q.shape
+        t = q.shape[3]
         first = t - self.observe
         if (first < 1 or valid is not None or softcap is not None or kv.merge is not None
                 or not isinstance(kv.store, DenseKVStore) or int(base.max()) != 0):
@@ -238,11 +238,7 @@ class PromptAware(Prefill):
         keys, values = kv.store.read(first)  # (B, H_kv, first, D): the prompt's first tokens, in order
         if keys.dtype != q.dtype or values.dtype != q.dtype:
             return 0
-        if g > 1:
-            keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-        ctx = torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, :, :first].reshape(b, h * g, first, d), keys, values, is_causal=True, scale=scaling)
-        out[:, :, :, :first] = ctx.view(b, h, g, first, -1)
+        out[:, :, :, :first] = causal_attention(q[:, :, :, :first], keys, values, scaling)
         return first
 
     def kept_observed(self, budget: int) -> int:
@@ -283,6 +279,18 @@ class PromptAware(Prefill):
 
 
 PREFILLS: Registry[type[Prefill]] = Registry("register_prefill", Prefill, axis="prefill")
+
+
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Exact causal attention of a prompt's first queries over its own first keys, by PyTorch's fused attention
+    (no probabilities): q (B, H_kv, g, T, D), keys and values (B, H_kv, T, D); returns (B, H_kv, g, T, D). The
+    KV heads are repeated for their ``g`` query heads (the fused kernels take no grouping on every CPU build)."""
+    b, h, g, t, d = q.shape
+    if g > 1:
+        keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+    ctx = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, h * g, t, d), keys, values, is_causal=True,
+                                                           scale=scale)
+    return ctx.view(b, h, g, t, -1)
 
 
 def register_prefill(cls: type[Prefill]) -> type[Prefill]:
