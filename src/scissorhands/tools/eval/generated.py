@@ -1,0 +1,152 @@
+"""Tasks judged on what the model generates: each answer written greedily under each cache, and paired with
+the full cache's answer to the same problem.
+
+A task says how a problem is asked (:meth:`Generated.prompt_text`), how long a right answer is
+(:meth:`Generated.answer_text`, what a budget's fraction refers to), where an answer ends (its stop strings) and
+whether it is right (:meth:`Generated.judge`). The rest lives here once: greedy generation until a stop string,
+the end-of-sequence token or ``max_new_tokens``; each problem answered once with the full cache (kept for the
+grid's other cells, and in the full row's scores for a later run into the same folder, so adding a method later
+costs that method's cell alone); and each cell's pairing with it: the difference in the share of right answers
+with a paired interval, the discordant problems and McNemar's exact test, the share of answers equal to the full
+cache's, and where each answer first parts from the full cache's (its first differing token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..stats import mcnemar_p, paired_difference, proportion
+from .base import Item, Task
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
+    """``text`` up to the first of ``stops`` (all of it when none occurs)."""
+    ends = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[:min(ends)] if ends else text
+
+
+class StopAtText:
+    """A stopping criterion: the text generated since ``start`` holds one of ``stops``."""
+
+    def __init__(self, tokenizer, start: int, stops: tuple[str, ...]):
+        self.tokenizer, self.start, self.stops = tokenizer, start, stops
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        text = self.tokenizer.decode(input_ids[0, self.start:], skip_special_tokens=True)
+        done = any(s in text for s in self.stops)
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+class Generated(Task):
+    """The share of right greedy answers, each cell paired with the full cache over the same problems.
+
+    A subclass sets ``max_new_tokens`` and ``_stops`` and says how to read, ask and judge its problems. Its
+    public attributes key its cells (``runner.task_identity``), so the shared state here is private.
+    """
+
+    main_metric = "pass@1"
+    verdict = "passed"  # an item score's name for its verdict; the full cache's is ``full_<verdict>``
+    notes: tuple[str, ...] = ("error",)  # what judge() says of an answer besides its verdict, kept in its score
+    max_new_tokens: int
+    _stops: tuple[str, ...] = ()
+    _tokenizer: Any = None  # the tokenizer items() was given; generation decodes with it
+
+    def problems(self) -> list[dict]:
+        """Every problem, in order."""
+        raise NotImplementedError
+
+    def key_of(self, problem: dict) -> str:
+        raise NotImplementedError
+
+    def prompt_text(self, tokenizer, problem: dict) -> str:
+        """What the model is given."""
+        raise NotImplementedError
+
+    def answer_text(self, problem: dict) -> str:
+        """A right answer, known before anything is generated: with the prompt, what a budget's fraction refers to."""
+        raise NotImplementedError
+
+    def judge(self, problem: dict, answer: str) -> tuple[bool, dict]:
+        """Whether ``answer`` (cut at the first stop string) is right, and the :attr:`notes` on it."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Read the problems before the model loads: a missing package or a bad file is refused first."""
+        self.problems()
+
+    def items(self, tokenizer, limit):
+        self._tokenizer = tokenizer
+
+        def encode(text):
+            return tokenizer(text, add_special_tokens=False).input_ids
+
+        items = []
+        for p in self.problems()[: limit or None]:
+            prompt = encode(self.prompt_text(tokenizer, p))
+            items.append(Item(self.key_of(p), len(prompt) + len(encode(self.answer_text(p))),
+                              {"problem": p, "prompt": prompt}))
+        return items
+
+    def _complete(self, model, item, cache) -> tuple[list[int], str]:
+        from transformers import StoppingCriteriaList
+
+        prompt = item.data["prompt"]
+        ids = torch.tensor([prompt], device=model.device)  # (1, T)
+        eos = model.generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+        stop = StoppingCriteriaList([StopAtText(self._tokenizer, len(prompt), self._stops)])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
+                                 max_new_tokens=self.max_new_tokens, pad_token_id=pad, stopping_criteria=stop)
+        new = out[0, len(prompt):].tolist()
+        return new, cut_at_stop(self._tokenizer.decode(new, skip_special_tokens=True), self._stops)
+
+    def _judged(self, model, item, cache) -> dict:
+        tokens, completion = self._complete(model, item, cache)
+        right, notes = self.judge(item.data["problem"], completion)
+        return {"tokens": tokens, "completion": completion, self.verdict: right, **notes}
+
+    def _full(self, model, item) -> dict:
+        if "full" not in item.data:
+            from transformers import DynamicCache
+
+            item.data["full"] = self._judged(model, item, DynamicCache(config=model.config))
+        return item.data["full"]
+
+    def score(self, model, item, setup):
+        from transformers import DynamicCache
+
+        full = self._full(model, item)
+        cache = setup.make_cache(model, len(item.data["prompt"]) + self.max_new_tokens)
+        exact = isinstance(cache, DynamicCache)
+        mine = full if exact else self._judged(model, item, cache)
+        a, b = mine["tokens"], full["tokens"]
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        score = {self.verdict: float(mine[self.verdict]), f"full_{self.verdict}": float(full[self.verdict]),
+                 "first_divergence": first, "same_answer": float(mine["completion"] == full["completion"]),
+                 **{k: mine[k] for k in self.notes}, "completion": mine["completion"], "new_tokens": len(a)}
+        if exact:  # the full row keeps its answers' tokens, so a later run pairs with them (take_full)
+            score["tokens"] = a
+        return score
+
+    def take_full(self, items, scores):
+        for item, s in zip(items, scores):
+            if isinstance(s.get("tokens"), list) and "full" not in item.data:  # rows from before kept no tokens
+                item.data["full"] = {"tokens": s["tokens"], "completion": s["completion"],
+                                     self.verdict: bool(s[self.verdict]), **{k: s[k] for k in self.notes}}
+
+    def aggregate(self, scores):
+        right = [s[self.verdict] for s in scores]
+        full = [s[f"full_{self.verdict}"] for s in scores]
+        rate, stderr = proportion([bool(r) for r in right])
+        diff, diff_half = paired_difference(right, full)
+        lost = sum(1 for r, f in zip(right, full) if f and not r)
+        gained = sum(1 for r, f in zip(right, full) if r and not f)
+        firsts = sorted(s["first_divergence"] for s in scores)
+        return {self.main_metric: rate, "acc": rate, "acc_stderr": stderr,
+                f"full_{self.main_metric}": sum(full) / len(full), "diff_vs_full": diff,
+                "diff_vs_full_ci95": diff_half, "lost": lost, "gained": gained, "mcnemar_p": mcnemar_p(lost, gained),
+                "same_answer": sum(s["same_answer"] for s in scores) / len(scores), "first_divergence": firsts,
+                "first_divergence_median": firsts[len(firsts) // 2], "n": len(scores)}
