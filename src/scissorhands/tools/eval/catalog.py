@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import Task
+from .gsm8k import GSM8K
 from .humaneval import HumanEval
+from .mbpp import MBPP
 from .passkey import MultiKey, Passkey
 from .tasks import MC_TASKS, Agreement, Lambada, MultipleChoice, Perplexity
 
-TASKS = ("ppl", "lambada", "agreement", "passkey", "multikey", "humaneval", "humaneval-chat") + MC_TASKS
+TASKS = ("ppl", "lambada", "agreement", "passkey", "multikey", "humaneval", "humaneval-chat", "mbpp",
+         "gsm8k") + MC_TASKS
 
 
 def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | None = None) -> Task:
@@ -25,6 +28,10 @@ def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | N
         return MultiKey(data=data)
     if name in ("humaneval", "humaneval-chat"):
         return HumanEval(data=data, chat=name == "humaneval-chat")
+    if name == "mbpp":
+        return MBPP(data=data)
+    if name == "gsm8k":
+        return GSM8K(data=data)
     if name in MC_TASKS:
         return MultipleChoice(name)
     if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):
