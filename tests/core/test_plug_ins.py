@@ -303,7 +303,7 @@ def test_a_plug_ins_setting_cannot_take_a_shared_name_or_another_plug_ins():
 
     for settings, match in ((Clash, "^recent: already a name of the shared settings"),
                             (Hidden, "^with_budget: already a name of the shared settings"),
-                            (Theirs, "^observe: already a setting of prefill='prompt-aware'")):
+                            (Theirs, "^observe: already a setting of prefill='keep-prompt' or 'prompt-aware'")):
         mode = type("Clashing", (Streamed,), {"name": "test-clashing", "Settings": settings})
         with pytest.raises(ValueError, match=match):
             register_prefill(mode)

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..registry import Registry
-from ..settings.prefill import PromptAwareSettings, StreamedSettings
+from ..settings.prefill import KeepPromptSettings, PromptAwareSettings, StreamedSettings
 from ..stores.base import DenseKVStore
+from ..tokens.protect import Protection
 from .blocks import attend_block
 
 if TYPE_CHECKING:
@@ -201,9 +202,9 @@ class PromptAware(Prefill):
                 out[:, :, :, lo:hi] = torch.where(take, part_out, out[:, :, :, lo:hi])
         kv.resize(kv.budget)
 
-    def _hold(self, kv, q, out, key, value, valid, cum, scaling, softcap, query_tile) -> None:
-        """Store a chunk beside what is stored, attend over both exactly, and evict back to the budget by the
-        chunk's last ``observe`` queries."""
+    def _hold(self, kv, q, out, key, value, valid, cum, scaling, softcap, query_tile, target=None) -> None:
+        """Store a chunk beside what is stored, attend over both exactly, and evict back to the budget (or each
+        row's ``target``) by the chunk's last ``observe`` queries."""
         b = q.shape[0]
         real = cum[:, -1]  # (B,) real tokens of the chunk per row
         base = kv.slots.lengths.clone()
@@ -215,7 +216,7 @@ class PromptAware(Prefill):
         fused = self._fused_head(kv, q, out, valid, base, scaling, softcap)  # > 0 only where valid is None
         attend_block(kv, q[:, :, :, fused:], out[:, :, :, fused:], base, cum[:, fused:], valid, scaling, softcap,
                      query_tile, (watch[:, fused:], snap))  # the rest, with the judging queries' probabilities
-        self.evict_held(kv, snap, real.clamp(max=self.observe))
+        self.evict_held(kv, snap, real.clamp(max=self.observe), target)
 
     def _fused_head(self, kv, q, out, valid, base, scaling, softcap) -> int:
         """Attend a whole held prompt's queries before its last ``observe`` by PyTorch's fused attention, and
@@ -250,13 +251,15 @@ class PromptAware(Prefill):
         with a quarter (docs/results.md)."""
         return min(self.observe, budget // 4)
 
-    def evict_held(self, kv, snap: torch.Tensor, watched: int | torch.Tensor | None = None) -> None:
+    def evict_held(self, kv, snap: torch.Tensor, watched: int | torch.Tensor | None = None,
+                   target: torch.Tensor | None = None) -> None:
         """Score what a layer holds beside its budget by ``snap`` (B, H_kv, >= length), the attention its last
         ``watched`` queries (an int, or one per row; default ``observe``) paid each slot, and evict back to the
-        budget, keeping the newest :meth:`kept_observed` tokens. The layer's states are told the judgement first
-        (:meth:`~scissorhands.core.tokens.state.TokenState.judged`), so that decoding ranks what is kept as the
-        selection did. (An adapter that attends a held prompt by other means calls this with the same snapshot;
-        the selection is this one.)"""
+        budget (or to each row's ``target``, (B,)), keeping the newest :meth:`kept_observed` tokens. The layer's
+        states are told the judgement first (:meth:`~scissorhands.core.tokens.state.TokenState.judged`), so that
+        decoding ranks what is kept as the selection did. (An adapter that attends a held prompt by other means
+        calls this with the same snapshot; the selection is this one.)"""
+        goal = torch.full_like(kv.slots.lengths, kv.budget) if target is None else target
         length = kv.slots.length
         scores = kv.method.score(kv.view(prompt_attention=snap[:, :, :length]))  # (B, H_kv, L)
         if kv.state.wants_attention:
@@ -267,15 +270,92 @@ class PromptAware(Prefill):
             positions = kv.slots.positions[:, :, :length].long()
             seen = kv.slots.seen.to(snap.device)[:, None, None]  # (B, 1, 1): the chunk's end
             n = torch.as_tensor(self.observe if watched is None else watched).expand(kv.slots.lengths.shape)
-            n = torch.where(kv.slots.lengths > kv.budget, n, 0).to(snap.device)  # a row within its budget: not judged
+            n = torch.where(kv.slots.lengths > goal, n, 0).to(snap.device)  # a row within its budget: not judged
             saw = torch.minimum((seen - positions).clamp(min=1), n[:, None, None])  # watched queries per slot (or 0)
             for state in kv.states:
                 state.judged(scores, saw.to(scores.dtype), positions, kv.slots.seen)
             scores = scores.clone()
-            last = positions >= seen - self.kept_observed(kv.budget)
+            last = positions >= seen - self.kept_observed(kv.budget if target is None else int(goal.min()))
             # Above any attention score but below the shields (recent window, protected spans), which stay inf.
             scores.masked_fill_(last, torch.finfo(scores.dtype).max)
-        kv.evict(scores, (kv.slots.lengths - kv.budget).clamp(min=0))
+        kv.evict(scores, (kv.slots.lengths - goal).clamp(min=0))
+
+
+class KeepPrompt(PromptAware):
+    """Keep the prompt beside the budget, and evict only what is generated after it (``prefill="keep-prompt"``).
+
+    The first chunk a layer takes is the prompt. Each row keeps ``prompt_keep`` of it (a fraction of its
+    prompt's real tokens, rounded up, or a count; None: all of it) until the sequence ends: a prompt kept whole
+    streams in with no eviction; a prompt kept in part is held whole, attended exactly and judged by its last
+    ``observe`` queries as the prompt-aware prefill judges it (:meth:`PromptAware.evict_held`), down to its kept
+    count. The kept prompt is then shielded from every later eviction (:meth:`BudgetedKV.hold`), and the budget
+    holds the tokens after it: a row stores at most its kept prompt plus the budget, and generated tokens are
+    evicted at the budget as usual. Later chunks (a second turn) stream under the same rule.
+
+    A row of a padded batch keeps what it would keep alone: its own prompt's length sets its kept count.
+
+    Parameters
+    ----------
+    keep : float or int, optional
+        ``prompt_keep``: a fraction in (0, 1) of each prompt, a count of its tokens, or None for all of it.
+    observe, pool : int
+        As :class:`PromptAware`'s: the queries that judge a prompt kept in part, and the pooling of their scores.
+    """
+
+    name = "keep-prompt"
+    Settings = KeepPromptSettings  # prompt_keep, and prompt-aware's observe and pool
+
+    def __init__(self, keep: float | int | None, observe: int, pool: int, stream: Streamed | None = None):
+        super().__init__(observe, pool, None, stream)
+        self.keep = keep
+
+    @classmethod
+    def from_settings(cls, settings, layer_budget=None):
+        return cls(settings.prompt_keep, settings.observe, settings.pool,
+                   Streamed.from_settings(settings, layer_budget))
+
+    @staticmethod
+    def _protected(kv, real: torch.Tensor, within: bool) -> torch.Tensor:
+        """Each row's (B,) protected positions (sinks, protected spans) inside its prompt of ``real`` tokens, with
+        its recent window, or after it: those inside are kept with it, whatever ``prompt_keep`` says; those after
+        count against the budget, as a streamed layer's do."""
+        reals = real.tolist()
+        rows: list[list[tuple[int, int]]] = [[(max(0, n - kv.recent), n)] if within and kv.recent else []
+                                             for n in reals]
+        for shield in kv.shields:
+            if isinstance(shield, Protection):
+                for b in range(len(reals)):
+                    rows[b].extend(shield.rows[b if len(shield.rows) > 1 else 0])
+        lo, hi = ([0] * len(reals), reals) if within else (reals, [float("inf")] * len(reals))
+        return torch.tensor(Protection(rows).counts_in(lo, hi), dtype=real.dtype)
+
+    def kept(self, real: torch.Tensor) -> torch.Tensor:
+        """How many of each row's ``real`` (B,) prompt tokens it keeps."""
+        if self.keep is None:
+            return real.clone()
+        if isinstance(self.keep, float):
+            return torch.ceil(real.double() * self.keep).long().clamp(min=1).minimum(real)
+        return real.clamp(max=self.keep)
+
+    def take(self, kv, q, out, key, value, valid, cum, scaling, softcap, query_tile):
+        if kv.slots.length != 0 or kv.held is not None:
+            return self.stream.take(kv, q, out, key, value, valid, cum, scaling, softcap, query_tile)
+        real = cum[:, -1]  # (B,) each row's prompt
+        kept = torch.maximum(self.kept(real), self._protected(kv, real, within=True))  # recent window included
+        after = self._protected(kv, real, within=False)
+        room = kv.budget - kv.recent - kv.drop
+        if bool((after > room).any()):
+            worst = int(after.argmax())
+            raise ValueError(f"protect: {int(after[worst])} protected tokens after the prompt (sequence {worst}) do "
+                             f"not fit: a layer budget of {kv.budget} keeps {kv.recent} recent tokens and must be "
+                             f"able to evict {kv.drop} at once, which leaves room for at most {room}")
+        if bool((kept == real).all()):
+            kv.hold(kept, real)  # room for the whole prompt beside the budget: it streams in, nothing evicted
+            self.stream.take(kv, q, out, key, value, valid, cum, scaling, softcap, query_tile)
+            return
+        self._hold(kv, q, out, key, value, valid, cum, scaling, softcap, query_tile, target=kept)
+        kv.hold(kept, real)
+        kv.resize(kv.budget + int(kept.max()))
 
 
 PREFILLS: Registry[type[Prefill]] = Registry("register_prefill", Prefill, axis="prefill")
@@ -312,3 +392,4 @@ def make_prefill(settings: CacheSettings, layer_budget: int | None = None) -> Pr
 
 register_prefill(Streamed)
 register_prefill(PromptAware)
+register_prefill(KeepPrompt)

@@ -110,6 +110,7 @@ class BudgetedKV(Eviction):
         if protect is not None:
             self.shields.append(protect)
         self.given_shields = list(self.shields)  # as given; each allocation fits them to its batch
+        self.held: torch.Tensor | None = None  # (B,) prompt tokens kept beside the budget (hold), or None
         self.listeners: list = []
         self.tiers = self.store.tiered()  # the chain of widths, or None
         self.demotion = None if self.tiers is None else Demotion(self.tiers)
@@ -131,6 +132,7 @@ class BudgetedKV(Eviction):
         if self.static is not None:
             self.static.active = False
         self.shields = [shield.for_batch(b) for shield in self.given_shields]
+        self.held = None
         self.store.allocate(key, value)
         self.slots = SlotTable(b, h, key.device)
         self.compressions = 0
@@ -147,6 +149,8 @@ class BudgetedKV(Eviction):
         for state in self.states:
             state.reset()
         self.slots = SlotTable(0, 0, None)
+        self.shields = list(self.given_shields)
+        self.held = None
         self.compressions = 0
         self.allocated = False
         self.states_ready = False
@@ -159,15 +163,32 @@ class BudgetedKV(Eviction):
             self.static.settle()
 
     def room(self) -> torch.Tensor:
-        """Tokens each row (B,) can take before its next compression event (CPU): the budget's free slots, and
-        with tiers the free entries of every width."""
+        """Tokens each row (B,) can take before its next compression event (CPU): the budget's free slots (beside
+        a kept prompt, :meth:`hold`), and with tiers the free entries of every width."""
         free = self.budget - self.slots.lengths
+        if self.held is not None:
+            free = free + self.held
         return free if self.demotion is None else self.demotion.room(free)
 
     def room_uniform(self) -> int:
-        """:meth:`room` when every row is aligned, as one integer (no tensor operation without tiers)."""
+        """:meth:`room` when every row is aligned, as one integer (no tensor operation without tiers). Aligned rows
+        saw prompts of one length, so they keep equal prompts beside the budget."""
         free = self.budget - self.slots.uniform_state()[0]
+        if self.held is not None:
+            free += int(self.held[0])
         return free if self.demotion is None else self.demotion.room_uniform(free)
+
+    def row_budgets(self) -> torch.Tensor:
+        """Each row's (B,) most stored tokens from now on: the budget, plus the prompt it keeps (:meth:`hold`)."""
+        budget = torch.full_like(self.slots.lengths, self.budget)
+        return budget if self.held is None else budget + self.held
+
+    def hold(self, kept: torch.Tensor, prompt: torch.Tensor) -> None:
+        """Keep each row's first ``prompt`` (B,) positions, ``kept`` (B,) of them stored, beside the budget until
+        the sequence ends (``prefill="keep-prompt"``): they are shielded from every later eviction, and the
+        budget holds the tokens after them. Called once, after the prompt is stored."""
+        self.held = kept.to(self.slots.lengths.device, self.slots.lengths.dtype).clone()
+        self.shields.append(Protection([[(0, int(n))] if int(n) > 0 else [] for n in prompt.tolist()]))
 
     @property
     def capacity(self) -> int:
@@ -178,7 +199,8 @@ class BudgetedKV(Eviction):
         cap = self.capacity
         if needed <= cap:
             return
-        self.resize(min(limit or self.budget, max(needed, 2 * cap, 16)))
+        most = self.budget if self.held is None else self.budget + int(self.held.max())
+        self.resize(min(limit or most, max(needed, 2 * cap, 16)))
 
     def resize(self, capacity: int) -> None:
         """Set every part's slot axis to ``capacity``."""
@@ -244,6 +266,8 @@ class BudgetedKV(Eviction):
         self.to_stored_order()
         dev = index.to(self.slots.device)
         self.shields = [shield.select_batch(index) for shield in self.shields]
+        if self.held is not None:
+            self.held = self.held[index.to(self.held.device)]
         for listener in self.listeners:
             listener.select_batch(self.layer_idx, index)
         self.store.select_batch(dev)

@@ -114,7 +114,8 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
         raise ValueError(f"kv_key_centers: needs packed K/V (kv_bits below 16) or memory=, got "
                          f"kv_bits={config.kv_bits}")
     budgets = layer_budgets(config, n_layers)
-    check_room(protection, [(b, config.recent_for(b), config.drop_for(b)) for b in budgets], name=protect_name)
+    if config.prefill != "keep-prompt":  # spans in a kept prompt sit beside the budget: checked at the prompt
+        check_room(protection, [(b, config.recent_for(b), config.drop_for(b)) for b in budgets], name=protect_name)
     layers = []
     for budget in budgets:
         if budget <= config.protected:

@@ -256,6 +256,9 @@ def check_memory_settings(settings) -> None:
     if isinstance(settings.schedule, tuple):
         raise ValueError("memory: chooses the token budget itself; give memory or a per-layer schedule list, "
                          "not both (use schedule='uniform' or 'increasing')")
+    if settings.prefill == "keep-prompt":
+        raise ValueError("memory: a keep-prompt prefill keeps each prompt beside the budget, so its peak grows with "
+                         "the prompt; give a token budget, or use prefill='prompt-aware' with prompt_chunk")
     if settings.prefill == "prompt-aware" and settings.prompt_chunk is None:
         raise ValueError("memory: a prompt-aware prefill holds the whole prompt at once, whatever the budget; give "
                          "prompt_chunk as well (its peak is then the budget plus one chunk, which memory= counts)")

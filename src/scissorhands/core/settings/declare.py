@@ -109,7 +109,7 @@ def own(axis: str, owner: str, cls) -> None:
         have = OWNED.get(name)
         if name in RESERVED or (have is not None and (have.decl is not decl or have.axis != axis)):
             whose = "a name of the shared settings" if have is None else \
-                f"a setting of {have.axis}={sorted(have.owners)[0]!r}"
+                f"a setting of {have.axis}=" + " or ".join(repr(o) for o in sorted(have.owners))
             raise ValueError(f"{name}: already {whose}; {owner!r} must name its setting otherwise")
         if default is REQUIRED:
             raise ValueError(f"{name}: a plug-in's setting needs a default ({owner!r})")

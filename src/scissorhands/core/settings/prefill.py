@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from . import declare as s
 from .declare import setting
 
-PREFILL_MODES = ("stream", "prompt-aware")  # the shipped modes; any registered one is taken (attend/prefill.py)
+# The shipped modes; any registered one is taken (attend/prefill.py).
+PREFILL_MODES = ("stream", "prompt-aware", "keep-prompt")
 GROUP = "prefill"
 
 
@@ -32,7 +33,8 @@ class PrefillSettings:
     """How a prompt enters a layer: the mode (each mode owns its own settings, below)."""
 
     prefill: str = setting(
-        "stream", '`"stream"` (peak = budget) or `"prompt-aware"` (hold the prompt once, score it by its last queries)',
+        "stream", '`"stream"` (peak = budget), `"prompt-aware"` (hold the prompt once, score it by its last queries) '
+        'or `"keep-prompt"` (keep the prompt, or `prompt_keep` of it, beside a budget for the generated tokens)',
         s.parse_text, _prefill_name, group=GROUP, metavar="|".join(PREFILL_MODES))
 
 
@@ -65,5 +67,24 @@ class PromptAwareSettings:
                         "several tokens stays whole; 1 = none", s.parse_int, _odd, group=GROUP, metavar="N")
 
 
+@dataclass(frozen=True)
+class KeepPromptSettings(PromptAwareSettings):
+    """The settings of the kept-prompt prefill (:class:`~scissorhands.core.attend.prefill.KeepPrompt`): the
+    prompt-aware prefill's judgement (``observe``, ``pool``), and how much of the prompt is kept beside the
+    budget, which then holds the generated tokens alone."""
+
+    prompt_keep: float | int | None = setting(
+        None, "keep-prompt prefill: how much of each prompt is kept, beside the budget, until the sequence ends: "
+        "a fraction of the prompt or a count of its tokens, chosen by its last queries; `None` = the whole prompt. "
+        "The budget then holds the generated tokens alone", s.parse_optional_count_or_fraction,
+        s.fraction_or_count(1, fraction_closed_low=False, allow_none=True), group=GROUP, metavar="F|N|none")
+
+    def check(self) -> None:
+        if self.prompt_chunk is not None:
+            raise ValueError(f"prompt_chunk: the keep-prompt prefill keeps its prompt beside the budget, so it takes "
+                             f"it whole; use prefill='prompt-aware' to chunk a prompt (got {self.prompt_chunk})")
+
+
 s.own("prefill", "stream", StreamedSettings)
 s.own("prefill", "prompt-aware", PromptAwareSettings)
+s.own("prefill", "keep-prompt", KeepPromptSettings)

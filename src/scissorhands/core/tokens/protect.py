@@ -105,6 +105,16 @@ class Protection:
         """Protected tokens per sequence (overlaps counted once; a span past the end still counts whole)."""
         return [_merged_length(r) for r in self.rows]
 
+    def counts_in(self, starts: list[int], ends: list[float]) -> list[int]:
+        """Protected positions of each row ``b`` in ``[starts[b], ends[b])`` (overlaps counted once); ``starts``
+        and ``ends`` hold one bound per row of the batch, which shared spans serve alike."""
+        rows = self.rows if len(self.rows) == len(starts) else [self.rows[0]] * len(starts)
+        out = []
+        for row, lo, hi in zip(rows, starts, ends):
+            clipped = [(max(s, lo), min(e, hi)) for s, e in row if min(e, hi) > max(s, lo)]
+            out.append(_merged_length(clipped))  # type: ignore[arg-type]
+        return out
+
     def for_batch(self, batch: int) -> Protection:
         """The protection of a batch of ``batch`` rows.
 

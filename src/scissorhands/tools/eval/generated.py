@@ -39,6 +39,19 @@ class StopAtText:
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
+def held_tokens(cache) -> dict:
+    """What a cache held when its answer was done: ``kv_seen``, the tokens it was given (prompt and answer), and
+    ``kv_held``, the tokens it stored, per budgeted layer on average (transformers' own cache holds all it saw).
+    Their ratio is the compression measured on the sequence itself, its prompt included, whatever the settings
+    (a prompt kept beside the budget, protected spans, a budget above the length)."""
+    layers = getattr(cache, "budgeted_layers", None)
+    if not layers:
+        seen = int(cache.get_seq_length())
+        return {"kv_seen": seen, "kv_held": seen}
+    stored = [int(layer.kv.slots.lengths.max()) for layer in layers]
+    return {"kv_seen": int(layers[0].kv.slots.seen.max()), "kv_held": sum(stored) / len(stored)}
+
+
 class Generated(Task):
     """The share of right greedy answers, each cell paired with the full cache over the same problems.
 
@@ -106,7 +119,7 @@ class Generated(Task):
     def _judged(self, model, item, cache) -> dict:
         tokens, completion = self._complete(model, item, cache)
         right, notes = self.judge(item.data["problem"], completion)
-        return {"tokens": tokens, "completion": completion, self.verdict: right, **notes}
+        return {"tokens": tokens, "completion": completion, self.verdict: right, **notes, **held_tokens(cache)}
 
     def _full(self, model, item) -> dict:
         if "full" not in item.data:
@@ -126,7 +139,8 @@ class Generated(Task):
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         score = {self.verdict: float(mine[self.verdict]), f"full_{self.verdict}": float(full[self.verdict]),
                  "first_divergence": first, "same_answer": float(mine["completion"] == full["completion"]),
-                 **{k: mine[k] for k in self.notes}, "completion": mine["completion"], "new_tokens": len(a)}
+                 **{k: mine[k] for k in self.notes}, "completion": mine["completion"], "new_tokens": len(a),
+                 **{k: mine[k] for k in ("kv_seen", "kv_held") if k in mine}}
         if exact:  # the full row keeps its answers' tokens, so a later run pairs with them (take_full)
             score["tokens"] = a
         return score
@@ -145,7 +159,12 @@ class Generated(Task):
         lost = sum(1 for r, f in zip(right, full) if f and not r)
         gained = sum(1 for r, f in zip(right, full) if r and not f)
         firsts = sorted(s["first_divergence"] for s in scores)
-        return {self.main_metric: rate, "acc": rate, "acc_stderr": stderr,
+        measured = {}
+        if all("kv_held" in s for s in scores):  # rows written before it was measured have none
+            seen, held = sum(s["kv_seen"] for s in scores), sum(s["kv_held"] for s in scores)
+            measured = {"kv_seen_mean": seen / len(scores), "kv_held_mean": held / len(scores),
+                        "measured_compression": seen / held}
+        return {self.main_metric: rate, "acc": rate, "acc_stderr": stderr, **measured,
                 f"full_{self.main_metric}": sum(full) / len(full), "diff_vs_full": diff,
                 "diff_vs_full_ci95": diff_half, "lost": lost, "gained": gained, "mcnemar_p": mcnemar_p(lost, gained),
                 "same_answer": sum(s["same_answer"] for s in scores) / len(scores), "first_divergence": firsts,
