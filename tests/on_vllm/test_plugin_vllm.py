@@ -8,6 +8,7 @@ differ in the last bits, 5e-7 seen here; a token kept or dropped differently mov
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -266,12 +267,51 @@ def test_a_bad_setting_is_one_line_at_start_up(tiny_folder, plugin, name):
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}},
      "speculative_config"),
-], ids=["pipeline", "speculative"])
-def test_a_mode_the_plugin_cannot_serve_is_refused_at_start_up(tiny_folder, engine_args, name):
-    with pytest.raises(Exception) as err:
-        Engine(tiny_folder, {"budget": 64}, **engine_args)
+    ({"kv_cache_dtype": "fp8_inc"}, "kv_cache_dtype"),
+    # A connector saves K/V the plugin has rearranged, and loads a prompt in part (a chunk the plugin cannot hold).
+    ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                             "kv_connector_extra_config": {"shared_storage_path": "/nonexistent"}}},
+     "kv_transfer_config"),
+    ({"tensor_parallel_size": 4}, "tensor_parallel_size"),  # 2 KV heads: ranks would hold copies of one head
+    ({"sliding": True}, "model"),  # every layer a sliding window: no layer to budget
+], ids=["pipeline", "speculative", "fp8_inc", "kv_connector", "tp_over_kv_heads", "no_budgeted_layer"])
+def test_a_mode_the_plugin_cannot_serve_is_refused_at_start_up_in_one_line(tiny_folder, tmp_path, engine_args,
+                                                                           name):
+    """Refused while the config is built, before any engine starts: ``LLM(...)`` raises a ``ValueError`` of one
+    line that starts with the vLLM setting's name (not vLLM's many-line validation report around it)."""
+    folder = tiny_folder
+    if engine_args.pop("sliding", False):
+        folder = str(tmp_path / "sliding")
+        shutil.copytree(tiny_folder, folder)
+        config = json.loads(open(f"{folder}/config.json").read())
+        config.update(layer_types=["sliding_attention"] * config["num_hidden_layers"], sliding_window=16)
+        with open(f"{folder}/config.json", "w") as f:
+            json.dump(config, f)
+    with pytest.raises(ValueError) as err:
+        Engine(folder, {"budget": 64}, **engine_args)
     message = str(err.value)
-    assert f"{name}: " in message and "scissorhands" in message, message
+    assert message.startswith(f"{name}: ") and "\n" not in message and "scissorhands" in message, message
+
+
+def test_prompts_over_long_prefill_token_threshold_are_held_whole(tiny_folder):
+    """vLLM's scheduler cuts a prompt at ``long_prefill_token_threshold`` while others wait, with chunked prefill off
+    too; the plugin holds a prompt whole, so it resets the threshold to 0. Two concurrent 200-token prompts with
+    a threshold of 64 (which ended the engine: "a prompt came in chunks") get the tokens they get without it. The
+    compiled operator is loaded while the engine starts, before the first request."""
+    from scissorhands.vllm import kernels
+
+    runs = []
+    for threshold in (64, 0):
+        kernels._OPS.clear()  # this process's loaded operator forgotten: the engine's start must load it
+        engine = Engine(tiny_folder, {"budget": 48}, long_prefill_token_threshold=threshold)
+        try:
+            assert "ops" in kernels._OPS
+            assert engine.core.scheduler.scheduler_config.long_prefill_token_threshold == 0
+            runs.append(engine.generate(prompts(200, 200), 8))
+        finally:
+            engine.close()
+    assert [r["tokens"] for r in runs[0]] == [r["tokens"] for r in runs[1]]
+    assert all(len(r["tokens"]) == 8 for r in runs[0])
 
 
 def test_installed_but_off_is_vllm_as_it_is(tiny_folder, tmp_path):
@@ -346,17 +386,29 @@ def test_lm_evals_own_vllm_model_type_scores_a_task_under_eviction(monkeypatch):
     assert all(layer.rounds > 0 for layer in layers)  # prompts longer than the budget: evicted, then in rounds
 
 
-def test_the_openai_server_refuses_a_bad_setting_in_one_line(tiny_folder):
-    """A bad plugin setting stops the OpenAI server before it serves: one line naming the setting, exit code 2,
-    no traceback through vLLM's launcher."""
+@pytest.mark.parametrize("budget, flags, extensions, start", [
+    (-1, [], None, "budget: "),
+    (64, ["--kv-cache-dtype", "fp8_inc"], None, "kv_cache_dtype: "),  # refused inside vLLM's validation
+    (64, [], "under-a-file", "the paged attention operator cannot be built: the extension cache folder "),
+], ids=["bad_setting", "unservable_mode", "unwritable_extension_folder"])
+def test_the_openai_server_refuses_at_start_up_in_one_line(tiny_folder, tmp_path, budget, flags, extensions, start):
+    """What the plugin cannot serve stops the OpenAI server before it serves: one line naming it, exit code 2, no
+    traceback through vLLM's launcher. An extension folder that cannot be written (``TORCH_EXTENSIONS_DIR`` under
+    a file) is found while the operator is built at start-up, not by the first request."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    if extensions:
+        (tmp_path / "a-file").write_text("")
+        env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "a-file" / "extensions")
     done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_folder,
-                           "--additional-config", json.dumps({"scissorhands": {"budget": -1}})],
+                           "--skip-tokenizer-init", *flags,
+                           "--additional-config", json.dumps({"scissorhands": {"budget": budget}})],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("scissorhands: error:")]
-    assert len(errors) == 1 and errors[0].startswith("scissorhands: error: budget: "), done.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"scissorhands: error: {start}"), done.stderr[-3000:]
+    if extensions:
+        assert env["TORCH_EXTENSIONS_DIR"] in errors[0] and "TORCH_EXTENSIONS_DIR" in errors[0]
 
 
 def test_the_openai_server_serves_completions_and_chat_with_the_plugin(tmp_path):
@@ -404,7 +456,10 @@ def test_the_openai_server_serves_completions_and_chat_with_the_plugin(tmp_path)
         chat = post("/v1/chat/completions", {"model": "smollm2", "max_tokens": 8, "temperature": 0,
                                              "messages": [{"role": "user", "content": prompt}]})
         assert chat["choices"][0]["message"]["content"].strip()
-        assert "scissorhands: method scissorhands, budget 64" in (tmp_path / "server.log").read_text()
+        text = (tmp_path / "server.log").read_text()
+        assert "scissorhands: method scissorhands, budget 64" in text
+        # The operator was loaded while the engine started, before the server said it was up.
+        assert -1 < text.find("paged attention operator loaded from") < text.find("Application startup complete")
     finally:
         server.terminate()
         server.wait(timeout=60)

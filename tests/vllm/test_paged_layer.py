@@ -335,16 +335,6 @@ def test_the_prompt_pass_over_its_last_queries_equals_the_whole_pass_there(t, gi
 
 
 
-def test_a_built_operator_is_loaded_where_it_lies_not_built_again():
-    """Another environment with the same torch loads the module built under the same name (torch's loader would
-    rebuild it, its build file naming that environment's headers); a name never built is None, not an error."""
-    kernels.build()
-    name = kernels._OPS["ops"].__name__
-    loaded = kernels._load_built(name)
-    assert loaded is not None and loaded.__file__ == kernels._OPS["ops"].__file__
-    assert kernels._load_built("scissorhands_paged_never_built") is None
-
-
 STACKED = {**PLUGINS, "random": {"budget": 12, "method": "random", "drop": 3},
            "value-weighted": {"budget": 12, "value_weighted": True, "drop": 3}}
 

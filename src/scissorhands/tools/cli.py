@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from .build_cli import add_parser as add_build_parser
+
+    add_build_parser(sub)
+
     cal = sub.add_parser("calibrate", allow_abbrev=False,
                          help="measure per-channel key centres for packed K/V (--kv-key-centers)")
     add_model_args(cal)
@@ -708,6 +712,10 @@ def _run(parser, args) -> int:
             return run_bench(args, cache_settings(args), _check_model_args)
         if args.command == "calibrate":
             return _run_calibrate(args)
+        if args.command == "build":
+            from .build_cli import run as run_build
+
+            return run_build(args)
         if args.command == "demo":
             from .generation import demo_chat
 

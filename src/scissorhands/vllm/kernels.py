@@ -15,9 +15,11 @@ bucket's accumulator and the last queries' snapshot. Per KV head and tile of
 queries it is one ``Q K^T`` product, one pass over the rows (softmax and the
 column sums), one ``P V`` product.
 
-Both are C++ (``torch.utils.cpp_extension``), built on first use and cached
-by torch in ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``);
-a machine without a C++ compiler gets one line saying so.
+Both are C++ (``torch.utils.cpp_extension``), built for the machine they run
+on and cached by torch in ``TORCH_EXTENSIONS_DIR`` (by default
+``~/.cache/torch_extensions``): at start-up by the plugin's worker, or ahead by
+``scissorhands build`` (:mod:`.build`: a stale lock, a missing compiler or an
+unwritable folder is one line).
 :func:`decode_reference` and :func:`prompt_reference` are the same in plain
 torch: the tests hold each pair equal.
 
@@ -30,10 +32,12 @@ matrix; reading each key once, where it lies, is what makes the step cheap.
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 
 import torch
+
+from .build import load as load_extension
+from .build import module_file as build_module_file
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -318,7 +322,7 @@ void prompt(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
 }
 """
 
-#: Built for the machine it runs on (it is built there, on first use). Fast maths lets the compiler vectorise the
+#: Built for the machine it runs on (there, at start-up or ahead). Fast maths lets the compiler vectorise the
 #: softmax's exponentials with glibc's vector maths; the operator reads no slot outside a window and starts each
 #: maximum from a real logit, so it meets no infinity or NaN.
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -339,59 +343,29 @@ def _machine() -> str:
     return "".join(line for line in text.splitlines(True) if line.startswith(("model name", "flags")))[:4096]
 
 
-def _load_built(name: str):
-    """The operator another environment with the same torch already built under this name, or None.
+def operator_name() -> str:
+    """The operator's extension name: one build per source, flags, torch build and CPU, so environments with the
+    same torch share it (torch's extension folder is per Python version already)."""
+    key = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + torch.__version__ + _machine()).encode())
+    return f"scissorhands_paged_{key.hexdigest()[:12]}"
 
-    torch's own loader would build it again there: its build file names the environment's torch headers, so
-    the build is redone whenever the environment changes, though the module (same source, flags, torch
-    version and CPU, which the name encodes) is the same. Anything unreadable (a build still being linked)
-    falls back to torch's loader, which waits for the build."""
-    import importlib.util
 
-    from torch.utils import cpp_extension
-
-    try:
-        folder = cpp_extension._get_build_directory(name, False)
-        path = os.path.join(folder, name + ".so")
-        if not os.path.isfile(path) or os.path.exists(os.path.join(folder, "lock")):
-            return None  # never built here, or being built now: torch's loader waits for it
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except Exception:  # torch's private helper may change; then torch's own loader decides
-        return None
-    return module if hasattr(module, "decode") and hasattr(module, "prompt") else None
+def operator_file():
+    """Where the built operator lies (or will): ``TORCH_EXTENSIONS_DIR``/name/name.so."""
+    return build_module_file(operator_name())
 
 
 def _ops():
-    """The compiled operator, built on first use (about a minute) and cached by torch; one line if it cannot be."""
+    """The compiled operator, loaded or built (:func:`.build.load`) once per process."""
     if "ops" not in _OPS:
-        from torch.utils import cpp_extension
-
-        # One build per source, flags, torch build and CPU: environments with the same torch share it (torch's
-        # extension folder is per Python version already).
-        key = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + torch.__version__ + _machine()).encode())
-        name = f"scissorhands_paged_{key.hexdigest()[:12]}"
-        built = _load_built(name)
-        if built is not None:
-            _OPS["ops"] = built
-            return built
-        try:
-            _OPS["ops"] = cpp_extension.load_inline(name=name, cpp_sources=_SOURCE, functions=["decode", "prompt"],
-                                                    extra_cflags=_CFLAGS, extra_ldflags=["-lmvec"], verbose=False)
-        except (RuntimeError, OSError, ImportError) as e:
-            lines = str(e).strip().splitlines() or [type(e).__name__]
-            first = next((x.strip() for x in lines if "error" in x.lower() and "Error building" not in x), lines[0])
-            raise RuntimeError(f"scissorhands: cannot build the paged attention operator with "
-                               f"torch.utils.cpp_extension (a C++ compiler, g++, is needed): {first}") from None
+        _OPS["ops"] = load_extension(operator_name(), _SOURCE, ["decode", "prompt"], _CFLAGS, ["-lmvec"])
     return _OPS["ops"]
 
 
-def build() -> None:
-    """Build (or load) the operator now."""
-    _ops()
+def build():
+    """Build (or load) the operator now, before serving; a :class:`.build.BuildError` of one line if it cannot be.
+    Returns the loaded module."""
+    return _ops()
 
 
 _NONE = torch.empty(0)

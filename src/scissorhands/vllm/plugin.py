@@ -4,10 +4,16 @@ vLLM calls :func:`register` in each of its processes. It registers
 :class:`~.backend.ScissorhandsBackend` over ``CPU_ATTN`` (a subclass that is
 exactly the parent while the plugin is off) and extends the CPU platform's
 config step so that, when the ``scissorhands`` settings are present, they are
-checked at start-up (a one-line error naming the bad one), the plugin's worker
-is used, and prefix caching and chunked prefill are turned off (a prompt must
-be held whole and attended once; a shared prefix block cannot be evicted for
-one request alone), saying so in the log.
+checked at start-up (a one-line error naming the bad one), what the plugin
+cannot serve is refused (:func:`refuse_unservable`: pipeline parallelism,
+speculative decoding, a K/V dtype it cannot read, a KV connector, more tensor
+parallel ranks than KV heads), the plugin's worker is used, and prefix
+caching, chunked prefill and ``long_prefill_token_threshold`` are turned off
+(a prompt must be held whole and attended once; a shared prefix block cannot be
+evicted for one request alone), saying so in the log. Each refusal is one line
+before the engine starts: ``LLM(...)`` raises it as a ``ValueError``, and the
+OpenAI server prints it and exits with code 2. The compiled operator is built
+(or loaded) there too, before any engine starts (:mod:`.build`).
 
 Both start-up steps extend a vLLM method in place, since vLLM 0.32 has no hook
 for either: a general plugin gets no config step, and a platform plugin (a
@@ -20,7 +26,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import NoReturn
 
+from .settings import Refusal
+
+#: The ``layer_types`` of a layer with a full-attention cache, the only kind the plugin budgets.
+FULL_ATTENTION = ("full_attention", "attention")
 #: vLLM's usage contexts of its servers: a bad setting there ends the process with one line and exit code 2.
 SERVERS = ("OPENAI_API_SERVER", "API_SERVER", "OPENAI_BATCH_RUNNER")
 
@@ -36,6 +47,8 @@ def register() -> None:
     if getattr(CpuPlatform.check_and_update_config, "scissorhands", False):  # registered in this process already
         return
 
+    from . import kernels
+    from .build import BuildError
     from .settings import from_vllm
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "scissorhands.vllm.backend.ScissorhandsBackend")
@@ -47,44 +60,71 @@ def register() -> None:
         prepare_config(vllm_config)
 
     def create_engine_config(self, *args, **kwargs):
-        # Checked before vLLM builds its config, which would wrap the error in a many-line validation report.
+        # A bad setting is checked before vLLM builds its config; a refusal of the config step is taken out of the
+        # many-line validation report vLLM wraps it in; the operator is built before any engine starts.
+        context = kwargs.get("usage_context", args[0] if args else None)
+        server = getattr(context, "value", context) in SERVERS
         try:
-            from_vllm(self.additional_config)
+            settings = from_vllm(self.additional_config)
         except ValueError as e:
-            context = kwargs.get("usage_context", args[0] if args else None)
-            if getattr(context, "value", context) in SERVERS:  # its launcher would print a traceback around it
-                sys.stderr.write(f"scissorhands: error: {e}\n")
-                raise SystemExit(2) from None
-            raise  # LLM(...) and other Python callers get the ValueError itself
-        return create(self, *args, **kwargs)
+            refuse(e, server)
+        try:
+            config = create(self, *args, **kwargs)
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            refusal = refusal_in(e)
+            if refusal is None:
+                raise
+            refuse(refusal, server)
+        if settings is not None:
+            try:
+                kernels.build()
+            except BuildError as e:
+                refuse(e, server)
+        return config
 
     check_and_update_config.scissorhands = True  # type: ignore[attr-defined]
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     EngineArgs.create_engine_config = create_engine_config
 
 
+def refuse(error: Exception, server: bool) -> NoReturn:
+    """End start-up with ``error``'s one line: a server prints it and exits with code 2 (its launcher would print a
+    traceback around it); ``LLM(...)`` and other Python callers get the exception itself."""
+    if server:
+        sys.stderr.write(f"scissorhands: error: {error}\n")
+        raise SystemExit(2) from None
+    raise error from None
+
+
+def refusal_in(error: BaseException) -> Refusal | None:
+    """The plugin's :class:`~.settings.Refusal` inside vLLM's validation report (pydantic keeps the exception a
+    validator raised in each error's context), or None."""
+    if isinstance(error, Refusal):
+        return error
+    try:
+        details = error.errors()  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        details = []
+    for detail in details:
+        found = (detail.get("ctx") or {}).get("error")
+        if isinstance(found, Refusal):
+            return found
+    cause = error.__cause__ or error.__context__
+    return refusal_in(cause) if cause is not None else None
+
+
 def prepare_config(vllm_config) -> None:
-    """With the plugin on: check its settings now, use its worker, hold prompts whole."""
-    from . import kernels
+    """With the plugin on: refuse what it cannot serve (one line each), use its worker, hold prompts whole."""
     from .settings import from_vllm
 
     settings = from_vllm(vllm_config.additional_config)  # a bad setting: ValueError("<setting>: ...")
     if settings is None:
         return
+    refuse_unservable(vllm_config)
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise ValueError(f"pipeline_parallel_size: the scissorhands plugin is not tested with pipeline parallelism, "
-                         f"got {parallel.pipeline_parallel_size}; run with 1 (tensor parallelism shards KV heads, "
-                         f"which the plugin evicts per head)")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise ValueError("speculative_config: the scissorhands plugin cannot serve speculative decoding (draft "
-                         "tokens would be scored and evicted before they are accepted); leave it off")
-    if vllm_config.cache_config.cache_dtype not in ("auto", None, *kernels.FP8):
-        raise ValueError(f"kv_cache_dtype: the scissorhands plugin reads K/V in the model's dtype or vLLM's fp8 "
-                         f"({', '.join(kernels.FP8)}), got {vllm_config.cache_config.cache_dtype!r}")
     ours = "scissorhands.vllm.worker.ScissorhandsWorker"  # the config is prepared again in the engine's process
     if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", ours):
-        raise ValueError(f"worker_cls: the scissorhands plugin brings its own worker, got {parallel.worker_cls!r}")
+        raise Refusal(f"worker_cls: the scissorhands plugin brings its own worker, got {parallel.worker_cls!r}")
     parallel.worker_cls = ours
     cache, scheduler, model = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.model_config
     if cache.enable_prefix_caching or scheduler.enable_chunked_prefill:
@@ -92,7 +132,46 @@ def prepare_config(vllm_config) -> None:
                     "attended once and evicted to the budget)")
     cache.enable_prefix_caching = False
     scheduler.enable_chunked_prefill = False
+    if scheduler.long_prefill_token_threshold:  # vLLM's scheduler cuts prompts at it even with chunked prefill off
+        logger.info("scissorhands: long_prefill_token_threshold %d is reset to 0 (a prompt is held whole)",
+                    scheduler.long_prefill_token_threshold)
+        scheduler.long_prefill_token_threshold = 0
     if model is not None:
         scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, model.max_model_len)
     logger.info("scissorhands: method %s, budget %d tokens per layer and KV head", settings.method.name,
                 settings.budget)
+
+
+def refuse_unservable(vllm_config) -> None:
+    """A :class:`~.settings.Refusal` naming the first vLLM setting the plugin cannot serve, if any."""
+    from . import kernels
+
+    parallel, cache, model = vllm_config.parallel_config, vllm_config.cache_config, vllm_config.model_config
+    if parallel.pipeline_parallel_size > 1:
+        raise Refusal(f"pipeline_parallel_size: the scissorhands plugin is not tested with pipeline parallelism, "
+                      f"got {parallel.pipeline_parallel_size}; run with 1 (tensor parallelism shards KV heads, "
+                      f"which the plugin evicts per head)")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise Refusal("speculative_config: the scissorhands plugin cannot serve speculative decoding (draft "
+                      "tokens would be scored and evicted before they are accepted); leave it off")
+    if cache.cache_dtype not in ("auto", None, *kernels.FP8):
+        raise Refusal(f"kv_cache_dtype: the scissorhands plugin reads K/V in the model's dtype or vLLM's fp8 "
+                      f"({', '.join(kernels.FP8)}), got {cache.cache_dtype!r}")
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if (transfer is not None and transfer.kv_connector) or getattr(cache, "kv_offloading_size", None):
+        raise Refusal("kv_transfer_config: the scissorhands plugin cannot serve with a KV connector or KV "
+                      "offloading (it moves K/V between slots as it evicts, so saved blocks would be rearranged, "
+                      "and a prompt loaded in part would reach it in chunks); leave it off")
+    if model is None:
+        return
+    # The worker refuses a model with no layer it can budget once the layers exist; a model that declares its layers'
+    # kinds (transformers' ``layer_types``, which vLLM's models follow) is refused here, before the engine starts.
+    kinds = getattr(model.hf_text_config, "layer_types", None)
+    if kinds and not any(kind in FULL_ATTENTION for kind in kinds):
+        raise Refusal(f"model: the scissorhands plugin budgets full-attention layers, and this model has none (its "
+                      f"layer_types are {sorted(set(kinds))}); leave the scissorhands settings out to run it")
+    heads = model.get_total_num_kv_heads()
+    if parallel.tensor_parallel_size > heads:
+        raise Refusal(f"tensor_parallel_size: {parallel.tensor_parallel_size} is more than the model's {heads} KV "
+                      f"heads; the scissorhands plugin evicts per KV head, and ranks holding copies of one head would "
+                      f"evict it differently: run with {heads} or fewer")

@@ -56,6 +56,11 @@ _UNSUPPORTED = {"kv_bits": None, "kv_residual": None, "kv_key_centers": None, "k
                 "schedule": "uniform", "decode": "dynamic", "prompt_chunk": None}
 
 
+class Refusal(ValueError):
+    """A configuration the plugin cannot serve, refused at start-up in one line that starts with the vLLM setting's
+    name (``LLM(...)`` raises it; the OpenAI server prints it and exits with code 2)."""
+
+
 @dataclass(frozen=True)
 class PluginSettings:
     """What the plugin runs with: the method, the resolved cache configuration, and the protected prefix."""

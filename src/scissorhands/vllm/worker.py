@@ -6,7 +6,9 @@ both gaps without module globals: after the model loads it parses the plugin's
 settings once, finds the model's full-attention layers through vLLM's own
 registry of them (``get_layers_from_vllm_config``) and attaches one
 :class:`EngineState` to each (the layer becomes a window of the budget, so
-vLLM's block manager frees what falls behind it); for every step it publishes
+vLLM's block manager frees what falls behind it), refuses a model with no such
+layer, and builds or loads the compiled operator, all before the engine
+serves (:mod:`.build`: never inside a request); for every step it publishes
 the runner (whose input batch holds the request ids in row order) and a step
 number (every budgeted layer reuses its step's one plan), hands finished
 requests to the planner, and runs the step's rounds for every layer at once
@@ -15,13 +17,18 @@ when the model's forward is done.
 
 from __future__ import annotations
 
+import logging
+
 from vllm.config import get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from . import kernels
 from .paged import PagedLayer, Planner
-from .settings import PluginSettings, from_vllm
+from .settings import PluginSettings, Refusal, from_vllm
+
+logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
 
 
 class EngineState:
@@ -62,7 +69,15 @@ class ScissorhandsWorker(CPUWorker):
         for name, layer in get_layers_from_vllm_config(self.vllm_config, Attention).items():
             if isinstance(layer.impl, ScissorhandsImpl) and layer.impl.attach(self.scissorhands, name):
                 names.append(name)
+        if not names:
+            raise Refusal("model: the scissorhands plugin found no layer it can budget (it budgets full-attention "
+                          "decoder layers; every attention layer of this model has a sliding window or is not "
+                          "vLLM's Attention); leave the scissorhands settings out to run it")
         self._budgeted = frozenset(names)
+        # The operator is built (or loaded) now, while the engine starts, never inside a request.
+        ops = kernels.build()
+        logger.info("scissorhands: %d of the model's layers budgeted; paged attention operator loaded from %s",
+                    len(names), ops.__file__)
 
     def get_kv_cache_spec(self):
         """vLLM's specs, each budgeted layer's a sliding window of the budget: its block manager then frees every
