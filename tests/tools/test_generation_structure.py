@@ -1,0 +1,136 @@
+"""Generated tasks under a kept prompt and protected structure: the spans found, the tokens measured, the keys.
+
+* ``structure_spans`` maps the asked problem and a chat template's turn markers to exactly the tokens whose
+  characters fall in them (checked against the tokenizer's own offsets, on a tokenizer with ChatML's special
+  tokens);
+* each answer records the tokens the cache saw and held, and a row their ratio: 1 for a covering budget, and
+  under ``prefill="keep-prompt"`` at most the kept prompt plus the budget;
+* ``--protect-structure`` cells are keyed apart from plain ones, yet pair with the same full row on file.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+
+from conftest import CHATML, byte_tokenizer_fast, run_cli, save_tiny_model
+from scissorhands import ScissorhandsCache, ScissorhandsConfig
+from scissorhands.tools.eval import make_task
+from scissorhands.tools.eval.generated import held_tokens, structure_spans
+from scissorhands.tools.eval.gsm8k import GSM8K
+
+SUM = {"id": 0, "short_answer": "3", "choices": ["1 + 2 = 3. So the answer is 3."],
+       "context": "Question: What is 5 + 5?\nAnswer: 5 + 5 = 10. So the answer is 10.\n\n"
+                  "Question: Tom has 1 apple and gets 2 more. How many apples does he have?\nAnswer:"}
+
+
+def chat_tokenizer():
+    tok = byte_tokenizer_fast()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tok
+
+
+def test_structure_spans_are_the_tokens_of_the_asked_problem_and_the_turn_markers():
+    tok = chat_tokenizer()
+    text = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQuestion: 1 + 1?\nAnswer: 2.\n\n"
+            "Question: 2 + 2?<|im_end|>\n<|im_start|>assistant\nAnswer:")
+    asked = text.rfind("Question:")
+    spans = structure_spans(tok, text, asked)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    chars = set(range(asked, len(text)))
+    for marker, role in (("<|im_start|>", True), ("<|im_end|>", False)):
+        at = text.find(marker)
+        while at >= 0:
+            end = text.find("\n", at) + 1 if role else at + len(marker)
+            chars |= set(range(at, end))
+            at = text.find(marker, at + 1)
+    expected = {i for i, (s, e) in enumerate(enc["offset_mapping"]) if chars & set(range(s, e))}
+    got = {i for s, e in spans for i in range(s, e)}
+    assert got == expected
+    assert all(e > s for s, e in spans) and all(a[1] < b[0] for a, b in zip(spans, spans[1:]))  # merged, in order
+    assert 0 < len(got) < len(enc["input_ids"])
+    assert tok.decode(enc["input_ids"][spans[0][0]:spans[0][1]]) == "<|im_start|>system\n"
+
+
+def test_structure_applies_to_the_tasks_that_generate_only():
+    with pytest.raises(ValueError, match="^protect-structure: ppl does not generate"):
+        make_task("ppl", structure=True)
+    task = make_task("gsm8k", structure=True)
+    assert task.structure is True
+    assert not hasattr(make_task("gsm8k"), "structure")  # a plain task's key stays as it was
+
+
+def test_the_tokens_held_are_measured_and_a_kept_prompt_holds_its_structure(tmp_path):
+    from scissorhands.tools.models import load_model
+
+    model, tokenizer = load_model(str(save_tiny_model(tmp_path / "tiny")))
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps(SUM) + "\n")
+    task = GSM8K(max_new_tokens=20, data=str(data))
+    task.protect_structure()
+    (item,) = task.items(tokenizer, None)
+    prompt = len(item.data["prompt"])
+    asked = sum(e - s for s, e in item.data["spans"])
+    assert 0 < asked < prompt
+    covering = ScissorhandsCache(model, ScissorhandsConfig(budget=prompt + 40))
+    judged = task._judged(model, item, covering)
+    assert judged["kv_seen"] == judged["kv_held"] == prompt + len(judged["tokens"]) - 1
+    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=6, recent=2, drop=2, prefill="keep-prompt",
+                                                        prompt_keep=0.2), protect=list(item.data["spans"]))
+    judged = task._judged(model, item, cache)
+    for layer in cache.budgeted_layers:
+        kept = int(layer.kv.held[0])
+        assert asked <= kept < prompt  # the structure is kept, most of the worked example is not
+        for head in layer.stored_positions(0):
+            assert {i for s, e in item.data["spans"] for i in range(s, e)} <= set(head.tolist())
+    assert judged == {**judged, **held_tokens(cache)}
+    assert judged["kv_held"] <= kept + 6 and judged["kv_seen"] == prompt + len(judged["tokens"]) - 1
+
+
+def test_structure_cells_are_keyed_apart_and_pair_with_the_full_row_on_file(tmp_path, capsys, monkeypatch):
+    from scissorhands.tools.eval import catalog
+
+    monkeypatch.setattr(catalog, "GSM8K", partial(GSM8K, max_new_tokens=16))
+    model_dir = save_tiny_model(tmp_path / "tiny", chat_template=CHATML)
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(dict(SUM, id=i)) + "\n" for i in range(2)))
+    out = tmp_path / "out"
+    common = ("eval", "--model", str(model_dir), "--tasks", "gsm8k", "--data", str(data), "--out", str(out))
+    code, _, err = run_cli(capsys, *common, "--methods", "full,scissorhands", "--budgets", "8")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, *common, "--methods", "full,scissorhands", "--budgets", "8", "--prefill",
+                           "keep-prompt", "--prompt-keep", "0.3", "--protect-structure")
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["key"]["task"].get("structure")) for r in rows] == [
+        ("full", None), ("scissorhands", None), ("scissorhands", True)]  # one full row serves both
+    plain, kept = rows[1], rows[2]
+    assert plain["key_id"] != kept["key_id"]
+    for row in (plain, kept):
+        m = row["metrics"]
+        assert m["measured_compression"] == pytest.approx(m["kv_seen_mean"] / m["kv_held_mean"])
+        assert m["measured_compression"] > 1
+    assert kept["metrics"]["kv_held_mean"] > plain["metrics"]["kv_held_mean"]  # the prompt's structure is kept
+
+
+def test_a_full_row_over_every_problem_serves_a_run_of_the_first_few(tmp_path, capsys, monkeypatch):
+    """``--limit N`` pairs with a full row on file over every problem (its first N answers), not a second run of the
+    full cache: the verdicts flipped in the file show up as the full cache's."""
+    from scissorhands.tools.eval import catalog
+
+    monkeypatch.setattr(catalog, "GSM8K", partial(GSM8K, max_new_tokens=12))
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(dict(SUM, id=i)) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    common = ("eval", "--model", str(model_dir), "--tasks", "gsm8k", "--data", str(data), "--out", str(out))
+    assert run_cli(capsys, *common, "--methods", "full")[0] == 0
+    (full,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    for s in full["item_scores"]:
+        s["correct"] = 1.0 - s["correct"]
+    (out / "results.jsonl").write_text(json.dumps(full) + "\n")
+    assert run_cli(capsys, *common, "--methods", "scissorhands", "--budgets", "8", "--limit", "2")[0] == 0
+    limited = json.loads((out / "results.jsonl").read_text().splitlines()[-1])
+    assert [s["full_correct"] for s in limited["item_scores"]] == [s["correct"] for s in full["item_scores"][:2]]
