@@ -134,3 +134,38 @@ def test_a_full_row_over_every_problem_serves_a_run_of_the_first_few(tmp_path, c
     assert run_cli(capsys, *common, "--methods", "scissorhands", "--budgets", "8", "--limit", "2")[0] == 0
     limited = json.loads((out / "results.jsonl").read_text().splitlines()[-1])
     assert [s["full_correct"] for s in limited["item_scores"]] == [s["correct"] for s in full["item_scores"][:2]]
+
+
+def test_the_frontier_places_each_row_by_what_it_measured_and_pairs_it(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    from scissorhands.tools.eval import catalog
+
+    spec = importlib.util.spec_from_file_location(
+        "generation_frontier", Path(__file__).resolve().parents[2] / "experiments" / "generation_frontier.py")
+    frontier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frontier)
+    monkeypatch.setattr(catalog, "GSM8K", partial(GSM8K, max_new_tokens=12))
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(dict(SUM, id=i)) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    common = ("eval", "--model", str(model_dir), "--tasks", "gsm8k", "--data", str(data), "--out", str(out))
+    assert run_cli(capsys, *common, "--methods", "full,scissorhands,h2o", "--budgets", "8")[0] == 0
+    assert run_cli(capsys, *common, "--methods", "scissorhands", "--budgets", "8", "--prefill", "keep-prompt",
+                   "--prompt-keep", "0.3")[0] == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    capsys.readouterr()
+    assert frontier.main([str(out), "--task", "gsm8k", "--plot", str(tmp_path / "f.png")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 2 + 3  # header, rule, and the three compressed rows (the full cache is the pairing)
+    ratios = [float(line.split(" | ")[2].rstrip("x")) for line in table[2:]]
+    assert ratios == sorted(ratios)
+    assert sorted(ratios) == sorted(round(r["metrics"]["measured_compression"], 2) for r in rows[1:])
+    assert (tmp_path / "f.png").stat().st_size > 0
+    label = table[2].split(" | ")[0].lstrip("| ")
+    assert frontier.main([str(out), "--task", "gsm8k", "--against", label]) == 0
+    assert "against the reference" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        frontier.main([str(out), "--task", "gsm8k", "--against", "no such row"])
