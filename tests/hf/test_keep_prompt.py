@@ -137,7 +137,8 @@ def test_beams_carry_each_rows_kept_prompt():
     (dict(prompt_keep=0.5), "prompt_keep: a setting of prefill='keep-prompt'"),
     (dict(prefill="keep-prompt", prompt_keep=1.5), "prompt_keep: a fraction must be in (0, 1)"),
     (dict(prefill="keep-prompt", prompt_keep=0), "prompt_keep: must be"),
-    (dict(prefill="keep-prompt", prompt_chunk=64), "prompt_chunk: the keep-prompt prefill"),
+    (dict(prefill="keep-prompt", prompt_chunk=64), "prompt_chunk: a setting of prefill='prompt-aware', got "
+                                                   "prefill='keep-prompt'"),
     (dict(prefill="keep-prompt", decode="static"), "prefill: 'keep-prompt'"),
     (dict(prefill="keep-prompt", rounds=True), "prefill: 'keep-prompt'"),
 ])

@@ -52,23 +52,31 @@ class StreamedSettings:
 
 
 @dataclass(frozen=True)
-class PromptAwareSettings:
-    """The settings of the prompt-aware prefill (:class:`~scissorhands.core.attend.prefill.PromptAware`), which
-    owns them: they are valid only with ``prefill="prompt-aware"`` (:func:`~.declare.own`)."""
+class JudgedSettings:
+    """How a held prompt is judged by its last queries: the settings the prompt-aware and keep-prompt prefills
+    share (one declaration each, so a value given is valid with either mode)."""
 
     observe: int = setting(32, "prompt-aware prefill: how many of the prompt's last queries score it", s.parse_int,
                            s.integer(1), group=GROUP, metavar="N")
-    prompt_chunk: int | None = setting(
-        None, "prompt-aware prefill: take the prompt this many tokens at a time, each chunk held beside the budget "
-        "and evicted back to it by its own last queries, so the peak is budget + chunk; `None` = the whole prompt "
-        "at once (peak = the prompt)", s.parse_optional_int, s.integer(1, allow_none=True), group=GROUP,
-        metavar="C|none")
     pool: int = setting(7, "prompt-aware prefill: max-pool width over neighbouring slots (odd), so a fact spanning "
                         "several tokens stays whole; 1 = none", s.parse_int, _odd, group=GROUP, metavar="N")
 
 
 @dataclass(frozen=True)
-class KeepPromptSettings(PromptAwareSettings):
+class PromptAwareSettings(JudgedSettings):
+    """The settings of the prompt-aware prefill (:class:`~scissorhands.core.attend.prefill.PromptAware`), which
+    owns them: they are valid only with ``prefill="prompt-aware"`` (:func:`~.declare.own`; ``observe`` and
+    ``pool`` with ``prefill="keep-prompt"`` too)."""
+
+    prompt_chunk: int | None = setting(
+        None, "prompt-aware prefill: take the prompt this many tokens at a time, each chunk held beside the budget "
+        "and evicted back to it by its own last queries, so the peak is budget + chunk; `None` = the whole prompt "
+        "at once (peak = the prompt)", s.parse_optional_int, s.integer(1, allow_none=True), group=GROUP,
+        metavar="C|none")
+
+
+@dataclass(frozen=True)
+class KeepPromptSettings(JudgedSettings):
     """The settings of the kept-prompt prefill (:class:`~scissorhands.core.attend.prefill.KeepPrompt`): the
     prompt-aware prefill's judgement (``observe``, ``pool``), and how much of the prompt is kept beside the
     budget, which then holds the generated tokens alone."""
@@ -78,11 +86,6 @@ class KeepPromptSettings(PromptAwareSettings):
         "a fraction of the prompt or a count of its tokens, chosen by its last queries; `None` = the whole prompt. "
         "The budget then holds the generated tokens alone", s.parse_optional_count_or_fraction,
         s.fraction_or_count(1, fraction_closed_low=False, allow_none=True), group=GROUP, metavar="F|N|none")
-
-    def check(self) -> None:
-        if self.prompt_chunk is not None:
-            raise ValueError(f"prompt_chunk: the keep-prompt prefill keeps its prompt beside the budget, so it takes "
-                             f"it whole; use prefill='prompt-aware' to chunk a prompt (got {self.prompt_chunk})")
 
 
 s.own("prefill", "stream", StreamedSettings)
