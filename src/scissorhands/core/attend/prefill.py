@@ -303,7 +303,7 @@ class KeepPrompt(PromptAware):
     """
 
     name = "keep-prompt"
-    Settings = KeepPromptSettings  # prompt_keep, and prompt-aware's observe and pool
+    Settings = KeepPromptSettings  # type: ignore[assignment]  # prompt_keep, and the judging observe and pool
 
     def __init__(self, keep: float | int | None, observe: int, pool: int, stream: Streamed | None = None):
         super().__init__(observe, pool, None, stream)

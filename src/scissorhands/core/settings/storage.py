@@ -168,7 +168,8 @@ class TieredSettings(PackedSettings):
     kv_demote: tuple[tuple[int, float], ...] | None = setting(
         None, "demotion before eviction: widths above `kv_bits`, each with the share of a layer's budget that may "
         "hold it or wider, e.g. `16:0.3;4:0.6` (a semicolon, which lm-eval's comma-split model arguments keep "
-        "whole; elsewhere a comma also separates them); the least important tokens lose bits first, and only tokens at `kv_bits` are evicted "
+        "whole; elsewhere a comma also separates them); the least important tokens lose bits first, and only "
+        "tokens at `kv_bits` are evicted "
         "([below](#demotion-before-eviction)); it chooses the tiered store", s.parse_optional_text, _demote,
         group=GROUP, metavar="BITS:SHARE,...")
 
