@@ -69,10 +69,23 @@ def test_the_shipped_problems_are_human_evals_164():
 def test_a_problems_file_lacking_a_field_is_one_line(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text(json.dumps({k: v for k, v in ADD.items() if k != "test"}) + "\n")
-    with pytest.raises(ValueError, match=r"^data: .* problem 1 lacks test$"):
+    with pytest.raises(ValueError, match=r"^data: .* line 1 lacks test$"):
         read_problems(str(bad))
     with pytest.raises(ValueError, match=r"^data: no such file"):
         read_problems(str(tmp_path / "none.jsonl"))
+
+
+def test_a_problems_line_that_is_not_json_names_the_file_and_the_line_gzipped_or_not(tmp_path, capsys):
+    import gzip
+
+    plain = tmp_path / "p.jsonl"
+    plain.write_text(json.dumps(ADD) + "\n{not json}\n")
+    packed = tmp_path / "p.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    for path in (plain, packed):
+        code, _, err = run_cli(capsys, "eval", "--model", str(tmp_path / "no-model"), "--tasks", "humaneval",
+                               "--text", str(path))
+        assert code == 2 and err.strip().splitlines()[-1] == f"scissorhands: error: data: '{path}' line 2 is not JSON"
 
 
 def test_humaneval_through_the_grid_pairs_every_cell_with_the_full_cache(tmp_path, capsys):

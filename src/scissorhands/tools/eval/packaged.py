@@ -40,7 +40,12 @@ def read_packaged(task: str, folder: str, data: str | None, fields: dict[str, ty
         One line, ``"data: '<file>' line N ..."`` for the first line that is not JSON, lacks a field or holds one
         of another type; ``"data: ..."`` for a file that is missing or cannot be read.
     """
-    path = packaged_file(task, folder) if data is None else Path(data).expanduser()
+    return read_jsonl(packaged_file(task, folder) if data is None else Path(data).expanduser(), fields)
+
+
+def read_jsonl(path: Path, fields: dict[str, type | tuple[type, ...]]) -> list[dict]:
+    """The problems of a ``.jsonl`` or ``.jsonl.gz`` file, each line checked for ``fields`` (see
+    :func:`read_packaged`, whose errors these are)."""
     where = str(path)
     if not path.is_file():
         raise ValueError(f"data: no such file {where!r}")
