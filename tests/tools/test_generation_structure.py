@@ -115,9 +115,10 @@ def test_structure_cells_are_keyed_apart_and_pair_with_the_full_row_on_file(tmp_
     assert kept["metrics"]["kv_held_mean"] > plain["metrics"]["kv_held_mean"]  # the prompt's structure is kept
 
 
-def test_a_full_row_over_every_problem_serves_a_run_of_the_first_few(tmp_path, capsys, monkeypatch):
-    """``--limit N`` pairs with a full row on file over every problem (its first N answers), not a second run of the
-    full cache: the verdicts flipped in the file show up as the full cache's."""
+@pytest.mark.parametrize("full_limit", [[], ["--limit", "3"]])
+def test_a_full_row_over_more_problems_serves_a_run_of_the_first_few(tmp_path, capsys, monkeypatch, full_limit):
+    """``--limit N`` pairs with a full row on file over every problem, or over more than N (its first N answers), not
+    a second run of the full cache: the verdicts flipped in the file show up as the full cache's."""
     from scissorhands.tools.eval import catalog
 
     monkeypatch.setattr(catalog, "GSM8K", partial(GSM8K, max_new_tokens=12))
@@ -126,7 +127,7 @@ def test_a_full_row_over_every_problem_serves_a_run_of_the_first_few(tmp_path, c
     data.write_text("".join(json.dumps(dict(SUM, id=i)) + "\n" for i in range(3)))
     out = tmp_path / "out"
     common = ("eval", "--model", str(model_dir), "--tasks", "gsm8k", "--data", str(data), "--out", str(out))
-    assert run_cli(capsys, *common, "--methods", "full")[0] == 0
+    assert run_cli(capsys, *common, "--methods", "full", *full_limit)[0] == 0
     (full,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     for s in full["item_scores"]:
         s["correct"] = 1.0 - s["correct"]

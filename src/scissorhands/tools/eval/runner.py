@@ -149,6 +149,18 @@ def model_identity(model, model_name: str) -> dict:
             "n_params": n_params, "weights": digest.hexdigest()[:16]}
 
 
+def _longer_full(records, key: dict) -> dict | None:
+    """A full row whose key is ``key`` but for a larger ``limit`` (or none): its items begin with ``key``'s."""
+    want = {k: v for k, v in key.items() if k != "limit"}
+    for r in records:
+        theirs = r.get("key")
+        if not isinstance(theirs, dict) or {k: v for k, v in theirs.items() if k != "limit"} != want:
+            continue
+        if theirs.get("limit") is None or theirs["limit"] >= key["limit"]:
+            return r
+    return None
+
+
 def task_identity(task: Task) -> dict:
     """A task's settings: its public attributes of plain types, and the identity of its data files."""
     out: dict = {"class": type(task).__name__, "name": task.name}
@@ -454,8 +466,9 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
         for task, items in zip(tasks, all_items):
             task_id = task_identity(task)
             exact = done.get(key_id(run_key(model_id, task_id, FULL, None, CacheSettings(), limit, seed)))
-            if exact is None and limit is not None:  # a full row over every item serves its first ``limit``
-                exact = done.get(key_id(run_key(model_id, task_id, FULL, None, CacheSettings(), None, seed)))
+            if exact is None and limit is not None:  # a full row over more items serves their first ``limit``
+                exact = _longer_full(done.values(), run_key(model_id, task_id, FULL, None, CacheSettings(), limit,
+                                                            seed))
             if exact is not None and isinstance(exact.get("item_scores"), list):
                 task.take_full(items, exact["item_scores"])
             for method in methods:
