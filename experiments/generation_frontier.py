@@ -8,7 +8,7 @@ reference row (``--against``, by its label) where both answered the same problem
 tokens held were measured are left out, and said so.
 
     python experiments/generation_frontier.py docs/results/humaneval/q05_chat --task humaneval-chat \\
-        --against "scissorhands (budget 32, keep-prompt)" --plot frontier.png
+        --against "scissorhands budget 140" --plot frontier.png
 
 Prints a Markdown table, most compression last; ``--plot`` draws pass rate against measured compression with
 95% intervals and the full cache's rate as a line.
@@ -34,15 +34,19 @@ def verdicts(row: dict, full: bool = False) -> list[float]:
 
 
 def labelled(rows: list[dict]) -> list[tuple[str, dict]]:
-    """Each row with a label: its method, budget and the settings that set it apart from the other rows."""
+    """Each row with a label: its method and budget, then its prefill, its kept prompt and protected structure
+    where set, then any other setting that sets it apart from the other rows of its method."""
     out = []
     for label, r in zip(row_labels(rows), rows):
-        extra = [f"budget {r['budget']}"]
+        c = r["config"]
+        parts = [f"budget {r['budget']}"]
+        if c.get("prefill") not in (None, "stream"):
+            parts.append(str(c["prefill"]) + (f" {c['prompt_keep']}" if c.get("prompt_keep") is not None else ""))
         if r["key"]["task"].get("structure"):
-            extra.append("structure")
-        if r["config"].get("prefill") not in (None, "stream"):
-            extra.append(str(r["config"]["prefill"]))
-        out.append((f"{label} [{', '.join(extra)}]" if r["method"] != "full" else "full", r))
+            parts.append("structure protected")
+        rest = label[len(r["method"]):].strip(" ()")
+        rest = ", ".join(x for x in rest.split(", ") if x and not x.startswith(("prefill=", "prompt_keep=")))
+        out.append((f"{r['method']} {', '.join(parts + ([rest] if rest else []))}", r))
     return out
 
 
