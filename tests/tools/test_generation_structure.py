@@ -89,15 +89,21 @@ def test_the_tokens_held_are_measured_and_a_kept_prompt_holds_its_structure(tmp_
     assert judged["kv_held"] <= kept + 6 and judged["kv_seen"] == prompt + len(judged["tokens"]) - 1
 
 
-def test_structure_cells_are_keyed_apart_and_pair_with_the_full_row_on_file(tmp_path, capsys, monkeypatch):
+def gsm8k_grid(tmp_path, monkeypatch, problems: int, new_tokens: int, **model) -> tuple[tuple[str, ...], object]:
+    """A tiny model and ``problems`` GSM8K-style problems on disk, answers cut at ``new_tokens``: the command line's
+    common arguments for ``scissorhands eval --tasks gsm8k`` into ``tmp_path/out``, and that folder."""
     from scissorhands.tools.eval import catalog
 
-    monkeypatch.setattr(catalog, "GSM8K", partial(GSM8K, max_new_tokens=16))
-    model_dir = save_tiny_model(tmp_path / "tiny", chat_template=CHATML)
+    monkeypatch.setattr(catalog, "GSM8K", partial(GSM8K, max_new_tokens=new_tokens))
+    model_dir = save_tiny_model(tmp_path / "tiny", **model)
     data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps(dict(SUM, id=i)) + "\n" for i in range(2)))
+    data.write_text("".join(json.dumps(dict(SUM, id=i)) + "\n" for i in range(problems)))
     out = tmp_path / "out"
-    common = ("eval", "--model", str(model_dir), "--tasks", "gsm8k", "--data", str(data), "--out", str(out))
+    return ("eval", "--model", str(model_dir), "--tasks", "gsm8k", "--data", str(data), "--out", str(out)), out
+
+
+def test_structure_cells_are_keyed_apart_and_pair_with_the_full_row_on_file(tmp_path, capsys, monkeypatch):
+    common, out = gsm8k_grid(tmp_path, monkeypatch, 2, 16, chat_template=CHATML)
     code, _, err = run_cli(capsys, *common, "--methods", "full,scissorhands", "--budgets", "8")
     assert code == 0, err
     code, _, err = run_cli(capsys, *common, "--methods", "full,scissorhands", "--budgets", "8", "--prefill",
@@ -119,14 +125,7 @@ def test_structure_cells_are_keyed_apart_and_pair_with_the_full_row_on_file(tmp_
 def test_a_full_row_over_more_problems_serves_a_run_of_the_first_few(tmp_path, capsys, monkeypatch, full_limit):
     """``--limit N`` pairs with a full row on file over every problem, or over more than N (its first N answers), not
     a second run of the full cache: the verdicts flipped in the file show up as the full cache's."""
-    from scissorhands.tools.eval import catalog
-
-    monkeypatch.setattr(catalog, "GSM8K", partial(GSM8K, max_new_tokens=12))
-    model_dir = save_tiny_model(tmp_path / "tiny")
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps(dict(SUM, id=i)) + "\n" for i in range(3)))
-    out = tmp_path / "out"
-    common = ("eval", "--model", str(model_dir), "--tasks", "gsm8k", "--data", str(data), "--out", str(out))
+    common, out = gsm8k_grid(tmp_path, monkeypatch, 3, 12)
     assert run_cli(capsys, *common, "--methods", "full", *full_limit)[0] == 0
     (full,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     for s in full["item_scores"]:
@@ -141,18 +140,11 @@ def test_the_frontier_places_each_row_by_what_it_measured_and_pairs_it(tmp_path,
     import importlib.util
     from pathlib import Path
 
-    from scissorhands.tools.eval import catalog
-
     spec = importlib.util.spec_from_file_location(
         "generation_frontier", Path(__file__).resolve().parents[2] / "experiments" / "generation_frontier.py")
     frontier = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(frontier)
-    monkeypatch.setattr(catalog, "GSM8K", partial(GSM8K, max_new_tokens=12))
-    model_dir = save_tiny_model(tmp_path / "tiny")
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps(dict(SUM, id=i)) + "\n" for i in range(3)))
-    out = tmp_path / "out"
-    common = ("eval", "--model", str(model_dir), "--tasks", "gsm8k", "--data", str(data), "--out", str(out))
+    common, out = gsm8k_grid(tmp_path, monkeypatch, 3, 12)
     assert run_cli(capsys, *common, "--methods", "full,scissorhands,h2o", "--budgets", "8")[0] == 0
     assert run_cli(capsys, *common, "--methods", "scissorhands", "--budgets", "8", "--prefill", "keep-prompt",
                    "--prompt-keep", "0.3")[0] == 0

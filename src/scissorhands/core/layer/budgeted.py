@@ -111,6 +111,7 @@ class BudgetedKV(Eviction):
             self.shields.append(protect)
         self.given_shields = list(self.shields)  # as given; each allocation fits them to its batch
         self.held: torch.Tensor | None = None  # (B,) prompt tokens kept beside the budget (hold), or None
+        self.held_first = 0  # held[0] as a Python int, for the aligned decode step (no tensor read per token)
         self.listeners: list = []
         self.tiers = self.store.tiered()  # the chain of widths, or None
         self.demotion = None if self.tiers is None else Demotion(self.tiers)
@@ -132,7 +133,7 @@ class BudgetedKV(Eviction):
         if self.static is not None:
             self.static.active = False
         self.shields = [shield.for_batch(b) for shield in self.given_shields]
-        self.held = None
+        self.held, self.held_first = None, 0
         self.store.allocate(key, value)
         self.slots = SlotTable(b, h, key.device)
         self.compressions = 0
@@ -150,7 +151,7 @@ class BudgetedKV(Eviction):
             state.reset()
         self.slots = SlotTable(0, 0, None)
         self.shields = list(self.given_shields)
-        self.held = None
+        self.held, self.held_first = None, 0
         self.compressions = 0
         self.allocated = False
         self.states_ready = False
@@ -173,21 +174,15 @@ class BudgetedKV(Eviction):
     def room_uniform(self) -> int:
         """:meth:`room` when every row is aligned, as one integer (no tensor operation without tiers). Aligned rows
         saw prompts of one length, so they keep equal prompts beside the budget."""
-        free = self.budget - self.slots.uniform_state()[0]
-        if self.held is not None:
-            free += int(self.held[0])
+        free = self.budget + self.held_first - self.slots.uniform_state()[0]
         return free if self.demotion is None else self.demotion.room_uniform(free)
-
-    def row_budgets(self) -> torch.Tensor:
-        """Each row's (B,) most stored tokens from now on: the budget, plus the prompt it keeps (:meth:`hold`)."""
-        budget = torch.full_like(self.slots.lengths, self.budget)
-        return budget if self.held is None else budget + self.held
 
     def hold(self, kept: torch.Tensor, prompt: torch.Tensor) -> None:
         """Keep each row's first ``prompt`` (B,) positions, ``kept`` (B,) of them stored, beside the budget until
         the sequence ends (``prefill="keep-prompt"``): they are shielded from every later eviction, and the
         budget holds the tokens after them. Called once, after the prompt is stored."""
         self.held = kept.to(self.slots.lengths.device, self.slots.lengths.dtype).clone()
+        self.held_first = int(self.held[0])
         self.shields.append(Protection([[(0, int(n))] if int(n) > 0 else [] for n in prompt.tolist()]))
 
     @property
@@ -268,6 +263,7 @@ class BudgetedKV(Eviction):
         self.shields = [shield.select_batch(index) for shield in self.shields]
         if self.held is not None:
             self.held = self.held[index.to(self.held.device)]
+            self.held_first = int(self.held[0])
         for listener in self.listeners:
             listener.select_batch(self.layer_idx, index)
         self.store.select_batch(dev)

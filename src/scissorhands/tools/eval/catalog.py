@@ -13,8 +13,7 @@ from .passkey import MultiKey, Passkey
 from .tasks import MC_TASKS, Agreement, Lambada, MultipleChoice, Perplexity
 
 GENERATED = ("humaneval", "humaneval-chat", "mbpp", "gsm8k")
-TASKS = ("ppl", "lambada", "agreement", "passkey", "multikey", "humaneval", "humaneval-chat", "mbpp",
-         "gsm8k") + MC_TASKS
+TASKS = ("ppl", "lambada", "agreement", "passkey", "multikey") + GENERATED + MC_TASKS
 
 
 def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | None = None,
