@@ -45,7 +45,9 @@ def _compare(folder, plugin, tmp_path, lengths=LENGTHS, new=NEW, **engine_args):
     {"budget": 48, "method": "tova"},
     {"budget": 48, "method": "streaming", "recent": 8},
     {"budget": 40, "protect_prefix": 12, "recent": 6},  # a protected prompt prefix
-], ids=["defaults", "drop12", "paper", "h2o", "tova", "streaming", "protected"])
+    {"budget": 48, "prefill": "stream"},              # the streamed prefill: the prompt in rounds of 2, 1 pending
+    {"budget": 48, "prefill": "stream", "drop": 0.25, "protect_prefix": 4},  # rounds of 12, victims pending
+], ids=["defaults", "drop12", "paper", "h2o", "tova", "streaming", "protected", "stream", "stream-drop12"])
 def test_same_kept_positions_and_logprobs_as_the_transformers_cache(tiny_folder, tmp_path, plugin):
     got, want = _compare(tiny_folder, plugin, tmp_path)
     if "protect_prefix" in plugin:

@@ -63,7 +63,7 @@ class Blocks:
 
 def _alone(layer: PagedLayer):
     """A one-row core layer at the plugin's settings, as ``ScissorhandsCache`` builds it (rounds on)."""
-    return layer._budgeted(DenseKVStore(), make_prefill(layer.settings.config), rounds=True)
+    return layer._budgeted(DenseKVStore(), make_prefill(layer.settings.config, layer.budget), rounds=True)
 
 
 PLUGINS = {
@@ -76,6 +76,13 @@ PLUGINS = {
     "streaming": {"budget": 12, "method": "streaming", "drop": 2},
     "protected": {"budget": 11, "protect_prefix": 3, "recent": 2, "drop": 3},
     "count-buckets": {"budget": 12, "importance": "count", "window": 6, "window_buckets": 3, "drop": 3},
+    # The streamed prefill: prompts past the budget run rounds of their own and end with victims pending, at every
+    # phase (prompts of 30, 21 and 17 against rounds of 1, 3, 4 and 5 from the token 12 on).
+    "stream": {"budget": 12, "prefill": "stream"},
+    "stream-drop3": {"budget": 12, "prefill": "stream", "drop": 3},
+    "stream-drop4-prefill5": {"budget": 12, "prefill": "stream", "drop": 4, "prefill_drop": 5},
+    "stream-h2o": {"budget": 12, "prefill": "stream", "method": "h2o", "recent": 2, "drop": 3},
+    "stream-protected": {"budget": 11, "prefill": "stream", "protect_prefix": 3, "recent": 2, "drop": 3},
 }
 
 
@@ -173,7 +180,8 @@ def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, 
         assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
 
     layer, _, _ = _serve(PLUGINS[name], compiled, check=check)
-    assert (layer.prompts_fused > 0) == compiled  # the operator's run attends long prompts the fused way
+    # The operator's run attends long prompts the fused way (the prompt-aware prefill's; a streamed one the core's).
+    assert (layer.prompts_fused > 0) == (compiled and settings.config.prefill == "prompt-aware")
     # With 8 observed queries, the first queries of the prompts of 30, 21 and 17 go through torch's fused attention
     # (of the states here, only a count reads their probabilities).
     counted = settings.config.importance == "count"

@@ -27,11 +27,14 @@ the layer's attention itself, which replaces vLLM's kernel call:
   every request (:mod:`.kernels`), which reads each window's K and V once,
   where they lie. It records the new token's position. Nothing else runs
   unless a request starts a round.
-* **A prompt** (a request's first chunk) is attended exactly by the core's
-  prompt-aware prefill in a one-row layer: the same code and numbers as the
-  transformers cache. That gives its outputs, its importance and the ``B``
-  tokens it keeps; kept tokens that lie before the window are copied into the
-  slots of the window's evicted ones.
+* **A prompt** (a request's first chunk) is taken by the core's prefill in a
+  one-row layer: the same code and numbers as the transformers cache. The
+  prompt-aware prefill attends it exactly and evicts it to ``B`` once; the
+  streamed one gives each token past the budget the kept set, in rounds, and
+  ends with up to ``drop`` victims pending. That gives its outputs, its
+  importance and the ``B`` tokens it keeps; pending victims are copied into the
+  slots that leave the window next, by rank, and other kept tokens that lie
+  before the window into the remaining free slots.
 * **One plan per step** (:class:`Planner`): which rows are prompts, decode
   steps and rounds, as index tensors, computed once on the host from vLLM's
   metadata and shared by every layer; a layer's step reads no value back from a
@@ -131,13 +134,17 @@ class Planner:
 
     A request's rounds come every ``drop`` tokens from ``max(prompt, B)`` on (the first token that finds its
     window full), as the core's rounds give: at the end of a step whose sequence length ``L`` satisfies
-    ``L >= start`` and ``(L - start) % drop == 0``.
+    ``L >= start`` and ``(L - start) % drop == 0``. A streamed prompt longer than the budget ran its own rounds
+    (every ``prefill_drop`` tokens, or ``drop``, from the token ``B`` on): the next comes when the victims it left
+    pending have left (:meth:`first_round`).
     """
 
     def __init__(self, settings: PluginSettings):
         config = settings.config
         self.budget = config.budget
         self.drop = config.drop_for(self.budget)
+        self.streamed = config.prefill == "stream"
+        self.prompt_drop = config.prefill_drop_for(self.budget) or self.drop
         self.bucket_steps = config.bucket_steps()
         self.n_buckets = config.n_buckets()
         self.start: dict[str, int] = {}
@@ -146,6 +153,15 @@ class Planner:
         self.restarts = 0  # sequences begun again (a preempted request is recomputed from its first token)
         self._cached: tuple | None = None
         self._stack: tuple | None = None  # (the layers, their positions stacked, their importance stacked)
+
+    def first_round(self, prompt: int) -> int:
+        """The sequence length at whose step a request of ``prompt`` tokens starts its first round after the
+        prompt: ``max(prompt, B)``, or for a streamed prompt past the budget when the victims its last round in
+        the prompt chose (at the token ``c``, ``prompt_drop`` of them, one leaving per token) have all left."""
+        b_, d = self.budget, self.prompt_drop
+        if not self.streamed or prompt <= b_:
+            return max(prompt, b_)
+        return b_ + (prompt - 1 - b_) // d * d + d
 
     def release(self, request_ids) -> None:
         """Finished (or aborted) requests."""
@@ -214,7 +230,7 @@ class Planner:
             if b - a == total:  # the sequence's first chunk: a new request, or a preempted one again
                 if rid in self.start:
                     self.restarts += 1
-                self.start[rid] = max(total, b_)
+                self.start[rid] = self.first_round(total)
                 prefills.append((i, a, b))
             elif b - a == 1 and rid in self.start:
                 decode.append((i, a, total - 1))
@@ -371,7 +387,9 @@ class PagedLayer:
         if self.fp8:  # attend and keep what the cache holds: the prompt's K/V as vLLM stored them, in 8 bits
             slots = self._phys(table_row, torch.arange(t), block)[:, None]
             k, v = self._read(kv_cache, slots // block, torch.arange(self.kv_heads)[None, :], slots % block)
-        one = self._budgeted(DenseKVStore(), make_prefill(self.settings.config))
+        prefill = make_prefill(self.settings.config, self.budget)
+        # A streamed prompt runs the decode's rounds (its last round's victims stay pending into the decode).
+        one = self._budgeted(DenseKVStore(), prefill, rounds=not isinstance(prefill, PromptAware))
         k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
         one.allocate(k4, v4)
         held = _hold_fused(one, q, k4, v4, out, self.scale, self.softcap,
@@ -386,17 +404,16 @@ class PagedLayer:
         length = int(one.slots.lengths[0])
         kept = one.slots.positions[0, :, :length].long()  # (H_kv, L), ascending
         where = self._phys(table_row, kept, block)
-        if length < t:  # kept tokens before the window move into the slots of the window's evicted ones
-            window = torch.arange(t - length, t)
-            for h in range(self.kv_heads):
-                outside = kept[h] < t - length
-                if not bool(outside.any()):
-                    continue
-                holes = window[~torch.isin(window, kept[h])]  # (n,) ascending, as many as tokens outside
-                dst = self._phys(table_row, holes, block)
-                copy_slots(kv_cache, self.layout, where[h, outside], dst, torch.full_like(dst, h), block)
-                where[h, outside] = dst
         heads = torch.arange(self.kv_heads)[:, None].expand_as(where)
+        if length < t:  # pending victims into the slots that leave first, other tokens before the window into holes
+            rank = None if one.rounds is None else one.rounds.rank[0, :, :length]
+            target = window_slots(kept, rank, t)
+            moved = target != kept
+            if bool(moved.any()):
+                dst = self._phys(table_row, target[moved], block)
+                copy_slots(kv_cache, self.layout, where[moved], dst, heads[moved], block)
+                where = where.clone()
+                where[moved] = dst
         self.pos[where, heads] = kept.to(torch.int32)
         if self.acc is not None:
             state = one.state
@@ -427,6 +444,34 @@ class PagedLayer:
     def _phys(table_row: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
         """Physical slots of logical ``positions`` (any shape) through one request's block table."""
         return table_row.long()[positions // block] * block + positions % block
+
+
+def window_slots(kept: torch.Tensor, rank: torch.Tensor | None, seen: int) -> torch.Tensor:
+    """Where a prompt's kept tokens go in its window: the logical position each takes (H_kv, L).
+
+    ``kept`` (H_kv, L) are the positions a one-row layer keeps of a ``seen``-token prompt, ascending per head;
+    ``rank`` (H_kv, L) their rank among the pending victims of a round (-1: none), or None. The window holds the
+    positions ``[seen - L, seen)``; the ``p`` pending victims take its first ``p`` slots in rank order (they leave
+    the window one per new token, as the core's victims leave its layer), a token already in the rest of the window
+    stays where it is, and the others fill the rest's free slots in position order.
+    """
+    heads, length = kept.shape
+    first = seen - length
+    target = kept.clone()
+    for h in range(heads):
+        victim = torch.zeros(length, dtype=torch.bool) if rank is None else rank[h] >= 0
+        order = torch.nonzero(victim).flatten()
+        if rank is not None and order.numel():
+            order = order[torch.argsort(rank[h, order], stable=True)]
+        p = order.numel()
+        target[h, order] = first + torch.arange(p)
+        stays = ~victim & (kept[h] >= first + p)
+        movers = ~victim & ~stays
+        if bool(movers.any()):
+            free = torch.arange(first + p, seen)
+            free = free[~torch.isin(free, kept[h, stays])]
+            target[h, movers] = free
+    return target
 
 
 def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, out: torch.Tensor,

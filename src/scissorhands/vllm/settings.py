@@ -21,10 +21,15 @@ What the adapter fixes, and why (each given otherwise is a one-line error):
   so a full layer holds exactly ``budget`` tokens, and every ``drop`` steps it
   chooses ``drop`` victims and swaps them into the slots that leave the window
   next (``drop`` is the library's, 5% of the budget by default);
-* ``prefill`` is ``"prompt-aware"``: vLLM holds the whole prompt's blocks while
-  it is prefilled whatever the mode, so streaming it would cost one eviction
-  per prompt token and buy no memory; the held prompt is attended exactly and
-  evicted to the budget once, by its last queries;
+* ``prefill`` is ``"prompt-aware"`` (the default here) or ``"stream"``: vLLM holds
+  the whole prompt's blocks while it is prefilled whatever the mode, so streaming
+  buys no memory; the prompt-aware prefill attends the held prompt exactly and
+  evicts it to the budget once, by its last queries, while the streamed one
+  gives what the transformers cache gives token by token (each token past the
+  budget attends the kept set, in rounds), which keeps more of what a long answer
+  needs at the cost of one eviction per prompt token past the budget.
+  ``"keep-prompt"`` needs a window per request (its prompt plus the budget) and
+  is refused;
 * one budget for every layer (``schedule="uniform"``): vLLM's window is one
   number;
 * K/V stay in vLLM's blocks in the model's dtype: no ``kv_bits``,
@@ -51,7 +56,9 @@ from scissorhands.core.tokens.protect import Protection
 KEY = "scissorhands"
 ENV = "SCISSORHANDS_VLLM"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
-FIXED = {"rounds": True, "prefill": "prompt-aware"}
+FIXED = {"rounds": True}
+#: The prefill modes the adapter runs, the first its default (see the module docstring).
+PREFILLS = ("prompt-aware", "stream")
 _UNSUPPORTED = {"kv_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_store": None, "merge": False,
                 "schedule": "uniform", "decode": "dynamic", "prompt_chunk": None}
 
@@ -103,6 +110,10 @@ def parse(given: dict) -> PluginSettings:
     if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
         raise ValueError(f"protect_prefix: must be a token count >= 0, got {prefix!r}")
     fields = from_strings(CacheSettings, values, "scissorhands setting")
+    fields.setdefault("prefill", PREFILLS[0])
+    if fields["prefill"] not in PREFILLS:
+        raise ValueError(f"prefill: the vLLM adapter runs {' or '.join(repr(p) for p in PREFILLS)} (a window of one "
+                         f"length for every request), got {fields['prefill']!r}")
     for key, value in FIXED.items():
         if key in fields and fields[key] != value:
             raise ValueError(f"{key}: the vLLM adapter runs with {key}={value!r} (see scissorhands.vllm.settings), "
