@@ -280,8 +280,8 @@ class PagedLayer:
         Logit scale.
     softcap : float or None
     compiled : bool
-        The decode step's importance update runs the compiled operator (:mod:`.kernels`); False runs its torch
-        reference (tests).
+        The decode step and the rounds run the compiled operators (:mod:`.kernels`); False runs their torch
+        references (tests).
     layout : str
         vLLM's CPU K/V layout (:data:`.kernels.LAYOUTS`).
     fp8 : str or None
@@ -321,6 +321,7 @@ class PagedLayer:
         self.shields: list[Protection] = [Protection.prefix(config.sinks)] if config.sinks else []
         if settings.protection() is not None:
             self.shields.append(settings.protection())  # type: ignore[arg-type]
+        self.compiled = compiled
         self.decode = kernels.decode if compiled else kernels.decode_reference
         #: Prompts longer than the budget attended by the compiled prompt operator and, for the queries whose
         #: probabilities nothing reads, torch's fused attention (:func:`_hold_fused`); False: by the
@@ -535,7 +536,9 @@ def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor 
     rounding rows' physical slots oldest first (one block table serves every layer), ``seen`` (Rr,) their lengths.
     The layers' rows are scored, selected and moved as one batch of ``L * Rr`` rows: what a layer's round gives
     alone, for a method whose scores read no layer index (``EvictionMethod.stackable``); other methods score each
-    layer on its own view, and only the selection and the moves are batched.
+    layer on its own view, and only the selection and the moves are batched. The selection and the moves of every
+    layer are one compiled call (:func:`.kernels.rounds`), or :func:`move_victims_reference` for the torch
+    references.
     """
     first = layers[0]
     nl, (rr, b_) = len(layers), window.shape
@@ -586,6 +589,27 @@ def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor 
     for part in first.shields:
         mask = part.mask(positions)
         shield = mask if shield is None else shield | mask
+    if first.compiled and len({layer.layout for layer in layers}) == 1:
+        kernels.rounds(kv_caches, first.layout, pos, acc, window, scores, order, shield, first.recent, m)
+    else:
+        move_victims_reference(layers, pos, acc, kv_caches, window, scores, order, shield, block)
+    for layer in layers:
+        layer.rounds += 1
+
+
+def move_victims_reference(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,
+                           window: torch.Tensor, scores: torch.Tensor, order: torch.Tensor,
+                           shield: torch.Tensor | None, block: int) -> None:
+    """:func:`.kernels.rounds` in torch, layer by layer (the tests' reference, and the path of the torch
+    references): each row's ``drop`` lowest-scoring tokens per KV head (the core's ``lowest``) swapped into its
+    window's leaving slots, oldest victim first, with their positions and importance.
+
+    ``scores`` (L*Rr, H_kv, B) in position order, ``order`` (L*Rr, H_kv, B) the logical slot of each, ``shield``
+    (L*Rr, H_kv, B) bool or None; the others as :func:`round_layers` takes them.
+    """
+    first = layers[0]
+    nl, (rr, b_) = len(layers), window.shape
+    m, h = first.drop, first.kv_heads
     n_rows = nl * rr
     full = torch.full((n_rows,), b_, dtype=torch.long)
     victims = lowest(scores, full, first.recent, torch.full((n_rows,), m, dtype=torch.long), shield)
@@ -611,5 +635,3 @@ def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor 
     if acc is not None:
         moved = acc.permute(0, 2, 4, 3, 1)  # (L, num_blocks, N, H_kv, NB), a view
         moved[lay, pd // block, pd % block, heads] = moved[lay, ps // block, ps % block, heads]
-    for layer in layers:
-        layer.rounds += 1
