@@ -159,8 +159,8 @@ def rounds(kv_caches: list, layout: str, pos, acc, window, scores, order, shield
     kv_caches: the L layers' (num_blocks, H_kv, N, 2D) caches in ``layout`` (one shape and dtype; fp8 as bytes);
     pos (L, num_blocks * N, H_kv) int32; acc (L, NB, num_blocks, H_kv, N) float32 or None; window (Rr, B) the
     rounding rows' physical slots, oldest first; scores (L * Rr, H_kv, B) in position order (compared in float64,
-    so as the torch selection compares them; NaN after everything, as torch's sort puts it); order (L * Rr, H_kv,
-    B) the logical slot (index into ``window``) of each; shield (L * Rr, H_kv, B) bool, or None.
+    as the torch selection compares them, NaN included: last, or first where one victim is chosen); order (L * Rr,
+    H_kv, B) the logical slot (index into ``window``) of each; shield (L * Rr, H_kv, B) bool, or None.
     """
     rows = scores.shape
     _ops().rounds(list(kv_caches), LAYOUTS[layout], pos, _NONE if acc is None else acc, acc is not None,

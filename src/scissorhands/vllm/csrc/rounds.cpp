@@ -29,27 +29,37 @@ static void move_kv(E* kv, int64_t H, int64_t h, int64_t N, int64_t D, const int
   }
 }
 
+// A score as an integer of the same order (the operators build with fast maths, under which the compiler may
+// assume no NaN or infinity, so no float comparison decides here): -0 as +0, NaN above +inf, or below everything
+// where ``nan_low``.
+static inline int64_t ordered(double x, bool nan_low) {
+  uint64_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint64_t magnitude = u & 0x7fffffffffffffffULL;
+  if (magnitude > 0x7ff0000000000000ULL) return nan_low ? INT64_MIN : INT64_MAX;
+  if (magnitude == 0) return 0;
+  const int64_t s = static_cast<int64_t>(u);
+  return s >= 0 ? s : s ^ INT64_MAX;  // negative: larger magnitudes lower
+}
+
 // Which logical slots (indices into the window) are the drop victims of one row and head, oldest first:
 // ``lowest`` (the recent window and shielded slots scored +inf; a stable ascending sort, so the older of equal
-// scores goes first; NaN after everything), given scores in position order and ``order`` (each position-order
-// index's logical slot).
+// scores goes first), given scores in position order and ``order`` (each position-order index's logical slot).
+// One victim is torch's argmin (lowest's shortcut), which takes the first NaN as the minimum; more are its stable
+// sort, which puts NaN after everything.
 static void victims(const double* score, const int64_t* order, const bool* shield, int64_t B, int64_t recent,
-                    int64_t m, std::vector<int64_t>& rank, std::vector<double>& key, std::vector<char>& chosen,
+                    int64_t m, std::vector<int64_t>& rank, std::vector<int64_t>& key, std::vector<char>& chosen,
                     int64_t* out) {
+  const int64_t fenced_key = ordered(HUGE_VAL, false);
   key.resize(B);
   rank.resize(B);
   chosen.assign(B, 0);
   for (int64_t j = 0; j < B; ++j) {
     const bool fenced = j >= B - recent || (shield != nullptr && shield[j]);
-    key[j] = fenced ? INFINITY : score[j];
+    key[j] = fenced ? fenced_key : ordered(score[j], m == 1);
     rank[j] = j;
   }
-  auto less = [&](int64_t a, int64_t b) {
-    const bool na = std::isnan(key[a]), nb = std::isnan(key[b]);
-    if (na || nb) return !na && nb;
-    return key[a] < key[b];
-  };
-  std::stable_sort(rank.begin(), rank.end(), less);
+  std::stable_sort(rank.begin(), rank.end(), [&](int64_t a, int64_t b) { return key[a] < key[b]; });
   for (int64_t i = 0; i < m; ++i) chosen[rank[i]] = 1;
   int64_t k = 0;
   for (int64_t j = 0; j < B && k < m; ++j)
@@ -74,8 +84,7 @@ static void rounds_impl(std::vector<torch::Tensor>& caches, torch::Tensor& pos, 
   // Rows of different requests hold different physical slots, and layers and heads their own memory: each
   // (layer, row, head) moves alone.
   at::parallel_for(0, nl * rr * H, 8, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> rank, vlog(m), src(2 * m), dst(2 * m);
-    std::vector<double> key;
+    std::vector<int64_t> rank, key, vlog(m), src(2 * m), dst(2 * m);
     std::vector<char> chosen, isv(B);
     std::vector<E> buf;
     std::vector<int32_t> held_pos(2 * m);
