@@ -12,7 +12,10 @@ its first token. It reports the most requests running at once, total generated t
 the queue, the median and 90th-percentile time to first token, and the KV bytes held, measured (blocks held
 x block bytes) against the analytic size (what the plugin's layers store). ``--ample`` instead gives both
 variants a KV space that holds every request whole, and reports the decode tokens/s ratio (the per-step
-overhead). Prompts are windows of real text (``--text``, default: the opening of Hamlet, repeated).
+overhead). Prompts are windows of real text (``--text``, default: the opening of Hamlet, repeated). ``--system N``
+makes a chat-like queue: every prompt starts with the same N tokens (a shared system prompt, the text's first N),
+then its own window. ``--dtype bfloat16`` serves in bf16 (vLLM's CPU kernel stores it in its "amx" layout on CPUs
+with AMX, "vec" elsewhere).
 ``--plot RECORD.json`` draws a record's bars as ``RECORD.png`` (in any environment with matplotlib).
 """
 
@@ -43,15 +46,18 @@ def _pair(text: str, name: str) -> tuple[int, int]:
     return a, b
 
 
-def make_requests(tokenizer, text: str, n: int, prompt: tuple[int, int], new: tuple[int, int], seed: int):
+def make_requests(tokenizer, text: str, n: int, prompt: tuple[int, int], new: tuple[int, int], seed: int,
+                  system: int = 0):
+    """``n`` (prompt ids, new tokens): each prompt ``system`` shared tokens (the text's first), then its own window."""
     ids = tokenizer(text)["input_ids"]
     rng = random.Random(seed)
+    shared = (ids * (system // max(1, len(ids)) + 1))[:system]
     out = []
     for _ in range(n):
         length = rng.randint(*prompt)
         start = rng.randrange(0, max(1, len(ids)))
         window = (ids[start:] + ids) * (length // max(1, len(ids)) + 2)
-        out.append((window[:length], rng.randint(*new)))
+        out.append((shared + window[:length], rng.randint(*new)))
     return out
 
 
@@ -66,8 +72,8 @@ COMPILED = ("vllm-defaults", "vllm-compiled", "scissorhands-compiled")
 
 
 def engine_args(name: str, folder: str, kv_blocks: int | None, max_seqs: int, max_len: int, eager: bool,
-                block_size: int | None, plugin: dict | None) -> dict:
-    args = dict(model=folder, dtype="float32", enforce_eager=eager and name not in COMPILED,
+                block_size: int | None, plugin: dict | None, dtype: str = "float32") -> dict:
+    args = dict(model=folder, dtype=dtype, enforce_eager=eager and name not in COMPILED,
                 max_model_len=max_len, max_num_seqs=max_seqs, seed=0)
     if name != "vllm-defaults":
         args.update(enable_prefix_caching=name == "vllm-prefix", enable_chunked_prefill=name == "vllm-chunked")
@@ -134,7 +140,8 @@ def run_variant(args: dict, requests) -> dict:
     kv_spec = core.vllm_config.model_config.hf_config
     layers, kv_heads = kv_spec.num_hidden_layers, kv_spec.num_key_value_heads
     head = getattr(kv_spec, "head_dim", None) or kv_spec.hidden_size // kv_spec.num_attention_heads
-    block_bytes = layers * 2 * kv_heads * head * block_size * 4  # float32, K and V, every layer
+    element = 2 if args.get("dtype") in ("bfloat16", "float16") else 4
+    block_bytes = layers * 2 * kv_heads * head * block_size * element  # K and V, every layer
     ttft = sorted(first.values())
     tpot = sorted((done[r] - arrival[r] - first[r]) / max(1, count[r] - 1) for r in done)
     tail = [(h, r) for h, r in zip(held, running) if r][-max(1, len(held) // 4):]  # the last quarter: decoding
@@ -251,6 +258,9 @@ def main() -> None:
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                    help="enforce_eager for every variant (--no-eager: vLLM's default compiled mode)")
     p.add_argument("--text", default=str(HAMLET))
+    p.add_argument("--system", type=int, default=0, help="a shared system prompt of this many tokens before each "
+                   "prompt (a chat-like queue)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's dtype in vLLM")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -269,10 +279,11 @@ def main() -> None:
 
     prompt, new = _pair(args.prompt, "prompt"), _pair(args.new, "new")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    requests = make_requests(tokenizer, Path(args.text).read_text(), args.requests, prompt, new, args.seed)
+    requests = make_requests(tokenizer, Path(args.text).read_text(), args.requests, prompt, new, args.seed,
+                             args.system)
     mean_len = statistics.mean(len(ids) + n for ids, n in requests)
     budget = max(2, round(mean_len / args.compression))
-    max_len = prompt[1] + new[1] + 8
+    max_len = args.system + prompt[1] + new[1] + 8
     kv_blocks = None if args.ample else args.kv_blocks
     plugin: dict = {"budget": budget, "method": args.method}
     if args.drop is not None:
@@ -281,7 +292,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name in variants:
             eargs = engine_args(name, args.model, kv_blocks, args.max_seqs, max_len, args.eager, args.block_size,
-                                plugin)
+                                plugin, args.dtype)
             load = _load()
             row = run_variant(eargs, requests) | {"round": r, "load_before": load}
             runs[name].append(row)
