@@ -1,4 +1,4 @@
-"""The plugin's two compiled operators over vLLM's CPU K/V, and their torch references.
+"""The plugin's three compiled operators over vLLM's CPU K/V, and their torch references.
 
 :func:`decode` attends every decoding request's new query over its window (the
 logical positions ``(p - B, p]``) and adds the probabilities to the importance
@@ -15,13 +15,19 @@ bucket's accumulator and the last queries' snapshot. Per KV head and tile of
 queries it is one ``Q K^T`` product, one pass over the rows (softmax and the
 column sums), one ``P V`` product.
 
-Both are C++ (``torch.utils.cpp_extension``), built for the machine they run
+:func:`rounds` runs one step's rounds for every layer: each rounding row's
+victims per KV head (the core's selection over the method's scores) and their
+swap into the window's leaving slots, K/V, positions and importance together.
+
+They are C++ (``csrc/``: one file each and a shared header, built as one
+module by ``torch.utils.cpp_extension``), built for the machine they run
 on and cached by torch in ``TORCH_EXTENSIONS_DIR`` (by default
 ``~/.cache/torch_extensions``): at start-up by the plugin's worker, or ahead by
 ``scissorhands build`` (:mod:`.build`: a stale lock, a missing compiler or an
 unwritable folder is one line).
-:func:`decode_reference` and :func:`prompt_reference` are the same in plain
-torch: the tests hold each pair equal.
+:func:`decode_reference`, :func:`prompt_reference` and
+``paged.move_victims_reference`` are the same in plain torch: the tests hold
+each pair equal.
 
 Why by hand: vLLM's CPU kernels and torch's fused attention return no
 probabilities, and no library operator computes a softmax over paged blocks in
