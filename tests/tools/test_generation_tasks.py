@@ -262,3 +262,30 @@ def test_a_later_run_pairs_with_the_full_answers_on_file(tmp_path, capsys, short
     taken = _grid(tmp_path, capsys, model_dir, "gsm8k", data, out, "--methods", "full,scissorhands", "--budgets",
                   "0.5")[-1]
     assert [s["full_correct"] for s in taken["item_scores"]] == [1.0 - t for t in truth]
+
+
+def test_the_vllm_engine_refuses_in_one_line_before_the_model_loads(tmp_path, capsys):
+    """``--engine vllm`` runs what the plugin runs: a fraction, a setting the plugin cannot hold, a task that does
+    not generate or protected structure are refused first; without vLLM in the environment, that is said."""
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(json.dumps({"task_id": "T/0", "entry_point": "f", "prompt": "def f():\n",
+                                    "canonical_solution": "    return 1\n", "test": "def check(c):\n    pass\n"})
+                        + "\n")
+    base = ["eval", "--model", str(tmp_path / "not-loaded"), "--engine", "vllm", "--methods", "full,scissorhands",
+            "--out", str(tmp_path / "out")]
+    cases = [
+        (["--tasks", "humaneval", "--text", str(problems), "--budgets", "0.5"],
+         "budgets: the vLLM plugin takes a token count per layer"),
+        (["--tasks", "humaneval", "--text", str(problems), "--budgets", "24", "--kv-bits", "4"],
+         "kv-bits: not supported by the vLLM adapter"),
+        (["--tasks", "humaneval", "--text", str(problems), "--budgets", "24", "--protect-structure"],
+         "protect-structure: the vLLM plugin protects a prompt prefix only"),
+        (["--tasks", "lambada", "--budgets", "24"], "engine: vllm runs the generated tasks"),
+    ]
+    if importlib.util.find_spec("vllm") is None:
+        cases.append((["--tasks", "humaneval", "--text", str(problems), "--budgets", "24"],
+                      "engine: vllm is not installed in this environment"))
+    for extra, said in cases:
+        code, _, err = run_cli(capsys, *base, *extra)
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, (extra, err)
+    assert not (tmp_path / "out").exists()  # refused before anything was written

@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="humaneval, humaneval-chat, mbpp, gsm8k: protect each prompt's structure in every cell (the "
                     "asked problem after any worked examples, and the chat template's turn markers); with "
                     "--prefill keep-prompt they are kept with the prompt, otherwise they count against the budget")
+    ev.add_argument("--engine", default="transformers", choices=("transformers", "vllm"),
+                    help="what generates the answers of humaneval, humaneval-chat, mbpp and gsm8k: transformers "
+                    "(one problem at a time) or vllm (every problem of a cell at once, the full cache by vLLM alone, "
+                    "a method by the scissorhands plugin at a token budget, rounds on; needs vLLM's CPU build in "
+                    "this environment); the rows are keyed by the engine and pair problem by problem")
     ev.add_argument("--limit", type=int, default=None, help="items per task (windows, questions, prompts, problems)")
     ev.add_argument("--seq-len", type=int, default=2048, help="perplexity window length T")
     ev.add_argument("--num-samples", type=int, default=16,
@@ -583,6 +588,14 @@ def _run_eval(args) -> int:
         check = getattr(task, "check", None)
         if check is not None:
             check()
+    engine = None
+    if args.engine != "transformers":
+        import dataclasses
+
+        from .eval.engine import VLLMEngine, check_engine_grid
+
+        base = dataclasses.replace(base, rounds=True)  # the plugin's eviction, which the transformers rows name
+        check_engine_grid(args.engine, tasks, methods, budgets, base)
     if args.out is None:
         args.out = Path("eval-out")
         print(f"eval: results go to {args.out}{os.sep} (the default; choose another folder with --out)",
@@ -592,8 +605,11 @@ def _run_eval(args) -> int:
     check_apart({"out": [out / f for f in files]}, _input_files(args))
     check_results_file(out / RESULTS_FILE)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.engine != "transformers":
+        engine = VLLMEngine(str(model.name_or_path), args.dtype)
     results = run_grid(model, tokenizer, model_name=args.model, tasks=tasks, methods=methods, budgets=budgets,
-                       base=base, out_dir=out, limit=args.limit, seed=args.seed, resume=not args.no_resume)
+                       base=base, out_dir=out, limit=args.limit, seed=args.seed, resume=not args.no_resume,
+                       engine=engine)
     shown = folder_results(out / RESULTS_FILE, results)
     if len(shown) > len(results):
         extra = len(shown) - len(results)

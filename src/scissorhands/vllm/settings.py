@@ -56,7 +56,7 @@ from scissorhands.core.tokens.protect import Protection
 KEY = "scissorhands"
 ENV = "SCISSORHANDS_VLLM"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
-FIXED = {"rounds": True}
+FIXED: dict[str, object] = {"rounds": True}
 #: The prefill modes the adapter runs, the first its default (see the module docstring).
 PREFILLS = ("prompt-aware", "stream")
 _UNSUPPORTED = {"kv_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_store": None, "merge": False,

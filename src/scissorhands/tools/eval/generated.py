@@ -162,10 +162,15 @@ class Generated(Task):
         new = out[0, len(prompt):].tolist()
         return new, cut_at_stop(self._tokenizer.decode(new, skip_special_tokens=True), self._stops)
 
+    def judged(self, item, tokens: list[int], completion: str, held: dict) -> dict:
+        """An answer judged: its tokens, its text, the verdict with its notes, and what the cache held (``held``:
+        ``kv_seen`` and ``kv_held``)."""
+        right, notes = self.judge(item.data["problem"], completion)
+        return {"tokens": tokens, "completion": completion, self.verdict: right, **notes, **held}
+
     def _judged(self, model, item, cache) -> dict:
         tokens, completion = self._complete(model, item, cache)
-        right, notes = self.judge(item.data["problem"], completion)
-        return {"tokens": tokens, "completion": completion, self.verdict: right, **notes, **held_tokens(cache)}
+        return self.judged(item, tokens, completion, held_tokens(cache))
 
     def _full(self, model, item) -> dict:
         if "full" not in item.data:
@@ -182,7 +187,12 @@ class Generated(Task):
             setup = replace(setup, protect=item.data["spans"])
         cache = setup.make_cache(model, len(item.data["prompt"]) + self.max_new_tokens)
         exact = isinstance(cache, DynamicCache)
-        mine = full if exact else self._judged(model, item, cache)
+        return self.paired(full if exact else self._judged(model, item, cache), full, exact)
+
+    def paired(self, mine: dict, full: dict, exact: bool) -> dict:
+        """An item's score: the answer ``mine`` (from :meth:`judged`) beside the full cache's ``full``; ``exact``:
+        ``mine`` is the full cache's own answer (the full row, or a budget no answer reaches), whose tokens the
+        score keeps so that a later run pairs with them."""
         a, b = mine["tokens"], full["tokens"]
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         score = {self.verdict: float(mine[self.verdict]), f"full_{self.verdict}": float(full[self.verdict]),

