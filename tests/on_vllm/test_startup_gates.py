@@ -176,3 +176,32 @@ def test_each_kind_of_vllm_attention_layer_is_named_and_only_plain_decoder_self_
     assert kinds["chunked"].startswith("chunked local attention") and "8192" in kinds["chunked"]
     assert kinds["prefix_lm"].startswith("prefix-LM attention")
     assert kinds["sink"].startswith("a StaticSinkAttention layer")
+
+
+@pytest.mark.parametrize("stand_in, start", [
+    ("import vllm.v1.attention.backends.cpu_attn as c; c._get_attn_isa = lambda *a, **k: 'neon'",
+     "scissorhands: vLLM's CPU attention kernel takes the 'neon' K/V layout"),
+    ("import scissorhands.vllm.plugin as p\n"
+     "class Cuda:\n    device_name = 'cuda'\n    is_cpu = staticmethod(lambda: False)\n"
+     "p.current_platform = Cuda",
+     "scissorhands: the plugin runs on vLLM's CPU build only, and this vLLM's platform is 'cuda'"),
+], ids=["neon_layout", "gpu_platform"])
+def test_the_openai_server_refuses_them_in_one_line_with_exit_code_2(tiny_folder, tmp_path, stand_in, start):
+    """The OpenAI server, with the layout or the platform stood in for in its front end (where the engine config is
+    made): one line, exit code 2, no traceback, before any engine process starts."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "serve.py"
+    script.write_text(f"{stand_in}\nimport runpy\nrunpy.run_module('vllm.entrypoints.openai.api_server', "
+                      f"run_name='__main__', alter_sys=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    done = subprocess.run([sys.executable, str(script), "--model", tiny_folder, "--skip-tokenizer-init",
+                           "--additional-config", json.dumps({"scissorhands": {"budget": 64}})],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("scissorhands: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"scissorhands: error: {start}"), done.stderr[-3000:]
+    assert "EngineCore" not in done.stderr, done.stderr[-3000:]
