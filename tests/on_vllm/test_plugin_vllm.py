@@ -252,7 +252,7 @@ def test_preemption_starts_the_sequence_again(tiny_folder):
 @pytest.mark.parametrize("plugin, name", [
     ({"budget": 0}, "budget"),
     ({"budget": 64, "rounds": False}, "rounds"),
-    ({"budget": 64, "prefill": "stream"}, "prefill"),
+    ({"budget": 64, "prefill": "keep-prompt"}, "prefill"),
     ({"budget": 64, "kv_bits": 4}, "kv_bits"),
     ({"budget": 64, "method": "nope"}, "method"),
     ({"budget": 64, "recnet": 3}, "recnet"),
