@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--variant", choices=("vllm", "scissorhands"), required=True)
     p.add_argument("--requests", type=int, default=28)
     p.add_argument("--budget", type=int, default=490)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
@@ -37,7 +38,7 @@ def main() -> None:
 
     reqs = make_requests(AutoTokenizer.from_pretrained(args.model), HAMLET.read_text(), args.requests, (480, 500),
                          (400, 400), 0)
-    eargs = dict(model=args.model, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=64, seed=0,
+    eargs = dict(model=args.model, dtype=args.dtype, enforce_eager=True, max_model_len=1024, max_num_seqs=64, seed=0,
                  enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=16384)
     if args.variant == "scissorhands":
         eargs["additional_config"] = {"scissorhands": {"budget": args.budget}}
@@ -57,6 +58,8 @@ def main() -> None:
         for _ in range(10):
             engine.step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    calls = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    print(f"{args.variant}: torch operators a step (aten::, nested ones included) {calls / 10:.0f}")
     engine.engine_core.shutdown()
 
 
