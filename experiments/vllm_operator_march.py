@@ -10,23 +10,24 @@ has a name of its own (the flags are part of it), so the native one is untouched
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
-
-import pytest
-
-from scissorhands.vllm import kernels
 
 TESTS = Path(__file__).resolve().parents[1] / "tests" / "vllm"
 
 
 def main(argv=None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        raise SystemExit("usage: vllm_operator_march.py MARCH (x86-64-v3, x86-64, ...)")
-    kernels._CFLAGS[:] = [f"-march={args[0]}" if f == "-march=native" else f for f in kernels._CFLAGS]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("march", help="the x86 level to build for (x86-64-v3, x86-64, ...)")
+    args = p.parse_args(argv)
+    import pytest
+
+    from scissorhands.vllm import kernels
+
+    kernels._CFLAGS[:] = [f"-march={args.march}" if f == "-march=native" else f for f in kernels._CFLAGS]
     kernels._OPS.clear()
-    print(f"built for -march={args[0]}: {kernels.build().__file__}", flush=True)
+    print(f"built for -march={args.march}: {kernels.build().__file__}", flush=True)
     return pytest.main(["-q", "-p", "no:cacheprovider", str(TESTS / "test_operators.py"),
                         str(TESTS / "test_paged_layer.py"), "-k", "operator or decode or rounds"])
 
