@@ -8,8 +8,9 @@ checked at start-up (a one-line error naming the bad one), what the plugin
 cannot serve is refused (:func:`refuse_unservable`: pipeline parallelism,
 speculative decoding, a K/V dtype it cannot read, a KV connector, more tensor
 parallel ranks than KV heads; :func:`check_platform`: a platform other than the
-CPU one; :func:`check_layout`: a K/V layout the operator cannot read), the
-plugin's worker is used, and prefix
+CPU one; :func:`check_layout`: a K/V layout the operator cannot read;
+:func:`refuse_declared`: what the worker would refuse once the layers exist, as
+far as the model's config declares it), the plugin's worker is used, and prefix
 caching, chunked prefill and ``long_prefill_token_threshold`` are turned off
 (a prompt must be held whole and attended once; a shared prefix block cannot be
 evicted for one request alone), saying so in the log. Each refusal is one line
