@@ -561,10 +561,7 @@ def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor 
         state = None
         if state_acc is not None:
             assert layer.importance is not None
-            imp = layer.importance
-            state = ImportanceState(imp.form, imp.bucket_steps, imp.n_buckets, imp.value_weighted, imp.mean_cap)
-            state.acc = state_acc[:, rows]
-            state._allocated = True
+            state = layer.importance.over(state_acc[:, rows])
 
         def read(length: int):
             heads = torch.arange(h)[None, :, None]

@@ -195,6 +195,17 @@ class ImportanceState(TokenState):
         self.acc = torch.zeros(self.n_buckets, batch, heads, capacity, dtype=dtype, device=device)
         self._allocated = True
 
+    def over(self, acc: torch.Tensor) -> ImportanceState:
+        """A state of the same settings over accumulators held elsewhere, ``acc`` of shape (NB, B, H, capacity),
+        shared, not copied: how an engine that keeps its own accumulators (the vLLM adapter) lets a method score
+        them."""
+        if acc.dim() != 4 or acc.shape[0] != self.n_buckets:
+            raise ValueError(f"acc: expected shape ({self.n_buckets}, B, H, capacity), got {tuple(acc.shape)}")
+        state = type(self)(self.form, self.bucket_steps, self.n_buckets, self.value_weighted, self.mean_cap)
+        state.acc = acc
+        state._allocated = True
+        return state
+
     def resize(self, capacity: int) -> None:
         """Set the token axis to ``capacity``, keeping the values of the slots that remain."""
         old = self.acc
