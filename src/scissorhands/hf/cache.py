@@ -20,6 +20,7 @@ from scissorhands.core.attend.streaming import attend
 from scissorhands.core.layer.audit import EvictionAudit
 from scissorhands.core.layer.budgeted import BudgetedKV
 from scissorhands.core.layer.footprint import layer_memory
+from scissorhands.core.layer.heads import HeadGroups
 from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.methods.scissorhands import Scissorhands
 from scissorhands.core.planning.assembly import CachePlan, plan
@@ -54,6 +55,10 @@ class ScissorhandsLayer(CacheLayerMixin):
         Most query rows scored at once.
     layer_idx : int
         The model layer this is.
+    kv : BudgetedKV or HeadGroups, optional
+        The layer's storage, built by the caller (``head_budgets``: its KV heads in groups of their own budgets,
+        :class:`~scissorhands.core.layer.heads.HeadGroups`); then the arguments above but ``query_tile`` and
+        ``layer_idx`` are not read.
     **options
         ``sinks``, ``merge``, ``prefill``, ``observe``, ``store``: see
         :class:`~scissorhands.core.layer.budgeted.BudgetedKV`.
@@ -65,8 +70,9 @@ class ScissorhandsLayer(CacheLayerMixin):
 
     def __init__(self, budget: int, recent: int, drop: int, state: TokenState | None = None,
                  method: EvictionMethod | None = None, query_tile: int = DEFAULTS.query_tile, layer_idx: int = 0,
-                 **options):
-        self.kv = BudgetedKV(budget, recent, drop, method or Scissorhands(), state, layer_idx, **options)
+                 *, kv: BudgetedKV | HeadGroups | None = None, **options):
+        self.kv = kv if kv is not None else BudgetedKV(budget, recent, drop, method or Scissorhands(), state,
+                                                       layer_idx, **options)
         super().__init__()
         self.query_tile = query_tile
         self.layer_idx = layer_idx
@@ -78,7 +84,7 @@ class ScissorhandsLayer(CacheLayerMixin):
     # transformers' base class and callers read `keys`/`values`; they are the store's buffers.
     @property
     def keys(self) -> torch.Tensor | None:
-        return getattr(self.kv.store, "keys", None) if self.kv.allocated else None
+        return getattr(getattr(self.kv, "store", None), "keys", None) if self.kv.allocated else None
 
     @keys.setter
     def keys(self, value) -> None:  # the base __init__ assigns None; storage belongs to the store
@@ -86,7 +92,7 @@ class ScissorhandsLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return getattr(self.kv.store, "values", None) if self.kv.allocated else None
+        return getattr(getattr(self.kv, "store", None), "values", None) if self.kv.allocated else None
 
     @values.setter
     def values(self, value) -> None:
@@ -150,6 +156,8 @@ class ScissorhandsLayer(CacheLayerMixin):
         if self._pending != key.shape[-2]:
             raise RuntimeError("scissorhands attention called without a matching cache update")
         self._pending = None
+        if isinstance(self.kv, HeadGroups):
+            return self.kv.attend(query, key, value, mask, scaling, softcap, self.query_tile)
         return attend(self.kv, query, key, value, mask, scaling, softcap, self.query_tile)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -187,13 +195,23 @@ class ScissorhandsLayer(CacheLayerMixin):
 
     # -- reporting -------------------------------------------------------------------------
     def stored_positions(self, row: int) -> torch.Tensor:
-        """Positions stored for sequence ``row``, shape (H_kv, stored), in stored order."""
+        """Positions stored for sequence ``row``, shape (H_kv, stored), in stored order (with head-level budgets,
+        -1 pads a head that stores fewer than the most)."""
+        if isinstance(self.kv, HeadGroups):
+            return self.kv.stored_positions(row)
         self.kv.to_stored_order()
         return self.kv.slots.row(row)
 
+    def held_per_head(self) -> torch.Tensor:
+        """Tokens each row stores now (B,), float, averaged over the layer's KV heads."""
+        if isinstance(self.kv, HeadGroups):
+            return self.kv.held_per_head()
+        return self.kv.slots.lengths.double()
+
     def memory(self) -> dict:
-        """Bytes and tokens held by this layer (see :func:`scissorhands.hf.report.layer_memory`)."""
-        return layer_memory(self.kv)
+        """Bytes and tokens held by this layer (see :func:`scissorhands.core.layer.footprint.layer_memory`; with
+        head-level budgets, :meth:`scissorhands.core.layer.heads.HeadGroups.memory`)."""
+        return self.kv.memory() if isinstance(self.kv, HeadGroups) else layer_memory(self.kv)
 
 
 def memory_shape(model):
@@ -218,7 +236,8 @@ def cache_plan(model, settings: CacheSettings, method: EvictionMethod | None = N
     """:func:`scissorhands.core.planning.assembly.plan` for a transformers model (or its config): its budgeted layers
     and K/V shape filled in; ``options`` are the plan's (``protection``, ``protect_name``, ``memory``, ``length``)."""
     shape = memory_shape(model) if options.get("memory") is not None else None  # reads the weights' dtype
-    return plan(settings, len(model_facts(model).full_layers), method or Scissorhands(), shape=shape, **options)
+    facts = model_facts(model)
+    return plan(settings, len(facts.full_layers), method or Scissorhands(), shape=shape, facts=facts, **options)
 
 
 class ScissorhandsCache(Cache):
@@ -276,7 +295,8 @@ class ScissorhandsCache(Cache):
         facts.check_supported()
         method = method or Scissorhands()
         if _plan is None:
-            _plan = plan(config, len(facts.full_layers), method, protection=protection, protect_name=protect_name)
+            _plan = plan(config, len(facts.full_layers), method, protection=protection, protect_name=protect_name,
+                         facts=facts)
         config = _plan.config
         if audit is not None and config.decode != "dynamic":
             raise ValueError(f"decode: {config.decode!r} cannot tell an audit of each eviction without reading the "
@@ -301,12 +321,24 @@ class ScissorhandsCache(Cache):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
                 continue
             i, part = next(parts)
-            layer = ScissorhandsLayer(part.budget, part.recent, part.drop, _plan.state(), self.method,
-                                      config.query_tile, idx, sinks=config.sinks, merge=config.merge,
-                                      prefill=_plan.prefill(i), protect=_plan.protection, decode=config.decode,
-                                      rounds=config.rounds, store=_plan.store(i, centers.get(idx)))
+            if part.groups:  # head-level budgets: each group of KV heads a budgeted layer of its own
+                layer = ScissorhandsLayer(part.budget, part.recent, part.drop, query_tile=config.query_tile,
+                                          layer_idx=idx, kv=HeadGroups([(g.heads, BudgetedKV(
+                                              g.budget, g.recent, g.drop, _plan.group_method(g), _plan.state(g), idx,
+                                              _plan.store(i, group=g), sinks=config.sinks, merge=config.merge,
+                                              prefill=_plan.prefill(i, g), decode=config.decode, rounds=config.rounds,
+                                              protect=_plan.protection if g.retrieval else None))
+                                              for g in part.groups]))
+            else:
+                layer = ScissorhandsLayer(part.budget, part.recent, part.drop, _plan.state(), self.method,
+                                          config.query_tile, idx, sinks=config.sinks, merge=config.merge,
+                                          prefill=_plan.prefill(i), protect=_plan.protection, decode=config.decode,
+                                          rounds=config.rounds, store=_plan.store(i, centers.get(idx)))
             if audit is not None:
-                layer.kv.listeners.append(audit)
+                if isinstance(layer.kv, HeadGroups):
+                    layer.kv.listen(audit)
+                else:
+                    layer.kv.listeners.append(audit)
                 audit.attach(idx)
             layer.guard = guard
             layer.checks_continuation = not any(isinstance(x, ScissorhandsLayer) for x in layers)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from scissorhands.core.layer.footprint import layer_memory
-
 
 def cache_memory_report(cache) -> dict:
     """K/V, per-token state and position bytes, and tokens stored, per layer and in total.
@@ -37,7 +35,7 @@ def cache_memory_report(cache) -> dict:
     per_layer = []
     for layer in cache.layers:
         if hasattr(layer, "kv"):
-            per_layer.append(layer_memory(layer.kv))
+            per_layer.append(layer.memory())
         else:
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             kv = 0 if keys is None or values is None else keys.nbytes + values.nbytes

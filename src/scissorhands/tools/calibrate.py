@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from scissorhands.core.layer.budgeted import BudgetedKV
 from scissorhands.core.stores.base import DenseKVStore
 from scissorhands.core.stores.centers import FORMAT, FORMAT_ROTARY, rope_angles, rotate_half
 from scissorhands.hf.modelinfo import model_facts
@@ -108,8 +109,10 @@ def measure_key_centers(model, tokenizer, text: str, tokens: int = 2048, rotary:
     cache = ScissorhandsCache(model, full.configure(CacheSettings(), len(ids)), full())
     stores = []
     for layer in cache.budgeted_layers:
-        layer.kv.store = KeyStats(rope)
-        stores.append(layer.kv.store)
+        kv = layer.kv
+        assert isinstance(kv, BudgetedKV)  # the full cache above: one budget for every head
+        kv.store = KeyStats(rope)
+        stores.append(kv.store)
     with torch.no_grad():
         model(torch.tensor([ids], device=model.device), cache=cache, use_cache=True, logits_to_keep=1)
     facts = model_facts(model)

@@ -172,7 +172,7 @@ def held_by_head(cache, row: int = 0) -> dict[int, torch.Tensor]:
         if not kv.allocated or kv.slots.lengths.numel() == 0:
             continue
         seen = int(kv.slots.seen[row])
-        pos = kv.slots.positions[row, :, : int(kv.slots.lengths[row])].long().cpu()  # (H_kv, stored)
+        pos = layer.stored_positions(row).long().cpu()  # (H_kv, stored); -1 pads a head that stores fewer
         hits = torch.zeros(pos.shape[0], max(seen, 1))
         hits.scatter_reduce_(1, pos.clamp(min=0), (pos >= 0).float(), reduce="amax")  # an empty slot marks nothing
         out[layer.layer_idx] = hits[:, :seen] > 0

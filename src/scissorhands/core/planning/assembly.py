@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..settings.config import CacheSettings, ScissorhandsConfig
 from ..settings.declare import integer
+from ..settings.heads import MIN_WINDOW
 from ..settings.schedule import layer_budgets
 from ..tokens.protect import Protection, check_room
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..attend.prefill import Prefill
+    from ..facts import ModelFacts
     from ..methods.base import EvictionMethod
     from ..stores.base import KVStore
     from ..stores.centers import RotaryCenters
@@ -32,12 +34,27 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class LayerPlan:
     """One budgeted layer: tokens kept, the recent window never evicted, tokens evicted at once, and the newest
-    tokens also kept at full precision beside a lossy store (0: none)."""
+    tokens also kept at full precision beside a lossy store (0: none). With head-level budgets
+    (``head_budgets``), ``groups`` splits its KV heads, each group a layer of its own over those heads."""
 
     budget: int
     recent: int
     drop: int
     residual: int
+    groups: tuple[HeadGroupPlan, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeadGroupPlan:
+    """KV heads of one layer that share a budget: retrieval heads (the method's eviction) or streaming heads
+    (sinks and the most recent tokens, :mod:`..methods.streaming`)."""
+
+    heads: tuple[int, ...]
+    budget: int
+    recent: int
+    drop: int
+    residual: int
+    retrieval: bool
 
 
 @dataclass(frozen=True)
@@ -51,26 +68,35 @@ class CachePlan:
     protection: Protection | None = None
     memory_choice: MemoryChoice | None = None
 
-    def store(self, layer: int, key_center: torch.Tensor | RotaryCenters | None = None) -> KVStore:
-        """Layer ``layer``'s K/V store (the settings' store, wrapped in its residual)."""
+    def store(self, layer: int, key_center: torch.Tensor | RotaryCenters | None = None,
+              group: HeadGroupPlan | None = None) -> KVStore:
+        """Layer ``layer``'s K/V store (the settings' store, wrapped in its residual), or one head group's."""
         from ..stores import make_store
 
-        return make_store(self.config, key_center, self.layers[layer].residual)
+        return make_store(self.config, key_center, (group or self.layers[layer]).residual)
 
-    def prefill(self, layer: int) -> Prefill:
-        """Layer ``layer``'s prefill mode, with its settings."""
+    def prefill(self, layer: int, group: HeadGroupPlan | None = None) -> Prefill:
+        """Layer ``layer``'s prefill mode, with its settings (at one head group's budget if given)."""
         from ..attend.prefill import make_prefill
 
-        return make_prefill(self.config, self.layers[layer].budget)
+        return make_prefill(self.config, (group or self.layers[layer]).budget)
 
-    def state(self) -> TokenState | None:
-        """A fresh per-token state for one layer (the method's)."""
-        return self.method.make_state(self.config)
+    def state(self, group: HeadGroupPlan | None = None) -> TokenState | None:
+        """A fresh per-token state for one layer or head group (its method's)."""
+        return self.group_method(group).make_state(self.config)
+
+    def group_method(self, group: HeadGroupPlan | None) -> EvictionMethod:
+        """The method of a head group: the cache's for retrieval heads, StreamingLLM's for streaming heads."""
+        if group is None or group.retrieval:
+            return self.method
+        from ..methods.streaming import Streaming
+
+        return Streaming()
 
 
 def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None = None, *,
          protection: Protection | None = None, protect_name: str = "protect", memory=None,
-         shape: Shape | None = None, length: int | None = None) -> CachePlan:
+         shape: Shape | None = None, length: int | None = None, facts: ModelFacts | None = None) -> CachePlan:
     """The plan of a cache of ``n_layers`` budgeted layers.
 
     Parameters
@@ -88,6 +114,8 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
         A memory target (a fraction of the full cache's K/V bytes, or a size per sequence), the model's K/V
         shape and the sequence length: the store and token budget are chosen for them
         (:func:`scissorhands.core.planning.memory_target.choose`) and kept as ``memory_choice``.
+    facts : ModelFacts, optional
+        The model's attention facts: what a head ranking (``head_budgets``) is checked against.
     """
     if method is None:
         from ..methods.scissorhands import Scissorhands
@@ -96,6 +124,9 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
     elif isinstance(method, type):  # a method class, as the registry holds them
         method = method()
     choice = None
+    if memory is not None and settings.head_budgets is not None:
+        raise ValueError("head_budgets: cannot be combined with memory= (a memory target plans one budget for "
+                         "every head)")
     if memory is not None:
         from .memory_target import check_memory_settings, choose
 
@@ -123,4 +154,54 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
                              f"(recent + sinks = {config.protected})")
         layers.append(LayerPlan(budget, config.recent_for(budget), config.drop_for(budget),
                                 config.check_residual(budget, evicts=not method.is_full)))
+    if config.head_budgets is not None and not method.is_full:
+        layers = _split_heads(config, layers, facts, protection, protect_name)
     return CachePlan(config, method, tuple(layers), protection, choice)
+
+
+def _split_heads(config: ScissorhandsConfig, layers: list[LayerPlan], facts: ModelFacts | None,
+                 protection: Protection | None, protect_name: str) -> list[LayerPlan]:
+    """Each layer's KV heads in groups by their budget (:mod:`.heads`); a layer whose heads all keep its budget
+    stays one group."""
+    from dataclasses import replace
+
+    from .heads import STREAMING_SINKS, HeadRanking, head_budgets, head_groups, retrieval_heads
+
+    if facts is None or config.head_budgets is None:
+        raise ValueError("head_budgets: needs the model's layers and KV heads (a transformers model)")
+    ranking = HeadRanking.load(config.head_budgets)
+    ranking.check_model(facts.model_type, facts.full_layers, facts.num_kv_heads)
+    budgets = [p.budget for p in layers]
+    windows = []
+    for b in budgets:
+        w = config.head_window
+        if w is None:
+            w = max(MIN_WINDOW, config.recent_for(b) + config.sinks)
+        if w >= b:
+            raise ValueError(f"head_window: a streaming head's window ({w}) must be < its layer's budget ({b})")
+        if w <= config.sinks + STREAMING_SINKS:
+            raise ValueError(f"head_window: a streaming head's window ({w}) must be > its sinks "
+                             f"({config.sinks + STREAMING_SINKS}: sinks + StreamingLLM's {STREAMING_SINKS})")
+        windows.append(w)
+    retrieval = retrieval_heads(ranking.scores, config.retrieval_share)
+    per_head = head_budgets(retrieval, budgets, windows)
+    out = []
+    for p, row, hi in zip(layers, per_head, retrieval):
+        groups = head_groups(row, hi)
+        if len(groups) == 1 and groups[0][2]:
+            out.append(p)  # every head a retrieval head at the layer's budget: the uniform layer
+            continue
+        parts = []
+        for heads, b, is_hi in groups:
+            if is_hi:
+                r, m = config.recent_for(b), config.drop_for(b)
+                check_room(protection, [(b, r, m)], name=protect_name)
+            else:  # sinks and the most recent tokens: the recent window is what is left beside the sinks
+                r = min(config.recent_for(b), b - config.sinks - 1)
+                amount = config.drop
+                m = max(1, round(amount * b)) if isinstance(amount, float) else int(amount)
+                m = max(1, min(m, b - r - config.sinks))
+            residual = config.check_residual(b) if is_hi else min(config.residual_for(b), r)
+            parts.append(HeadGroupPlan(heads, b, r, m, residual, is_hi))
+        out.append(replace(p, groups=tuple(parts)))
+    return out

@@ -25,6 +25,7 @@ from typing import Any
 from . import declare as s
 from .declare import REQUIRED, declared, setting, settings_table
 from .eviction import IMPORTANCE_FORMS, EvictionSettings
+from .heads import HeadSettings
 from .prefill import PREFILL_MODES, PrefillSettings
 from .schedule import SCHEDULES, ScheduleSettings
 from .step import DECODE_MODES, StepSettings
@@ -34,7 +35,7 @@ __all__ = ["DECODE_MODES", "DEFAULTS", "DEFAULT_RESIDUAL", "IMPORTANCE_FORMS", "
            "PRESETS", "SCHEDULES", "STORE_NAMES", "CacheSettings", "ScissorhandsConfig", "check_int",
            "readme_table", "settings_rows"]
 
-GROUPS = (EvictionSettings, ScheduleSettings, PrefillSettings, StepSettings, StorageSettings)
+GROUPS = (EvictionSettings, ScheduleSettings, PrefillSettings, StepSettings, StorageSettings, HeadSettings)
 """The settings' groups, in the order their fields are listed (flags, the settings table)."""
 
 
@@ -44,7 +45,8 @@ def check_int(name: str, value, low: int) -> None:
 
 
 @dataclass(frozen=True)
-class CacheSettings(StorageSettings, StepSettings, PrefillSettings, ScheduleSettings, EvictionSettings):
+class CacheSettings(HeadSettings, StorageSettings, StepSettings, PrefillSettings, ScheduleSettings,
+                    EvictionSettings):
     """How a budgeted cache evicts, whatever its budget: the groups' fields, flat.
 
     Every field's meaning, default and range is in its declaration, in its
@@ -107,6 +109,13 @@ class CacheSettings(StorageSettings, StepSettings, PrefillSettings, ScheduleSett
                     raise ValueError(f"rounds: cannot be combined with {name}={getattr(self, name)!r}")
         if self.kv_residual:
             check_residual(self.kv_residual, None, merge=self.merge)  # its fit to each layer: check_residual below
+        if self.head_budgets is not None:
+            for name, bad, why in (
+                    ("prefill", self.prefill == "keep-prompt", "a streaming head would hold the whole prompt"),
+                    ("kv_demote", self.kv_demote is not None, "a demotion's widths are planned for one budget"),
+                    ("kv_key_centers", self.kv_key_centers is not None, "the centres are read for a whole layer")):
+                if bad:
+                    raise ValueError(f"head_budgets: cannot be combined with {name}={getattr(self, name)!r} ({why})")
 
     def _apply_preset(self) -> None:
         preset = s.one_of(tuple(PRESETS))("preset", self.preset)

@@ -73,14 +73,15 @@ def structure_spans(tokenizer, text: str, asked: int) -> tuple[tuple[int, int], 
 
 def held_tokens(cache) -> dict:
     """What a cache held when its answer was done: ``kv_seen``, the tokens it was given (prompt and answer), and
-    ``kv_held``, the tokens it stored, per budgeted layer on average (transformers' own cache holds all it saw).
+    ``kv_held``, the tokens it stored, per budgeted layer and KV head on average (transformers' own cache holds all
+    it saw).
     Their ratio is the compression measured on the sequence itself, its prompt included, whatever the settings
     (a prompt kept beside the budget, protected spans, a budget above the length)."""
     layers = getattr(cache, "budgeted_layers", None)
     if not layers:
         seen = int(cache.get_seq_length())
         return {"kv_seen": seen, "kv_held": seen}
-    stored = [int(layer.kv.slots.lengths.max()) for layer in layers]
+    stored = [float(layer.held_per_head().max()) for layer in layers]
     return {"kv_seen": int(layers[0].kv.slots.seen.max()), "kv_held": sum(stored) / len(stored)}
 
 
