@@ -281,6 +281,8 @@ def test_the_vllm_engine_refuses_in_one_line_before_the_model_loads(tmp_path, ca
         (["--tasks", "humaneval", "--text", str(problems), "--budgets", "24", "--protect-structure"],
          "protect-structure: the vLLM plugin protects a prompt prefix only"),
         (["--tasks", "lambada", "--budgets", "24"], "engine: vllm runs the generated tasks"),
+        (["--tasks", "humaneval", "--text", str(problems), "--budgets", "24", "--head-budgets",
+          str(tmp_path / "heads.json")], "head-budgets: the vLLM plugin cannot give KV heads budgets of their own"),
     ]
     if importlib.util.find_spec("vllm") is None:
         cases.append((["--tasks", "humaneval", "--text", str(problems), "--budgets", "24"],

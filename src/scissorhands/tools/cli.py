@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_build_parser(sub)
 
+    from .heads_cli import add_parser as add_heads_parser
+
+    add_heads_parser(sub)
+
     cal = sub.add_parser("calibrate", allow_abbrev=False,
                          help="measure per-channel key centres for packed K/V (--kv-key-centers)")
     add_model_args(cal)
@@ -738,6 +742,10 @@ def _run(parser, args) -> int:
             from .build_cli import run as run_build
 
             return run_build(args)
+        if args.command == "heads":
+            from .heads_cli import run as run_heads
+
+            return run_heads(args, _check_model_args)
         if args.command == "demo":
             from .generation import demo_chat
 

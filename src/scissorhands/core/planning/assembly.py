@@ -188,7 +188,7 @@ def _split_heads(config: ScissorhandsConfig, layers: list[LayerPlan], facts: Mod
     out = []
     for p, row, hi in zip(layers, per_head, retrieval):
         groups = head_groups(row, hi)
-        if len(groups) == 1 and groups[0][2]:
+        if len(groups) == 1 and groups[0][2] and groups[0][1] == p.budget:
             out.append(p)  # every head a retrieval head at the layer's budget: the uniform layer
             continue
         parts = []

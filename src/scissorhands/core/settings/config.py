@@ -113,7 +113,10 @@ class CacheSettings(HeadSettings, StorageSettings, StepSettings, PrefillSettings
             for name, bad, why in (
                     ("prefill", self.prefill == "keep-prompt", "a streaming head would hold the whole prompt"),
                     ("kv_demote", self.kv_demote is not None, "a demotion's widths are planned for one budget"),
-                    ("kv_key_centers", self.kv_key_centers is not None, "the centres are read for a whole layer")):
+                    ("kv_key_centers", self.kv_key_centers is not None, "the centres are read for a whole layer"),
+                    ("decode", self.decode != "dynamic", "the fixed-shape step needs an importance state, which a "
+                     "streaming head does not keep"),
+                    ("merge", self.merge, "a streaming head keeps its sinks and window, nothing merged into them")):
                 if bad:
                     raise ValueError(f"head_budgets: cannot be combined with {name}={getattr(self, name)!r} ({why})")
 

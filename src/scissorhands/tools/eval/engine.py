@@ -52,6 +52,9 @@ def check_engine_grid(engine: str, tasks, methods, budgets, base: CacheSettings)
     if other:
         raise ValueError(f"engine: vllm runs the generated tasks (humaneval, humaneval-chat, mbpp, gsm8k), not "
                          f"{', '.join(other)}")
+    if base.head_budgets is not None:
+        raise ValueError("head_budgets: the vLLM plugin cannot give KV heads budgets of their own (a vLLM layer's "
+                         "blocks hold every KV head); run head-level budgets with --engine transformers")
     if any(getattr(t, "structure", False) for t in tasks):
         raise ValueError("protect-structure: the vLLM plugin protects a prompt prefix only, not the structure's spans")
     for b in budgets:
