@@ -363,3 +363,30 @@ def test_retrieval_probe_finds_protected_keys_in_every_head_and_refuses_bad_flag
         with pytest.raises(SystemExit) as err:
             probe.main(args)
         assert str(err.value).startswith(f"{flag}: ") and "\n" not in str(err.value)
+
+
+def test_engine_agreement_matches_rows_by_settings_and_counts_same_answers(tmp_path, capsys):
+    """Rows of the same method, budget and settings are compared over the problems both answered; a row whose
+    settings differ is not matched, and no match at all is exit code 1."""
+    agreement = script("engine_agreement")
+    config = {"rounds": True, "prefill": "stream"}
+
+    def row(method, budget, answers, engine=None, settings=config):
+        key = {"method": method, "budget": budget, **({"engine": engine} if engine else {})}
+        return {"task": "humaneval-chat", "method": method, "budget": budget, "metric": "pass@1", "value": 0.0,
+                "config": settings, "key": key,
+                "item_scores": [{"completion": c, "passed": float(p)} for c, p in answers]}
+
+    first, second = tmp_path / "hf", tmp_path / "vllm"
+    first.mkdir()
+    second.mkdir()
+    (first / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        row("scissorhands", 190, [("a", 1), ("b", 0), ("c", 1)]),
+        row("h2o", 190, [("a", 1)], settings={"rounds": False})]))
+    (second / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        row("scissorhands", 190, [("a", 1), ("x", 1), ("c", 1), ("d", 0)], engine="vllm"),
+        row("h2o", 190, [("a", 1)], engine="vllm")]))
+    assert agreement.main([str(first), str(second), "--task", "humaneval-chat"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert lines == ["| scissorhands | 190 | 3 | 2 (67%) | 2 (67%) | 2 | 3 |"], lines
+    assert agreement.main([str(first), str(second), "--task", "mbpp"]) == 1
