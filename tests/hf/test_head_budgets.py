@@ -233,3 +233,18 @@ def test_bad_input_is_one_line_naming_the_parameter(tmp_path, capsys):
     assert main(["heads", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "h.txt")]) == 2
     err = capsys.readouterr().err.strip()
     assert "error: out: must be a .json file" in err and len(err.splitlines()) == 1, err
+
+
+def test_the_exact_scorer_runs_the_streaming_heads_under_a_budget_that_covers_the_text(tmp_path):
+    """A budget above the length is the full cache only when no head keeps less: the scorer builds the cache."""
+    from conftest import scored_and_decoded
+    from scissorhands.core.methods import get_method
+    from scissorhands.hf.scoring import ScoreSetup
+
+    model = tiny_model("qwen2")
+    path = ranking(tmp_path / "h.json", [[0.2, 0.1], [0.3, 0.4]])
+    setup = ScoreSetup(get_method("scissorhands"), 60, CacheSettings(head_budgets=path, head_window=10))
+    context, cont = list(range(3, 33)), list(range(40, 52))
+    scored, decoded, cache = scored_and_decoded(model, context, cont, setup)
+    assert isinstance(cache, ScissorhandsCache) and scored == pytest.approx(decoded, abs=1e-4)
+    assert max(len(set(h.tolist()) - {-1}) for h in cache.budgeted_layers[0].stored_positions(0)) <= 10

@@ -176,6 +176,7 @@ def test_parse_size():
     (["--seq-len", "64", "--budgets", "0.1"], "seq-len"),
     (["--recent", "-1"], "recent"),
     (["--model", "/no/such/model"], "model"),
+    (["--head-budgets", "heads.json"], "head-budgets"),
 ])
 def test_bench_rejects_bad_arguments_in_one_line(capsys, tmp_path, args, param):
     code, err = run_in_process(capsys, "bench", "--out", str(tmp_path / "out"), *args)

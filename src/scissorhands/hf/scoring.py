@@ -50,14 +50,16 @@ class ScoreSetup:
     def make_cache(self, model, total_length: int):
         """A fresh cache for a sequence of ``total_length`` tokens.
 
-        When nothing would be evicted: transformers' DynamicCache, or, with
-        packed K/V (``kv_bits`` < 16), a budgeted cache as large as the sequence.
+        When nothing would be evicted (the budget covers the sequence, and no head keeps less): transformers'
+        DynamicCache, or, with packed K/V (``kv_bits`` < 16), a budgeted cache as large as the sequence.
         """
         if self.base.kv_demote is not None and not self.method.is_full and self.budget is not None:
             # With demotion a budget above the length still demotes by its widths' shares: the cache as built.
             return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed),
                                      protect=None if self.protect is None else list(self.protect))
-        if (self.method.is_full or self.budget is None or self.budget >= total_length):
+        # Head-level budgets evict from the streaming heads' window even when the budget covers the text.
+        covered = self.budget is not None and self.budget >= total_length and self.base.head_budgets is None
+        if self.method.is_full or self.budget is None or covered:
             if self.base.quantized:
                 # Nothing will be evicted: the full method's packed cache, whatever method was asked for, so
                 # that settings tied to eviction (the residual's cap by the recent window) do not apply.

@@ -124,6 +124,9 @@ def run(args, settings, check_model_args) -> int:
     from .models import load_model, resolve_dtype
     from .paths import check_apart, check_output_folder
 
+    if settings.head_budgets is not None:  # its analytic bytes (bench.analytic_bytes) hold one budget per layer
+        raise ValueError("head_budgets: not measured by bench, whose bytes from shapes hold one budget for every "
+                         "head; measure it with eval (kv_held) or the memory report")
     cfg, threads = config_from_args(args, settings)
     check_model_args(args)
     out = check_output_folder(args.out, "out", _OUTPUT_FILES)
