@@ -248,3 +248,21 @@ def test_the_exact_scorer_runs_the_streaming_heads_under_a_budget_that_covers_th
     scored, decoded, cache = scored_and_decoded(model, context, cont, setup)
     assert isinstance(cache, ScissorhandsCache) and scored == pytest.approx(decoded, abs=1e-4)
     assert max(len(set(h.tolist()) - {-1}) for h in cache.budgeted_layers[0].stored_positions(0)) <= 10
+
+
+def test_an_eval_cell_is_keyed_by_the_ranking_it_ran(tmp_path):
+    """Two rankings at one path are two cells: the key holds the file's digest beside its name."""
+    from scissorhands.core.methods import get_method
+    from scissorhands.tools.eval.runner import run_key
+
+    path = ranking(tmp_path / "h.json", [[0.2, 0.1], [0.3, 0.4]])
+
+    def key():
+        return run_key({"name": "m"}, {"name": "t"}, get_method("scissorhands"), 190,
+                       CacheSettings(head_budgets=path), 50, 0)
+
+    first = key()
+    assert first["settings"]["head_budgets"] == path and "head_budgets_sha256" in first["files"]
+    ranking(tmp_path / "h.json", [[0.1, 0.2], [0.3, 0.4]])
+    assert key() != first and run_key({"name": "m"}, {"name": "t"}, get_method("scissorhands"), 190,
+                                      CacheSettings(), 50, 0)["files"] == {}

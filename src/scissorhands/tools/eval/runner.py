@@ -113,9 +113,9 @@ def _digest(root: Path, files: list[Path]) -> str:
 
 
 def _settings_files(settings: dict) -> dict:
-    """Content digests of the files a cache's settings name (a JSON schedule, key centres)."""
+    """Content digests of the files a cache's settings name (a JSON schedule, key centres, a head ranking)."""
     out = {}
-    for key in ("schedule", "kv_key_centers"):
+    for key in ("schedule", "kv_key_centers", "head_budgets"):
         value = settings.get(key)
         if isinstance(value, str) and value.endswith(".json") and Path(value).expanduser().is_file():
             path = Path(value).expanduser()
