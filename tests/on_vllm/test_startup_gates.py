@@ -11,6 +11,8 @@ the worker once the layers exist, for what no config declares.
 
 import json
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -270,3 +272,44 @@ def test_the_openai_server_refuses_them_in_one_line_with_exit_code_2(tiny_folder
     errors = [line for line in done.stderr.splitlines() if line.startswith("scissorhands: error:")]
     assert len(errors) == 1 and errors[0].startswith(f"scissorhands: error: {start}"), done.stderr[-3000:]
     assert "EngineCore" not in done.stderr, done.stderr[-3000:]
+
+
+def _hrm_text(tmp_path) -> str:
+    """A tiny HRM-Text config: vLLM builds its attention as ``PrefillPrefixLMAttention`` (bidirectional over the
+    prompt) whatever its config says, so only the worker, once the layers exist, can refuse it. No weights: the
+    server loads it with ``--load-format dummy``."""
+    folder = tmp_path / "hrm_text"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["HrmTextForCausalLM"], "model_type": "hrm_text", "vocab_size": 512, "hidden_size": 128,
+        "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 32, "max_position_embeddings": 1024,
+        "H_cycles": 1, "L_cycles": 1, "L_bp_cycles": [1], "num_layers_per_stack": 1, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2}))
+    return str(folder)
+
+
+def test_the_openai_server_says_a_refusal_of_the_worker_in_one_line_with_exit_code_2(tmp_path):
+    """What no config declares (HRM-Text's prefix-LM layers) is refused by the worker, in its own process, once the
+    layers exist: the server's front end prints the worker's line, last, and exits with code 2 in place of vLLM's
+    report of a failed engine start ("Engine core initialization failed", exit code 1); the worker ends without
+    a traceback of the refusal. vLLM's engine core still logs that its worker ended, above the line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "SCISSORHANDS_VLLM")}
+    records = set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*"))
+    done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", _hrm_text(tmp_path),
+                           "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32",
+                           "--max-model-len", "512", "--enforce-eager",
+                           "--additional-config", json.dumps({"scissorhands": {"budget": 64}})],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("scissorhands: error:")]
+    assert errors == [lines[-1]], done.stderr[-3000:]
+    assert errors[0].startswith("scissorhands: error: model: layer model.L_module.layers.0.self_attn.attn is "
+                                "prefix-LM attention"), errors
+    assert "Engine core initialization failed" not in done.stderr, done.stderr[-3000:]
+    assert "Refusal" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]  # no traceback of it
+    assert set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*")) <= records, "the front end's file is left"

@@ -14,6 +14,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from . import kernels
 from .paged import PagedLayer
+from .settings import Refusal
 
 
 class ScissorhandsImpl(CPUAttentionBackendImpl):
@@ -29,7 +30,7 @@ class ScissorhandsImpl(CPUAttentionBackendImpl):
         if getattr(self, "sliding_window", None) not in (-1, None):
             return False
         if self.alibi_slopes is not None or getattr(self, "sinks", None) is not None:
-            raise ValueError("model: the scissorhands plugin attends with plain softmax attention; this model's "
+            raise Refusal("model: the scissorhands plugin attends with plain softmax attention; this model's "
                              "ALiBi slopes or attention sinks are not supported")
         self.engine = engine
         self.sliding_window = engine.settings.budget  # what the metadata builder and vLLM's warm-up kernel see

@@ -18,6 +18,15 @@ before the engine starts: ``LLM(...)`` raises it as a ``ValueError``, and the
 OpenAI server prints it and exits with code 2. The compiled operator is built
 (or loaded) there too, before any engine starts (:mod:`.build`).
 
+What only the layers vLLM builds can show (a kind of attention no config
+declares, KV-cache groups the config's ``layer_types`` do not predict) is refused
+by the plugin's worker, in the engine's process. A server's front end names a
+file for it (:func:`await_refusals`, through ``SCISSORHANDS_VLLM_REFUSAL``, which
+the engine's processes inherit); the worker writes its line there and ends the
+engine quietly (:func:`refuse_in_engine`), and when vLLM's failed engine start
+reaches the front end's top level, the front end prints that line and exits
+with code 2 in place of vLLM's traceback.
+
 Both start-up steps extend a vLLM method in place, since vLLM 0.32 has no hook
 for either: a general plugin gets no config step, and a platform plugin (a
 ``CpuPlatform`` subclass) is skipped when ``VLLM_TARGET_DEVICE=cpu``, where vLLM
@@ -27,9 +36,13 @@ returns its CPU platform before it loads platform plugins
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
+import os
 import sys
+import tempfile
+import uuid
 from typing import NoReturn
 
 from .settings import KEY as PLUGIN
@@ -39,6 +52,8 @@ from .settings import Refusal
 FULL_ATTENTION = ("full_attention", "attention")
 #: vLLM's usage contexts of its servers: a bad setting there ends the process with one line and exit code 2.
 SERVERS = ("OPENAI_API_SERVER", "API_SERVER", "OPENAI_BATCH_RUNNER")
+#: Set by a server's front end to ``<its pid>:<file>``: where its engine's processes leave a refusal for it.
+RECORD = "SCISSORHANDS_VLLM_REFUSAL"
 
 logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
 
@@ -87,6 +102,8 @@ def register() -> None:
                 kernels.build()
             except BuildError as e:
                 refuse(e, server)
+            if server:
+                await_refusals()
         return config
 
     check_and_update_config.scissorhands = True  # type: ignore[attr-defined]
@@ -132,6 +149,66 @@ def refuse(error: Exception, server: bool) -> NoReturn:
         sys.stderr.write(f"scissorhands: error: {error}\n")
         raise SystemExit(2) from None
     raise error from None
+
+
+def await_refusals() -> None:
+    """In a server's front end, before its engine starts: name a file for the engine's processes to leave a
+    refusal in (:func:`refuse_in_engine`), and, should the server end with an exception after one was left, print
+    that line and exit with code 2 (Python's ``sys.excepthook``; any other exception goes to the hook before)."""
+    here = os.environ.get(RECORD, "")
+    if here.split(":", 1)[0] == str(os.getpid()):  # named already (a second engine config in this process)
+        return
+    path = os.path.join(tempfile.gettempdir(), f"scissorhands-refusal-{os.getpid()}-{uuid.uuid4().hex}")
+    os.environ[RECORD] = f"{os.getpid()}:{path}"  # inherited by the engine's processes, started after this
+    atexit.register(_forget, path)
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback) -> None:
+        line = _recorded(path)
+        if line is None:
+            previous(kind, value, traceback)
+            return
+        # vLLM's report of the failed engine start ("Engine core initialization failed. See root cause above.")
+        # is this one line's consequence. The interpreter would exit with code 1 after this hook: exit now, with
+        # the code of every other refusal, once the log is flushed and the file removed.
+        sys.stderr.write(f"scissorhands: error: {line}\n")
+        sys.stderr.flush()
+        _forget(path)
+        logging.shutdown()
+        os._exit(2)
+
+    sys.excepthook = excepthook
+
+
+def refuse_in_engine(refusal: Exception) -> NoReturn:
+    """End start-up in an engine process with ``refusal`` (the worker's, once the layers exist): raised where no
+    server waits for it (``LLM(...)`` gets it). Under a server (:func:`await_refusals`) its line is left for the
+    front end first, and an engine process of the server (the engine core or a worker; not the front end itself)
+    logs it and ends with ``SystemExit(2)``, which vLLM takes as a shutdown, with no traceback of its own."""
+    front, _, path = os.environ.get(RECORD, "").partition(":")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(str(refusal))
+        if front != str(os.getpid()):
+            logger.error("scissorhands: %s", refusal)
+            raise SystemExit(2) from None
+    raise refusal
+
+
+def _recorded(path: str) -> str | None:
+    """The refusal an engine process left in ``path``, or None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _forget(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def refusal_in(error: BaseException) -> Refusal | None:

@@ -30,8 +30,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from . import kernels
+from .build import BuildError
 from .paged import PagedLayer, Planner
-from .plugin import refuse_groups, refuse_layer
+from .plugin import refuse_groups, refuse_in_engine, refuse_layer
 from .settings import PluginSettings, Refusal, from_vllm
 
 logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
@@ -91,6 +92,12 @@ class ScissorhandsWorker(CPUWorker):
         settings = from_vllm(self.vllm_config.additional_config)
         if settings is None:
             return
+        try:
+            self._attach(settings)
+        except (Refusal, BuildError) as e:  # one line for LLM(...), and for a server's front end
+            refuse_in_engine(e)
+
+    def _attach(self, settings: PluginSettings) -> None:
         from .backend import ScissorhandsImpl
 
         self.scissorhands = EngineState(settings)
@@ -118,7 +125,10 @@ class ScissorhandsWorker(CPUWorker):
         if self.scissorhands is not None:
             groups = [[name for name in group.layer_names if name in self._budgeted]
                       for group in kv_cache_config.kv_cache_groups]
-            refuse_groups([group for group in groups if group])
+            try:
+                refuse_groups([group for group in groups if group])
+            except Refusal as e:
+                refuse_in_engine(e)
         super().initialize_from_config(kv_cache_config)
 
     def get_kv_cache_spec(self):
