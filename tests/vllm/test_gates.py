@@ -106,3 +106,51 @@ def test_stand_in_windows_are_the_budget_for_full_layers_and_their_own_for_slidi
 ])
 def test_no_stand_ins_where_the_config_does_not_say_every_layers_window(kinds, window):
     assert stand_in_windows(kinds, window, 64) is None
+
+
+_SERVER = '''
+import multiprocessing, sys
+from scissorhands.vllm.plugin import await_refusals, refuse_in_engine
+from scissorhands.vllm.settings import Refusal
+
+def engine(refuse):
+    if refuse:
+        refuse_in_engine(Refusal("model: layer 0 is prefix-LM attention"))
+
+if __name__ == "__main__":
+    await_refusals()  # the front end, as a server's engine config is made
+    process = multiprocessing.get_context("fork").Process(target=engine, args=(sys.argv[1] == "refuse",))
+    process.start()
+    process.join()
+    print(process.exitcode, flush=True)
+    raise RuntimeError("Engine core initialization failed. See root cause above.")
+'''
+
+
+@pytest.mark.parametrize("refuse", [True, False], ids=["refused_in_the_engine", "another_failure"])
+def test_a_refusal_left_by_an_engine_process_is_the_servers_one_line_and_exit_code_2(tmp_path, refuse):
+    """The front end names a file for its engine processes (inherited through the environment); an engine process
+    that refuses leaves its line there and ends with code 2 and no traceback; the front end's failed start then
+    prints that line, last, and exits with code 2, its file removed. Any other failure keeps Python's traceback
+    and exit code 1."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    script = tmp_path / "server.py"
+    script.write_text(_SERVER)
+    before = set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*"))
+    env = {k: v for k, v in os.environ.items() if k != "SCISSORHANDS_VLLM_REFUSAL"}
+    done = subprocess.run([sys.executable, str(script), "refuse" if refuse else "serve"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    if refuse:
+        assert (done.returncode, done.stdout.split()) == (2, ["2"]), done.stderr
+        assert lines[-1] == "scissorhands: error: model: layer 0 is prefix-LM attention", done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+    else:
+        assert (done.returncode, done.stdout.split()) == (1, ["0"]), done.stderr
+        assert "Traceback" in done.stderr and lines[-1].startswith("RuntimeError: Engine core"), done.stderr
+    assert set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*")) <= before
