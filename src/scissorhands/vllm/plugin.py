@@ -67,11 +67,12 @@ def register() -> None:
     if getattr(CpuPlatform.check_and_update_config, "scissorhands", False):  # registered in this process already
         return
 
-    from . import kernels
+    from . import kernels, spec
     from .build import BuildError
     from .settings import from_vllm
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "scissorhands.vllm.backend.ScissorhandsBackend")
+    spec.register()  # the budgeted layers' KV-cache spec and its block manager, in vLLM's registry
     original = CpuPlatform.check_and_update_config.__func__
     create = EngineArgs.create_engine_config
 
@@ -314,11 +315,14 @@ def refuse_declared(vllm_config, budget: int) -> None:
 
 def predicted_groups(vllm_config, budget: int) -> list[list[str]] | None:
     """The budgeted layers (named ``layer <i>``) in each KV-cache group vLLM will make, predicted by vLLM's own
-    grouping (``get_kv_cache_groups``) from the cache spec the worker reports for each layer (:func:`stand_in_windows`,
-    one shape for every layer); None where the config's ``layer_types`` do not say it or vLLM's grouping fails on the
-    stand-ins (the worker checks the real groups)."""
+    grouping (``get_kv_cache_groups``) from the cache spec the worker reports for each layer (a
+    :class:`~.spec.BudgetedWindowSpec` for a budgeted layer, vLLM's sliding window for a sliding one; windows by
+    :func:`stand_in_windows`, one shape for every layer); None where the config's ``layer_types`` do not say it
+    or vLLM's grouping fails on the stand-ins (the worker checks the real groups)."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from .spec import BudgetedWindowSpec
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
     text = model.hf_text_config
@@ -329,7 +333,8 @@ def predicted_groups(vllm_config, budget: int) -> list[list[str]] | None:
         return None
     shape = dict(block_size=cache.block_size, num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
                  head_size=model.get_head_size(), dtype=model.dtype)
-    specs = {f"layer {i}": SlidingWindowSpec(**shape, sliding_window=window) for i, window in enumerate(windows)}
+    specs = {f"layer {i}": (BudgetedWindowSpec if kind in FULL_ATTENTION else SlidingWindowSpec)(
+        **shape, sliding_window=window) for i, (kind, window) in enumerate(zip(kinds, windows))}
     # The engine core resolves the K/V layout later; vLLM's grouping reads it only for layers of several page sizes,
     # and the stand-ins have one, so a copy of the config names one for the grouping to run here.
     config = copy.copy(vllm_config)

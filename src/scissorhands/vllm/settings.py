@@ -28,8 +28,9 @@ What the adapter fixes, and why (each given otherwise is a one-line error):
   gives what the transformers cache gives token by token (each token past the
   budget attends the kept set, in rounds), which keeps more of what a long answer
   needs at the cost of one eviction per prompt token past the budget.
-  ``"keep-prompt"`` needs a window per request (its prompt plus the budget) and
-  is refused;
+  ``"keep-prompt"`` needs a window per request (its prompt plus the budget: a
+  block manager of the plugin's own, :mod:`.spec`; docs/vllm.md, "A window per
+  request") and is refused;
 * one budget for every layer (``schedule="uniform"``): vLLM's window is one
   number;
 * K/V stay in vLLM's blocks in the model's dtype: no ``kv_bits``,

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.chunked_local_attention import ChunkedLocalAttention
 from vllm.model_executor.layers.attention.prefill_prefix_lm_attention import PrefillPrefixLMAttention
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from . import kernels
@@ -34,6 +34,7 @@ from .build import BuildError
 from .paged import PagedLayer, Planner
 from .plugin import refuse_groups, refuse_in_engine, refuse_layer
 from .settings import PluginSettings, Refusal, from_vllm
+from .spec import BudgetedWindowSpec
 
 logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
 
@@ -132,19 +133,16 @@ class ScissorhandsWorker(CPUWorker):
         super().initialize_from_config(kv_cache_config)
 
     def get_kv_cache_spec(self):
-        """vLLM's specs, each budgeted layer's a sliding window of the budget: its block manager then frees every
-        block behind the window, and the blocks of evicted tokens go back."""
+        """vLLM's specs, each budgeted layer's a window of the budget (:class:`~.spec.BudgetedWindowSpec`,
+        registered with vLLM with its block manager): the manager then frees every block behind the window, and
+        the blocks of evicted tokens go back."""
         specs = super().get_kv_cache_spec()
         if self.scissorhands is None:
             return specs
-        budget = self.scissorhands.settings.budget
         for name in self._budgeted:
             spec = specs.get(name)
             if type(spec) is FullAttentionSpec:
-                specs[name] = SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                                                head_size=spec.head_size, head_size_v=spec.head_size_v,
-                                                dtype=spec.dtype, kv_quant_mode=spec.kv_quant_mode,
-                                                sliding_window=budget)
+                specs[name] = BudgetedWindowSpec.of(spec, self.scissorhands.settings.budget)
         return specs
 
     def execute_model(self, scheduler_output):
