@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "asked problem after any worked examples, and the chat template's turn markers); with "
                     "--prefill keep-prompt they are kept with the prompt, otherwise they count against the budget")
     ev.add_argument("--engine", default="transformers", choices=("transformers", "vllm"),
-                    help="what generates the answers of humaneval, humaneval-chat, mbpp and gsm8k: transformers "
+                    help="what generates the answers of humaneval, humaneval-chat, mbpp, gsm8k, passkey and multikey: "
+                    "transformers "
                     "(one problem at a time) or vllm (every problem of a cell at once, the full cache by vLLM alone, "
                     "a method by the scissorhands plugin at a token budget, rounds on; needs vLLM's CPU build in "
                     "this environment); the rows are keyed by the engine and pair problem by problem")

@@ -1,4 +1,5 @@
-"""The generated tasks through vLLM: every problem of a cell in one batch, with the plugin at the cell's settings.
+"""The generated tasks (and the passkey tasks) through vLLM: every problem of a cell in one batch, with the plugin
+at the cell's settings.
 
 ``scissorhands eval --engine vllm`` runs in an environment with vLLM's CPU build (the project installed beside
 it, ``tests/on_vllm/run`` makes one). A cell's answers come from one ``LLM(...)``: vLLM alone for the full cache,
@@ -47,11 +48,16 @@ def check_engine_grid(engine: str, tasks, methods, budgets, base: CacheSettings)
     if engine == "transformers":
         return
     from .generated import Generated
+    from .passkey import Passkey
 
-    other = [t.name for t in tasks if not isinstance(t, Generated)]
+    other = [t.name for t in tasks if not isinstance(t, (Generated, Passkey))]
     if other:
-        raise ValueError(f"engine: vllm runs the generated tasks (humaneval, humaneval-chat, mbpp, gsm8k), not "
-                         f"{', '.join(other)}")
+        raise ValueError(f"engine: vllm runs the generated tasks (humaneval, humaneval-chat, mbpp, gsm8k, passkey, "
+                         f"multikey), not {', '.join(other)}")
+    protected = [t.name for t in tasks if getattr(t, "protect_facts", False)]
+    if protected:
+        raise ValueError(f"engine: the vLLM plugin protects a prompt prefix only, not {', '.join(protected)}'s "
+                         f"planted facts; run them with --engine transformers")
     if base.head_budgets is not None:
         raise ValueError("head_budgets: the vLLM plugin cannot give KV heads budgets of their own (a vLLM layer's "
                          "blocks hold every KV head); run head-level budgets with --engine transformers")
@@ -89,41 +95,51 @@ class VLLMEngine:
     def generate(self, task, items, plugin: dict | None) -> list[dict]:
         """Each item's answer: ``tokens`` (every generated token) and ``completion`` (the text cut at the task's
         first stop string, as the transformers path cuts it)."""
+        from .generated import cut_at_stop
+
+        outs = self.greedy([item.data["prompt"] for item in items], task.max_new_tokens, list(task._stops), plugin)
+        answers = []
+        for tokens in outs:  # the text decoded as the transformers path decodes it, then cut at the first stop
+            text = task._tokenizer.decode(tokens, skip_special_tokens=True)
+            answers.append({"tokens": tokens, "completion": cut_at_stop(text, task._stops)})
+        return answers
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, stops: list[str],
+               plugin: dict | None) -> list[list[int]]:
+        """Each prompt's greedy continuation (token ids, up to ``max_new_tokens``, a stop string included), all of
+        them in one batch of one ``LLM(...)``."""
         import torch
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from .generated import cut_at_stop
-
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-        prompts = [item.data["prompt"] for item in items]
-        longest = max(len(p) for p in prompts) + task.max_new_tokens
+        longest = max(len(p) for p in prompts) + max_new_tokens
         kw: dict[str, Any] = dict(model=self.folder, dtype=self.dtype, max_model_len=longest + 16, seed=0,
                                   max_num_seqs=self.max_num_seqs, **self.llm_args)
         if plugin is not None:
             kw["additional_config"] = {"scissorhands": plugin}
         llm = LLM(**kw)
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=task.max_new_tokens, stop=list(task._stops),
+            params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop=stops or None,
                                     include_stop_str_in_output=True)
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
             torch.manual_seed(0)
-        answers = []
-        for o in outs:  # the text decoded as the transformers path decodes it, then cut at the first stop
-            tokens = list(o.outputs[0].token_ids)
-            text = task._tokenizer.decode(tokens, skip_special_tokens=True)
-            answers.append({"tokens": tokens, "completion": cut_at_stop(text, task._stops)})
-        return answers
+        return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod], budget: int | None,
                   base: CacheSettings) -> list[dict]:
     """The item scores of one cell over ``items``, as :meth:`.generated.Generated.score` gives them, from the
     engine's batches: the full cache's answers first where an item has none yet (vLLM alone), then the cell's own
-    (vLLM with the plugin) where the budget does not cover the prompt and the longest answer."""
+    (vLLM with the plugin) where the budget does not cover the prompt and the longest answer. A retrieval task
+    (passkey, multikey) is :func:`retrieval_scores`'."""
+    from .passkey import Passkey
+
+    if isinstance(task, Passkey):
+        return retrieval_scores(engine, task, items, method, budget, base)
     missing = [item for item in items if "full" not in item.data]
     if missing:
         for item, answer in zip(missing, engine.generate(task, missing, None)):
@@ -147,3 +163,18 @@ def _held(item, answer: dict, budget: int | None) -> dict:
     is sampled, never fed), or the plugin's window of ``budget``."""
     seen = len(item.data["prompt"]) + max(0, len(answer["tokens"]) - 1)
     return {"kv_seen": seen, "kv_held": seen if budget is None else min(seen, budget)}
+
+
+def retrieval_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod], budget: int | None,
+                     base: CacheSettings) -> list[dict]:
+    """A passkey or multikey cell through the engine: each prompt's greedy continuation, as long as its key, right
+    when it is the key token for token. The transformers path asks the same of the cache by teacher forcing (each
+    key token the greedy prediction after the ones before it), which is the same verdict: a greedy continuation
+    equals the key exactly when every key token is the greedy choice after the key's own earlier tokens. The
+    continuation's own log-probability is not the key's, so the engine's rows record none."""
+    plugin = None if method.is_full or budget is None else plugin_settings(method, budget, base)
+    answers = engine.greedy([item.data["ctx"] for item in items], max(len(i.data["cont"]) for i in items), [],
+                            plugin)
+    return [{"correct": list(tokens[: len(item.data["cont"])]) == list(item.data["cont"]),
+             "length": item.data["length"], "depth": item.data["depth"]}
+            for item, tokens in zip(items, answers)]
