@@ -61,7 +61,8 @@ FIXED: dict[str, object] = {"rounds": True}
 #: The prefill modes the adapter runs, the first its default (see the module docstring).
 PREFILLS = ("prompt-aware", "stream")
 _UNSUPPORTED = {"kv_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_store": None, "merge": False,
-                "schedule": "uniform", "decode": "dynamic", "prompt_chunk": None}
+                "schedule": "uniform", "decode": "dynamic", "prompt_chunk": None,
+                "head_budgets": None}  # a vLLM layer's blocks hold every KV head: one window for all of them
 
 
 class Refusal(ValueError):
