@@ -1,11 +1,10 @@
 """Tiny random models built from configs, offline and seeded."""
 
-import os
 import signal
+import sys
 
 import pytest
 import torch
-from hypothesis import settings as hypothesis_settings
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -16,13 +15,22 @@ from transformers import (
     Qwen2Config,
 )
 
-VOCAB = 256
+import profiles  # noqa: F401  (the hypothesis profiles, shared with tests/core/conftest.py)
 
-# The property tests draw the same examples on every machine and run, so a red suite is reproducible where it is
-# read; `HYPOTHESIS_PROFILE=explore` draws new ones each run (and more of them) to look for counterexamples.
-hypothesis_settings.register_profile("fixed", derandomize=True)
-hypothesis_settings.register_profile("explore", max_examples=200)
-hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
+VOCAB = 256
+_HELPERS = sys.modules[__name__]
+
+
+def pytest_plugin_registered(plugin, plugin_name):
+    """Keep ``from conftest import ...`` meaning this file once tests/core/conftest.py is loaded.
+
+    Every conftest.py outside a package is the module ``conftest``, and pytest leaves the last one it loaded in
+    ``sys.modules``: after tests/core's (which needs torch, pytest and hypothesis alone, so holds none of these
+    helpers), the files collected later would import from it. This file is put back whenever another conftest
+    registers.
+    """
+    if plugin is not _HELPERS and getattr(plugin, "__name__", None) == "conftest":
+        sys.modules["conftest"] = _HELPERS
 
 
 def tiny_config(arch: str):

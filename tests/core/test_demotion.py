@@ -1,26 +1,20 @@
 """Demotion before eviction (``kv_demote``): the tiered store against the naive reference and the packed store."""
 
-from dataclasses import replace
-
 import pytest
 import torch
+from driver import CoreLayer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_stream
 from test_reference import chunk_mask, kept_of, make_inputs
-from test_scoring import BASE, decode_logprobs
 
-from conftest import batch_and_alone, left_padded, run_cli, save_tiny_model, tiny_model
-from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.attend.prefill import Streamed
-from scissorhands.core.methods import get_method
 from scissorhands.core.methods.scissorhands import Scissorhands
-from scissorhands.core.stores import ResidualStore, make_store
+from scissorhands.core.settings.config import CacheSettings, ScissorhandsConfig
+from scissorhands.core.stores import make_store
 from scissorhands.core.stores.packed import PackedKVStore
 from scissorhands.core.stores.tiered import TieredKVStore
 from scissorhands.core.tokens.importance import ImportanceState
-from scissorhands.hf.cache import ScissorhandsLayer
-from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 
 # (widths above the base, widest first; the base): every kind of chain the store takes.
 CHAINS = [((4,), 2), ((16, 4), 2), ((8, 4), 2), ((16,), 4), ((8,), 4), ((16, 8, 4), 2)]
@@ -68,15 +62,14 @@ def tiered_layer(case, read_tile=512):
     steps = None if case["window"] is None else (case["bucket_steps"] or 1)
     n_buckets = 1 if case["window"] is None else -(-case["window"] // steps)
     state = ImportanceState(case["importance"], steps, n_buckets, False)
-    return ScissorhandsLayer(budget, case["recent"], case["drop"], state, Scissorhands(), store=store,
-                             query_tile=case["tile"], sinks=case["sinks"], prefill=Streamed(case["prefill_drop"]))
+    return CoreLayer(budget, case["recent"], case["drop"], state, Scissorhands(), store=store,
+                     query_tile=case["tile"], sinks=case["sinks"], prefill=Streamed(case["prefill_drop"]))
 
 
 def run(case, layer, q, k, v, valid):
     outs, i = [], 0
     caps = layer.kv.tiers.tier_caps
     for c in case["chunks"]:
-        layer.update(k[:, :, i:i + c], v[:, :, i:i + c], kwargs={})
         vc = valid[:, i:i + c]
         mask = None if bool(vc.all()) else chunk_mask(vc)
         outs.append(layer.attend(q[:, :, i:i + c], k[:, :, i:i + c], v[:, :, i:i + c], mask, 0.5))
@@ -154,71 +147,17 @@ def test_a_chain_of_widths_adds_no_compression_events():
     q, k, v, valid = make_inputs(case)
     events = {}
     for name, tiers in (("tiered", case["tiers"]), ("plain", None)):
-        layer = tiered_layer(case) if tiers else ScissorhandsLayer(  # the same layer, packed: eviction alone
+        layer = tiered_layer(case) if tiers else CoreLayer(  # the same layer, packed: eviction alone
             case["budget"], case["recent"], case["drop"], ImportanceState("mean", None, 1, False), Scissorhands(),
             store=PackedKVStore(2, group_size=4), query_tile=16)
         calls = []
         compress = layer.kv.compress
         layer.kv.compress = lambda rows, drop=None, calls=calls, compress=compress: (calls.append(1),
                                                                                       compress(rows, drop))
-        layer.update(k, v, kwargs={})
         layer.attend(q, k, v, None, 0.5)
         events[name] = len(calls)
     assert events["plain"] == (240 - 40) // 4
     assert events["tiered"] == (240 - 16) // 4  # from the first full width on, one event per drop tokens
-
-
-def test_caps_at_the_budget_are_the_packed_store_at_the_top_width():
-    """Nothing demoted (every cap covers the text) and no eviction: bitwise the packed cache at the widest width."""
-    model = tiny_model("qwen2")
-    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(2))
-    packed = replace(BASE, kv_bits=4, kv_group_size=8, kv_residual=0)
-    tiered = replace(packed, kv_bits=2, kv_demote=((4, 0.5),))  # 100 tokens at 4 bits: the whole text
-    a, cache_a = decode_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 200, packed))
-    b, cache_b = decode_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 200, tiered))
-    assert isinstance(cache_b.budgeted_layers[0].kv.store, TieredKVStore)
-    assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("demote,bits", [("4:0.5", 2), ("16:0.4,4:0.7", 2), ("8:0.5", 4), ("16:0.4,8:0.55,4:0.7", 2)])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_scorer_equals_decoding_with_demotion(demote, bits, arch):
-    """One blocked forward = token-by-token decoding through the tiered cache, demotions and evictions included."""
-    model = tiny_model(arch)
-    ids = torch.randint(3, 256, (56,), generator=torch.Generator().manual_seed(1))
-    base = replace(BASE, kv_bits=bits, kv_demote=demote, kv_group_size=8, kv_tile=5, kv_residual=0)
-    setup = ScoreSetup(get_method("scissorhands"), 20, base)
-    fast, _ = token_logprobs(model, ids, setup)
-    slow, cache = decode_logprobs(model, ids, setup)
-    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
-    assert all(layer.compressions > 0 for layer in cache.budgeted_layers)
-    packed, _ = token_logprobs(model, ids, ScoreSetup(get_method("scissorhands"), 20, replace(base, kv_demote=None)))
-    assert not torch.equal(fast, packed)  # the demotion is really in the path
-
-
-def test_a_residual_wraps_the_tiered_store():
-    model = tiny_model("llama")
-    ids = torch.randint(3, 256, (50,), generator=torch.Generator().manual_seed(3))
-    base = replace(BASE, kv_bits=2, kv_demote="16:0.4,4:0.7", kv_group_size=8, kv_residual=2)
-    setup = ScoreSetup(get_method("scissorhands"), 20, base)
-    fast, _ = token_logprobs(model, ids, setup)
-    slow, cache = decode_logprobs(model, ids, setup)
-    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
-    store = cache.budgeted_layers[0].kv.store
-    assert isinstance(store, ResidualStore) and isinstance(store.inner, TieredKVStore)
-
-
-def test_batched_generation_with_demotion_equals_each_sequence_alone():
-    """Tokens, stored positions and every slot's width: a padded batch holds what each sequence holds alone."""
-    model = tiny_model("llama", torch.float64)
-    cfg = ScissorhandsConfig(budget=14, recent=3, drop=2, window=8, window_buckets=4, kv_bits=2,
-                             kv_demote="16:0.36,4:0.72", kv_group_size=8)
-    batch_cache, alone_caches = batch_and_alone(model, cfg, [30, 21, 9])
-    for row, alone_cache in enumerate(alone_caches):
-        for lb, la in zip(batch_cache.budgeted_layers, alone_cache.budgeted_layers):
-            wb = lb.kv.tiers.slot_widths(lb.slots.length)[row, :, : int(lb.slots.lengths[row])]
-            wa = la.kv.tiers.slot_widths(la.slots.length)[0, :, : int(la.slots.lengths[0])]
-            assert torch.equal(wb, wa)
 
 
 def test_bytes_are_counted_exactly():
@@ -284,37 +223,6 @@ def test_a_share_too_small_for_the_recent_window_names_kv_demote():
             .bind(20, 4, 2)
 
 
-def test_cli_generate_with_demotion_reports_it(capsys, tmp_path):
-    tiny_llama_dir = save_tiny_model(tmp_path / "tiny")
-    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "hello there " * 20,
-                             "--budget", "24", "--kv-bits", "2", "--kv-demote", "16:0.3,4:0.6",
-                             "--max-new-tokens", "5")
-    assert code == 0, err
-    line = next(x for x in err.splitlines() if "demotion: stored tokens at 16 bits" in x)
-    shares = [float(p.split()[-1].rstrip("%")) for p in line.split("demotion: stored tokens at ")[1].split(", ")]
-    assert len(shares) == 3 and abs(sum(shares) - 100) <= 2 and shares[0] <= 30 + 1 and shares[2] > 0
-    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "hi", "--budget", "24",
-                           "--kv-bits", "2", "--kv-demote", "16:0.9,4:0.5")
-    assert code == 2 and err.strip().count("\n") == 0 and "kv-demote" in err
-
-
-def test_peak_bytes_of_a_tiered_cache_are_what_it_allocates():
-    """memory_budget.peak_bytes counts the tiered store's pools, planes and indices as the cache allocates them."""
-    from scissorhands.core.planning.memory_target import peak_bytes
-    from scissorhands.hf.cache import memory_shape
-
-    model = tiny_model("llama")
-    cfg = ScissorhandsConfig(budget=30, kv_bits=2, kv_demote="16:0.3,4:0.6", kv_group_size=8, recent=4, drop=2)
-    cache = ScissorhandsCache(model, cfg)
-    ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
-    report = cache.memory_report()
-    held = report["budgeted_kv_bytes"] + report["importance_bytes"] + report["position_bytes"]
-    assert report["peak_stored"] == 30
-    assert peak_bytes(cfg, memory_shape(model)) == held
-
-
 def test_memory_takes_the_demotion_chain_where_its_measured_curve_is_lowest():
     """On a SmolLM2-135M-shaped float32 cache at 2,048 tokens, a fifth of the bytes leaves room beyond a 4-bit
     cache of the whole sequence: the frontier's 8 → 4 chain measured lowest there, and memory= takes it."""
@@ -329,21 +237,6 @@ def test_memory_takes_the_demotion_chain_where_its_measured_curve_is_lowest():
     assert choose(0.2, shape, 2048, CacheSettings(), frontier=others).predicted_delta_nll > choice.predicted_delta_nll
     # A prompt-aware prefill cannot demote: the chain is skipped, not an error.
     assert choose(0.2, shape, 2048, CacheSettings(prefill="prompt-aware")).config.kv_demote is None
-
-
-def test_eval_refuses_a_share_that_does_not_fit_before_any_cell(capsys, tmp_path):
-    """A width's share too small for a budget's recent window is refused up front, naming kv-demote, with
-    nothing written (no full-cache row computed first)."""
-    model_dir = save_tiny_model(tmp_path / "tiny")
-    capsys.readouterr()  # what saving the model printed
-    text = tmp_path / "t.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    out = tmp_path / "out"
-    code, _, err = run_cli(capsys, "eval", "--model", str(model_dir), "--tasks", "ppl", "--text", str(text),
-                           "--seq-len", "64", "--num-samples", "1", "--methods", "full,scissorhands",
-                           "--budgets", "40", "--kv-bits", "4", "--kv-demote", "8:0.1", "--out", str(out))
-    assert code == 2 and "kv-demote" in err and err.strip().count("\n") == 0
-    assert not (out / "results.jsonl").exists()
 
 
 def test_a_demotion_re_packs_nothing(monkeypatch):
@@ -385,20 +278,6 @@ def test_select_batch_moves_every_part_of_the_tiered_store_with_its_row():
         assert torch.equal(a[index], b)
     assert torch.equal(store.slot_widths(5)[0, 0], torch.tensor([2, 4, 2, 16, 16], dtype=torch.int16))
     assert store.head_counts()[:, :, 0].eq(2).all() and store.head_counts()[:, :, 1].eq(3).all()
-
-
-def test_beam_search_runs_with_demotion():
-    model = tiny_model("llama")
-    ids, mask = left_padded([20, 14], seed=12)
-    cfg = ScissorhandsConfig(budget=12, recent=2, drop=2, kv_bits=2, kv_demote="16:0.34,4:0.67", kv_group_size=8)
-    cache = ScissorhandsCache(model, cfg)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=8, num_beams=3, do_sample=False,
-                             pad_token_id=0)
-    assert out.shape == (2, 28)
-    report = cache.memory_report()
-    assert report["peak_stored"] <= 12 and set(report["tokens_by_width"]) == {"16", "4", "2"}
-    assert report["tokens_by_width"]["2"] > 0
 
 
 def test_demotion_widths_are_integers_and_pairs_survive_lm_eval_comma_splitting():

@@ -11,15 +11,12 @@ import math
 
 import pytest
 import torch
+from driver import CoreLayer
 
-from conftest import batch_and_alone, left_padded, scored_and_decoded, tiny_model
-from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.attend.prefill import PromptAware
-from scissorhands.core.methods import get_method
 from scissorhands.core.methods.scissorhands import Scissorhands
+from scissorhands.core.settings.config import CacheSettings
 from scissorhands.core.tokens.importance import ImportanceState
-from scissorhands.hf.cache import ScissorhandsLayer
-from scissorhands.hf.scoring import ScoreSetup
 
 
 def naive_chunked(q, k, v, *, budget, recent, observe, pool, chunk, scaling, sinks=0):
@@ -69,10 +66,8 @@ def naive_chunked(q, k, v, *, budget, recent, observe, pool, chunk, scaling, sin
 
 
 def run_chunked(q, k, v, *, budget, recent, observe, pool, chunk, scaling, sinks=0):
-    layer = ScissorhandsLayer(budget, recent, 1, ImportanceState("sum", None, 1), Scissorhands(), sinks=sinks,
-                              prefill=PromptAware(observe, pool, chunk=chunk))
-    kwargs = {}
-    layer.update(k, v, kwargs=kwargs)
+    layer = CoreLayer(budget, recent, 1, ImportanceState("sum", None, 1), Scissorhands(), sinks=sinks,
+                      prefill=PromptAware(observe, pool, chunk=chunk))
     out = layer.attend(q, k, v, None, scaling)
     return out, layer
 
@@ -94,51 +89,6 @@ def test_chunked_prompt_aware_matches_the_naive_reference(t, budget, chunk, rece
     assert int(layer.slots.lengths.max()) <= budget and layer.kv.capacity == budget
 
 
-def test_a_chunk_as_long_as_the_prompt_is_the_held_prefill():
-    """``prompt_chunk`` >= the prompt: bitwise the unchunked prompt-aware prefill."""
-    model = tiny_model("llama")
-    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(2))
-    results = []
-    for chunk in (None, 40, 64):
-        cache = ScissorhandsCache(model, ScissorhandsConfig(budget=12, prefill="prompt-aware", prompt_chunk=chunk))
-        with torch.no_grad():
-            results.append((model(ids, cache=cache).logits, [layer.stored_positions(0) for layer in
-                                                               cache.budgeted_layers]))
-    for logits, kept in results[1:]:
-        assert torch.equal(logits, results[0][0])
-        assert all(torch.equal(a, b) for a, b in zip(kept, results[0][1]))
-
-
-def test_chunked_prompt_aware_batch_equals_each_sequence_alone():
-    batch_and_alone(tiny_model("qwen2", torch.float64),
-                    ScissorhandsConfig(budget=10, prefill="prompt-aware", prompt_chunk=6, observe=4), [31, 22, 9],
-                    seed=6)  # seed 5 meets EOS early, which the helper does not allow
-
-
-def test_chunked_prompt_aware_scorer_equals_decoding_after_the_prompt():
-    """The exact scorer's continuation equals decoding it token by token after a chunked prompt."""
-    model = tiny_model("llama")
-    gen = torch.Generator().manual_seed(5)
-    context = torch.randint(3, 256, (45,), generator=gen).tolist()
-    cont = torch.randint(3, 256, (10,), generator=gen).tolist()
-    settings = CacheSettings(recent=3, drop=4, prefill="prompt-aware", observe=5, prompt_chunk=12)
-    setup = ScoreSetup(get_method("scissorhands"), 16, settings)
-    total, decoded, cache = scored_and_decoded(model, context, cont, setup)
-    assert total == pytest.approx(decoded, abs=1e-4)
-    report = cache.memory_report()
-    assert report["max_stored"] <= 16 and report["peak_stored"] <= 16 + 12
-
-
-def test_generate_with_padding_and_a_chunked_prompt():
-    model = tiny_model("gemma3", torch.float64)
-    ids, mask = left_padded([30, 17], seed=2)
-    cache = ScissorhandsCache(model, ScissorhandsConfig(budget=10, prefill="prompt-aware", prompt_chunk=7))
-    with torch.no_grad():
-        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    for layer in cache.budgeted_layers:
-        assert layer.slots.peak <= 17 and int(layer.slots.lengths.max()) <= 10
-
-
 @pytest.mark.parametrize("fields,match", [
     ({"prompt_chunk": 0}, r"^prompt_chunk: "),
     ({"prompt_chunk": 8}, r"^prompt_chunk: a setting of prefill='prompt-aware', got prefill='stream'"),
@@ -146,30 +96,3 @@ def test_generate_with_padding_and_a_chunked_prompt():
 def test_prompt_chunk_errors(fields, match):
     with pytest.raises(ValueError, match=match):
         CacheSettings(**fields)
-
-
-def test_vllm_refuses_prompt_chunk():
-    from scissorhands.vllm.settings import parse
-
-    with pytest.raises(ValueError, match=r"^prompt_chunk: not supported by the vLLM adapter"):
-        parse({"method": "scissorhands", "budget": 16, "prompt_chunk": "64"})
-    # the increasing schedule's own setting: refused as the schedule is, not as a setting of an unchosen one
-    with pytest.raises(ValueError, match=r"^increasing_slope: not supported by the vLLM adapter"):
-        parse({"method": "scissorhands", "budget": 16, "increasing_slope": "0.3"})
-    with pytest.raises(ValueError, match=r"^prefill_drop: a setting of prefill='stream', got prefill='prompt-aware'$"):
-        parse({"method": "scissorhands", "budget": 16, "prefill_drop": "4"})
-
-
-def test_perplexity_keeps_a_chunked_prompt_aware_prefill_and_streams_a_held_one():
-    """A text scored whole: the held prompt-aware prefill would hold it all (the full cache), so ppl streams
-    it; a chunked one scores each chunk over what the chunks before it left, so it is kept."""
-    from scissorhands.tools.eval.tasks import streamed
-
-    method = get_method("scissorhands")
-    held = ScoreSetup(method, 16, CacheSettings(prefill="prompt-aware"))
-    chunked = ScoreSetup(method, 16, CacheSettings(prefill="prompt-aware", prompt_chunk=8))
-    assert streamed(held).base.prefill == "stream"
-    assert streamed(chunked).base == chunked.base
-    # prompt-aware's own settings leave with it: a streamed prefill does not take them
-    observed = ScoreSetup(method, 16, CacheSettings(prefill="prompt-aware", observe=4, pool=3))
-    assert streamed(observed).base == CacheSettings(prefill="stream")

@@ -12,14 +12,13 @@ the state ranks each kept token by the judgement (a rate rounded to the bits tha
 lengths is 18 or more and leaves these random rates apart).
 """
 
-
 import pytest
 import torch
+from driver import CoreLayer
 
 from scissorhands.core.attend.prefill import PromptAware
 from scissorhands.core.methods.scissorhands import Scissorhands
 from scissorhands.core.tokens.importance import ImportanceState, queries_in_window, ring_steps
-from scissorhands.hf.cache import ScissorhandsLayer
 
 
 def naive_judgement(q, k, observe, pool, scaling):
@@ -53,12 +52,10 @@ def test_the_first_eviction_after_a_prompt_aware_prefill_drops_what_the_selectio
     k = torch.randn(2, 2, t + 1, 8, generator=gen, dtype=torch.float64)
     v = torch.randn(2, 2, t + 1, 8, generator=gen, dtype=torch.float64)
     steps, buckets = window if window is not None else (None, 1)
-    layer = ScissorhandsLayer(budget, recent, drop, ImportanceState(form, steps, buckets, mean_cap=cap),
-                              Scissorhands(), prefill=PromptAware(observe, pool))
-    layer.update(k[:, :, :t], v[:, :, :t], kwargs={})
+    layer = CoreLayer(budget, recent, drop, ImportanceState(form, steps, buckets, mean_cap=cap),
+                      Scissorhands(), prefill=PromptAware(observe, pool))
     layer.attend(q[:, :, :t], k[:, :, :t], v[:, :, :t], None, scaling)
     kept = [[layer.stored_positions(r)[hd].tolist() for hd in range(2)] for r in range(2)]
-    layer.update(k[:, :, t:], v[:, :, t:], kwargs={})
     layer.attend(q[:, :, t:], k[:, :, t:], v[:, :, t:], None, scaling)  # one decode step: evicts `drop` first
     observed, rate = naive_judgement(q[:, :, :t], k[:, :, :t], observe, pool, scaling)
     rank = rate if form == "mean" else observed

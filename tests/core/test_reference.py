@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from driver import CoreLayer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_stream
@@ -11,7 +12,6 @@ from reference import reference_stream
 from scissorhands.core.attend.prefill import Streamed
 from scissorhands.core.methods.scissorhands import Scissorhands
 from scissorhands.core.tokens.importance import ImportanceState
-from scissorhands.hf.cache import ScissorhandsLayer
 
 
 def chunk_mask(valid_chunk: torch.Tensor) -> torch.Tensor:
@@ -24,18 +24,15 @@ def chunk_mask(valid_chunk: torch.Tensor) -> torch.Tensor:
 def run_layer(q, k, v, valid, chunks, *, budget, recent, drop, window, bucket_steps, importance, scaling,
               query_tile=256, sinks=0, value_weighted=False, prefill_drop=None, decode="dynamic", protect=None,
               rounds=False, mean_cap=None):
-    """Feed the tensors through one ScissorhandsLayer in the given chunks."""
+    """Feed the tensors through one budgeted layer (the core's driver, ``driver.CoreLayer``) in the given chunks."""
     n_buckets = 1 if window is None else math.ceil(window / (bucket_steps or 1))
     steps = None if window is None else (bucket_steps or 1)
-    layer = ScissorhandsLayer(budget, recent, drop,
-                              ImportanceState(importance, steps, n_buckets, value_weighted, mean_cap),
-                              Scissorhands(), query_tile=query_tile, sinks=sinks, prefill=Streamed(prefill_drop),
-                              decode=decode, protect=protect, rounds=rounds)
+    layer = CoreLayer(budget, recent, drop,
+                      ImportanceState(importance, steps, n_buckets, value_weighted, mean_cap),
+                      Scissorhands(), query_tile=query_tile, sinks=sinks, prefill=Streamed(prefill_drop),
+                      decode=decode, protect=protect, rounds=rounds)
     outs, i = [], 0
     for c in chunks:
-        kwargs = {}
-        layer.update(k[:, :, i:i + c], v[:, :, i:i + c], kwargs=kwargs)
-        assert kwargs["scissorhands_layer"] is layer
         vc = valid[:, i:i + c]
         mask = None if bool(vc.all()) else chunk_mask(vc)
         outs.append(layer.attend(q[:, :, i:i + c], k[:, :, i:i + c], v[:, :, i:i + c], mask, scaling))
@@ -133,9 +130,7 @@ def test_rounds_hold_the_budget_and_score_once_per_round():
     orig = rounds.kv.method.score
     rounds.kv.method.score = lambda view: calls.append(1) or orig(view)
     for _ in range(10):  # ten more steps: two rounds of five
-        kwargs = {}
         x = torch.randn(1, 2, 1, 4, dtype=torch.float64)
-        rounds.update(x, x, kwargs=kwargs)
         rounds.attend(torch.randn(1, 4, 1, 4, dtype=torch.float64), x, x, None, 0.5)
     assert len(calls) == 2
     one_a = run_layer(q, k, v, valid, [1] * 70, drop=1, rounds=True, **params)
@@ -213,10 +208,8 @@ def test_recent_window_is_always_kept():
     case = dict(b=1, h_kv=2, group=1, t=50, recent=6, budget=10, drop=4, window=3, bucket_steps=None,
                 importance="count", pads=[0], chunks=[1] * 50, tile=4, seed=11)
     q, k, v, valid = make_inputs(case)
-    layer = ScissorhandsLayer(10, 6, 4, ImportanceState("count", 1, 3), Scissorhands())
+    layer = CoreLayer(10, 6, 4, ImportanceState("count", 1, 3), Scissorhands())
     for t in range(50):
-        kwargs = {}
-        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1], kwargs=kwargs)
         layer.attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None, 0.5)
         for h in range(2):
             kept = set(layer.stored_positions(0)[h].tolist())
@@ -229,10 +222,8 @@ def test_ties_keep_the_more_recent_token():
     q = torch.zeros(1, 1, 20, 4, dtype=torch.float64)
     k = torch.randn(1, 1, 20, 4, dtype=torch.float64)
     v = torch.randn(1, 1, 20, 4, dtype=torch.float64)
-    layer = ScissorhandsLayer(8, 2, 3, ImportanceState("count", None, 1), Scissorhands())
+    layer = CoreLayer(8, 2, 3, ImportanceState("count", None, 1), Scissorhands())
     for t in range(9):
-        kwargs = {}
-        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1], kwargs=kwargs)
         layer.attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None, 1.0)
     # Uniform probabilities never exceed 1/n: all counts are 0, so the 3 oldest went.
     assert layer.stored_positions(0)[0].tolist() == [3, 4, 5, 6, 7, 8]
