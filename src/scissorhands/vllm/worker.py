@@ -10,7 +10,10 @@ vLLM's block manager frees what falls behind it), refuses a model with no such
 layer or with an attention layer of another kind (:func:`attention_kind`), and
 builds or loads the compiled operator; once vLLM has grouped the layers' caches
 it refuses budgeted layers split over several KV-cache groups; all before the engine
-serves (:mod:`.build`: never inside a request); for every step it publishes
+serves (:mod:`.build`: never inside a request). A refusal here is one line for
+``LLM(...)``, and under a server it is left for the front end to say
+(:func:`~.plugin.refuse_in_engine`). Each budgeted layer's cache is reported as
+the plugin's own spec (:mod:`.spec`). For every step it publishes
 the runner (whose input batch holds the request ids in row order) and a step
 number (every budgeted layer reuses its step's one plan), hands finished
 requests to the planner, and runs the step's rounds for every layer at once
