@@ -14,11 +14,9 @@ from pathlib import Path
 
 import torch
 
-from scissorhands.core.planning.heads import STREAMING_SINKS, HeadRanking, outside_mass
+from scissorhands.core.planning.heads import HeadRanking, outside_mass
+from scissorhands.core.settings.heads import DEFAULT_LENGTH, DEFAULT_RECENT, STREAMING_SINKS
 from scissorhands.hf.modelinfo import model_facts
-
-DEFAULT_RECENT = 60  # with the 4 sinks, a 64-token streaming window: DuoAttention's order of size for short text
-DEFAULT_LENGTH = 1024
 
 
 def default_text() -> tuple[str, str]:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from scissorhands.core.planning.heads import STREAMING_SINKS
+from scissorhands.core.settings.heads import DEFAULT_LENGTH, DEFAULT_RECENT, STREAMING_SINKS
 
 from .cliargs import add_model_args, option
-from .heads import DEFAULT_LENGTH, DEFAULT_RECENT
 
 
 def add_parser(subparsers) -> None:

@@ -165,7 +165,8 @@ def _split_heads(config: ScissorhandsConfig, layers: list[LayerPlan], facts: Mod
     stays one group."""
     from dataclasses import replace
 
-    from .heads import STREAMING_SINKS, HeadRanking, head_budgets, head_groups, retrieval_heads
+    from ..settings.heads import STREAMING_SINKS
+    from .heads import HeadRanking, head_budgets, head_groups, retrieval_heads
 
     if facts is None or config.head_budgets is None:
         raise ValueError("head_budgets: needs the model's layers and KV heads (a transformers model)")

@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 FORMAT = "scissorhands-heads/1"
-STREAMING_SINKS = 4  # StreamingLLM's attention sinks (methods/streaming.py), kept by every streaming head
 
 
 @dataclass(frozen=True)

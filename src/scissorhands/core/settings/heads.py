@@ -17,6 +17,11 @@ from . import declare as s
 from .declare import setting
 
 DEFAULT_SHARE = 0.25
+STREAMING_SINKS = 4  # StreamingLLM's attention sinks (methods/streaming.py), kept by every streaming head
+# The ranking's measurement (scissorhands heads): the window a streaming head keeps while measured, and tokens
+# run at once. With the 4 sinks, a 64-token window: DuoAttention's order of size for short text.
+DEFAULT_RECENT = 60
+DEFAULT_LENGTH = 1024
 MIN_WINDOW = 8  # a streaming head keeps 4 attention sinks; a window must leave it recent tokens to drop
 
 

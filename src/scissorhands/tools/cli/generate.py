@@ -1,0 +1,275 @@
+"""``scissorhands generate`` and ``scissorhands demo``: one prompt under a budget, beside the full cache if asked,
+with what the cache held and the measured cost."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from scissorhands.core.settings.budget import check_budget_spec, resolve_budget
+from scissorhands.core.settings.config import ScissorhandsConfig
+
+from .checks import check_generation_args, check_model_args, check_schedule_file, check_trust_args
+from .parser import cache_settings
+
+NO_BUDGET = 2**31 - 1  # the quantised full cache's budget: no sequence reaches it
+
+
+def read_prompt(args) -> str:
+    from ..text import read_text_file
+
+    if args.prompt is not None:
+        text = args.prompt
+        if not text.strip():
+            raise ValueError("prompt: is empty")
+        return text
+    path = args.prompt_file
+    if not path.exists():
+        raise ValueError(f"prompt-file: no such file {str(path)!r}")
+    if not path.is_file():
+        raise ValueError(f"prompt-file: {str(path)!r} is not a file")
+    text = read_text_file(path, "prompt-file")
+    if not text.strip():
+        raise ValueError(f"prompt-file: {str(path)!r} is empty")
+    return text
+
+
+def _chat(args, tokenizer, prompt: str) -> tuple[str, int | None]:
+    """The prompt to run (chat-templated with --system) and the system prompt's tokens (None without one)."""
+    if args.system is None:
+        return prompt, None
+    from ..generation import chat_prompt
+
+    return chat_prompt(tokenizer, args.system, prompt)
+
+
+def _protection(args, tokenizer, prompt: str, n_system: int | None) -> tuple[list, dict, str]:
+    """The spans to pin, the spans to audit, and the flags the pinned spans came from (for error messages)."""
+    spans: list[tuple[int, int]] = []
+    watched: dict[str, tuple[int, int]] = {}
+    names = []
+    if n_system is not None:
+        watched["system"] = (0, n_system)
+        if args.protect_system:
+            spans.append((0, n_system))
+            names.append("protect-system")
+    if args.protect_prefix is not None:
+        spans.append((0, args.protect_prefix))
+        names.append("protect-prefix")
+    n_prompt = len(tokenizer(prompt)["input_ids"])
+    watched = {"prompt": (0, n_prompt), **watched}
+    if spans:
+        watched["protected"] = (0, max(end for _, end in spans))
+    return spans, watched, "/".join(names)
+
+
+def _write_audit(args, audit, cache, watched: dict) -> None:
+    from ..plots import plot_held_map
+
+    record = audit.to_json(args.audit, cache)
+    png = args.audit.with_suffix(".png")
+    plot_held_map(cache, png, spans=watched)
+    parts = []
+    for name, info in record["spans"].items():
+        held = [v for v in info["held_fraction"].values() if v is not None]
+        first = info["first_evicted_step_any_layer"]
+        lost = "never evicted" if first is None else f"first evicted at step {first}"
+        if held:
+            parts.append(f"{name} {info['start']}-{info['end']}: {100 * sum(held) / len(held):.0f}% held "
+                         f"(layer min {100 * min(held):.0f}%), {lost}")
+    print(f"[audit] {'; '.join(parts)}; wrote {args.audit} and {png}", file=sys.stderr)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _report(label: str, result, out=None) -> None:
+    out = out if out is not None else sys.stderr  # looked up now, not at import (tests swap stderr)
+    print(f"[{label}] {result.new_tokens.shape[1]} new tokens in {result.seconds:.2f} s "
+          f"(prefill {result.prefill_seconds:.2f} s): {result.tokens_per_second:.2f} tokens/s overall, "
+          f"{result.decode_tokens_per_second:.2f} tokens/s decoding", file=out)
+    mem = result.memory
+    if mem is not None:
+        print(f"[{label}] {memory_line(mem)}", file=out)
+
+
+def memory_line(mem: dict) -> str:
+    """One line on what the cache held against a full cache (see ``ScissorhandsCache.memory_report``).
+
+    The whole model comes first (every layer: a sliding-window layer holds the
+    same native window as in a full cache and counts on both sides), then the
+    budgeted layers alone, when some layers have no budget. When the sequence
+    fits within the budget nothing is evicted, and the line says so instead of
+    quoting a ratio below 1.
+    """
+    b_held, b_full = mem["budgeted_kv_bytes"], mem["full_kv_bytes"]
+    held, full = mem.get("model_kv_bytes", b_held), mem.get("model_full_kv_bytes", b_full)
+    layers = mem["layers"]
+    n_budgeted = sum(1 for m in layers if "budget" in m)
+    extra = f"(+ importance state {_mib(mem['importance_bytes'])})"
+    peak = f"peak tokens stored in any layer {mem['peak_stored']}"
+    seen = max((m.get("seen", 0) for m in layers if "budget" in m), default=0)
+    budget = min((m["budget"] for m in layers if "budget" in m), default=0)
+    packed = mem.get("kv_scale_bytes", 0) > 0
+    scope = f"all {len(layers)} layers"
+    if b_full <= b_held or (seen <= budget and not packed):
+        why = f"the {seen} tokens seen fit within the budget, nothing was evicted"
+        if packed and mem.get("kv_residual_bytes"):
+            why = (f"on {seen} tokens the full-precision residual ({_mib(mem['kv_residual_bytes'])}) costs more "
+                   "than packing saves (--kv-residual 0 or a smaller R suits short texts)")
+        return f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): no saving, {why}; {peak}"
+    line = f"KV held {_mib(held)} {extra} vs full cache {_mib(full)} ({scope}): {full / held:.2f}x smaller"
+    if n_budgeted < len(layers):
+        line += (f"; the {n_budgeted} budgeted layers alone: {_mib(b_held)} vs {_mib(b_full)}, "
+                 f"{b_full / b_held:.2f}x smaller")
+    line += f"; {peak}"
+    if packed:
+        residual = (f", full-precision residual {_mib(mem['kv_residual_bytes'])}"
+                    if mem.get("kv_residual_bytes") else "")
+        line += (f"; packed: data {_mib(mem['kv_data_bytes'])}, scales and zero-points "
+                 f"{_mib(mem['kv_scale_bytes'])}{residual}; against a bf16 full cache "
+                 f"{mem['kv_reduction_vs_bf16']:.2f}x (K/V), {mem['total_reduction_vs_bf16']:.2f}x "
+                 "(with importance state and positions)")
+    if mem.get("tokens_by_width"):
+        counts = mem["tokens_by_width"]
+        total = sum(counts.values()) or 1
+        line += "; demotion: stored tokens at " + ", ".join(f"{w} bits {100 * n / total:.0f}%"
+                                                            for w, n in counts.items())
+    return line
+
+
+def _method(args):
+    try:
+        from scissorhands.core.methods import get_method
+
+        return get_method(args.method)  # validate before the slow model load
+    except ValueError as e:  # the registry names its 'methods'; this command's option is --method
+        raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
+
+
+def generate_config(args, length: int | None = None) -> ScissorhandsConfig | None:
+    """The cache configuration ``generate`` and ``demo`` run with: the flags, then the method's own settings.
+
+    A fractional ``--budget`` is a fraction of ``length`` (prompt + new tokens); without ``length`` it is only
+    checked, and None comes back until the prompt is tokenized.
+    """
+    method = _method(args)
+    settings = cache_settings(args)
+    if method.is_full and not settings.quantized:
+        raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method, "
+                         "or --kv-bits for a quantised full cache")
+    if method.is_full:  # the quantised full cache: a budget no sequence reaches, so nothing is evicted
+        return method.configure(settings, NO_BUDGET)
+    if getattr(args, "memory", None) is not None:
+        if args.budget is not None:
+            raise ValueError("memory: give --memory or --budget, not both")
+        from scissorhands.core.planning.memory_target import check_memory_settings, parse_memory
+
+        parse_memory(args.memory)  # checked now; chosen once the model and the prompt's length are known
+        check_memory_settings(settings)
+        return None
+    if args.budget is None:
+        if getattr(args, "budget_fallback", None) is None:
+            raise ValueError("budget: required: --budget B (tokens or a fraction), or --memory M (a byte budget)")
+        args.budget = args.budget_fallback
+    spec = check_budget_spec(args.budget, "budget")
+    if isinstance(spec, float):
+        if length is None:
+            return None
+        spec = resolve_budget(spec, length, method.resolve(settings).protected, "budget")
+    return method.configure(settings, spec)
+
+
+def run(args, prompt, label_budget: str) -> int:
+    method = _method(args)
+    config = generate_config(args)
+    check_schedule_file(config if config is not None else cache_settings(args))
+    check_generation_args(args)
+    check_trust_args(args)
+    check_model_args(args)
+    from ..generation import generate  # imports transformers: after every check
+    from ..models import load_model
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    if callable(prompt):  # the demo's prompt needs the tokenizer (its chat template)
+        prompt = prompt(tokenizer)
+    prompt, n_system = _chat(args, tokenizer, prompt)
+    length = len(tokenizer(prompt)["input_ids"]) + args.max_new_tokens
+    if getattr(args, "memory", None) is not None:  # a byte budget: the store and tokens chosen for this model
+        from scissorhands.hf.cache import choose_memory
+
+        choice = choose_memory(model, cache_settings(args), method(seed=args.seed), args.memory, length)
+        config = choice.config
+        label_budget = f"{config.budget} tokens, chosen for --memory {args.memory}"
+        print(f"[scissorhands] {choice.describe()}", file=sys.stderr)
+    elif config is None:  # a fractional budget: of this prompt and the new tokens
+        config = generate_config(args, length)
+        assert config is not None
+        label_budget = f"{args.budget:g} ({config.budget} tokens)"
+    if isinstance(config.schedule, tuple):  # an explicit list fixes every layer's budget
+        label_budget = (f"{','.join(str(b) for b in config.schedule)} per layer (an explicit --schedule; --budget "
+                        f"{args.budget:g} is not used)")
+    spans, watched, protect_name = _protection(args, tokenizer, prompt, n_system)
+    audit = None
+    if args.audit is not None:
+        from scissorhands.core.layer.audit import EvictionAudit
+
+        audit = EvictionAudit(events=args.audit_events, spans=watched)
+    prompt_name = "prompt-file" if getattr(args, "prompt_file", None) is not None else "prompt"
+    sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                    ignore_eos=args.ignore_eos)
+    result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True,
+                      method=method(seed=args.seed), prompt_name=prompt_name, protect=spans or None, audit=audit,
+                      protect_name=protect_name, **sampling)
+    budget_text = "none" if method.is_full else label_budget
+    print(f"prompt: {result.prompt_tokens[0]} tokens; budget {budget_text}", file=sys.stderr)
+    if args.compare_full:
+        print(f"--- {method.name}, budget {budget_text} ---")
+    print(result.texts[0])
+    _report(method.name, result)
+    if audit is not None:
+        _write_audit(args, audit, result.cache, watched)
+    if args.compare_full:
+        from ..generation import answer_cost
+
+        full = generate(model, tokenizer, prompt, None, args.max_new_tokens, progress=True, **sampling)
+        print(f"\n--- full cache ---\n{full.texts[0]}\n")
+        _report("full cache", full)
+        a, b = result.new_tokens[0], full.new_tokens[0]
+        n = min(len(a), len(b))
+        diverge = next((i for i in range(n) if a[i] != b[i]), n)
+        print(f"[compare] identical to the full cache for the first {diverge} of {n} new tokens; decode "
+              f"speed ratio {result.decode_tokens_per_second / full.decode_tokens_per_second:.2f}x", file=sys.stderr)
+        cost = answer_cost(model, tokenizer, prompt, full.new_tokens[0], config, method(seed=args.seed),
+                           protect=spans or None)
+        for line in compare_lines(result.memory, cost):
+            print(line)
+    return 0
+
+
+def compare_lines(mem: dict | None, cost) -> list[str]:
+    """The few lines ``--compare-full`` ends with: tokens stored against seen, KV bytes, and the measured cost."""
+    lines = []
+    if mem is not None:
+        layers = [m for m in mem["layers"] if "budget" in m]
+        seen = max((m.get("seen", 0) for m in layers), default=0)
+        peak = mem["peak_stored"]
+        held, full = mem.get("model_kv_bytes", mem["budgeted_kv_bytes"]), mem.get("model_full_kv_bytes",
+                                                                                   mem["full_kv_bytes"])
+        fewer = f" ({seen / peak:.1f}x fewer)" if peak and seen > peak else " (nothing evicted)"
+        lines.append(f"tokens: {seen:,} seen; at most {peak:,} stored per layer and KV head{fewer}")
+        saving = (f"{full / held:.1f}x less" if full > held else
+                  "no saving: every token seen fits within the budget, and slots are allocated ahead")
+        lines.append(f"KV bytes: {_mib(held)} held against {_mib(full)} for the full cache, all "
+                     f"{len(mem['layers'])} layers ({saving}; importance state {_mib(mem['importance_bytes'])} "
+                     "more)")
+        if len(layers) < len(mem["layers"]):
+            lines.append(f"          the {len(layers)} budgeted layers alone: {_mib(mem['budgeted_kv_bytes'])} "
+                         f"against {_mib(mem['full_kv_bytes'])}")
+    ci = f" (+-{cost.ci95:.3f})" if math.isfinite(cost.ci95) else ""
+    lines.append(f"cost: {cost.delta_nll:+.3f} nats/token{ci} on the full cache's {cost.tokens}-token answer "
+                 f"(perplexity x{math.exp(cost.delta_nll):.2f}); the budgeted cache's top choice agrees on "
+                 f"{cost.agreement:.0%} of its tokens")
+    lines.append(f"      {cost.reading()}")
+    return lines
