@@ -6,7 +6,8 @@ the CPU one and a K/V layout other than those the operator reads (both stood in 
 neither), a model whose attention layers are encoder-only, and one whose budgeted layers vLLM splits over two
 KV-cache groups (a tiny random Llama with one sliding-window layer and two full ones). The last two are refused from
 the model's config, while the engine config is made (so the OpenAI server too says them in one line), and again by
-the worker once the layers exist, for what no config declares.
+the worker once the layers exist, for what no config declares: through a server, the worker's line crosses to the
+front end, which says it last with exit code 2 (a tiny HRM-Text, whose prefix-LM layers no config declares).
 """
 
 import json
