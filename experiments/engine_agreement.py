@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from scissorhands.tools.eval.runner import load_results
+from scissorhands.tools.eval.records import load_results
 
 VERDICTS = ("passed", "correct")
 

@@ -96,7 +96,7 @@ def grid_families(grid: Path) -> list[dict]:
 def eval_families(full_dir: Path, runs: list[Path], only_demotion: bool = False) -> list[dict]:
     """One curve per store in ``runs``: (token budget / length, paired mean ΔNLL against ``full_dir``)."""
     from scissorhands.core.stores.centers import centers_frame
-    from scissorhands.tools.eval.runner import load_results
+    from scissorhands.tools.eval.records import load_results
     from scissorhands.tools.stats import paired_difference
 
     full = next(r for r in load_results(full_dir / "results.jsonl") if r["task"] == "ppl" and r["method"] == "full")

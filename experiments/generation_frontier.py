@@ -20,7 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from scissorhands.tools.eval.runner import load_results, row_labels
+from scissorhands.tools.eval.records import load_results
+from scissorhands.tools.eval.report import row_labels
 from scissorhands.tools.stats import mcnemar_p, paired_difference, plus_minus
 
 VERDICTS = ("passed", "correct")

@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-from scissorhands.tools.eval.runner import load_results
+from scissorhands.tools.eval.records import load_results
 from scissorhands.tools.stats import paired_difference
 
 FORMS = ("mean", "sum", "capped")

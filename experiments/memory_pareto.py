@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from scissorhands.tools.eval.runner import load_results
+from scissorhands.tools.eval.records import load_results
 from scissorhands.tools.stats import paired_difference
 
 KINDS = {"eviction": "eviction alone (16-bit)", "bits": "bits alone (no eviction)", "mix": "bits + eviction",

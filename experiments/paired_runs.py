@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from scissorhands.core.settings.declare import parse_text
-from scissorhands.tools.eval.runner import load_results, row_labels
+from scissorhands.tools.eval.records import load_results
+from scissorhands.tools.eval.report import row_labels
 from scissorhands.tools.stats import mcnemar_p, paired_difference, plus_minus
 
 

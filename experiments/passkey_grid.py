@@ -21,7 +21,7 @@ from pathlib import Path
 from scissorhands import CacheSettings, get_method, resolve_budget
 from scissorhands.hf.scoring import ScoreSetup
 from scissorhands.tools.eval.passkey import MultiKey, Passkey
-from scissorhands.tools.eval.runner import Partial, key_id
+from scissorhands.tools.eval.records import Partial, key_id
 from scissorhands.tools.models import load_model
 from scissorhands.tools.paths import check_same_run
 

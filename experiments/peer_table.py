@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from scissorhands.core.settings.config import DEFAULTS, PRESETS
-from scissorhands.tools.eval.runner import load_results
+from scissorhands.tools.eval.records import load_results
 from scissorhands.tools.stats import paired_difference, plus_minus
 
 ORDER = ("defaults", "paper", "h2o", "tova", "streaming")

@@ -6,7 +6,8 @@
 import argparse
 from pathlib import Path
 
-from scissorhands.tools.eval.runner import load_results, paired_vs_full, plot_results
+from scissorhands.tools.eval.records import load_results
+from scissorhands.tools.eval.report import paired_vs_full, plot_results
 
 
 def ppl_table(results):

@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-from scissorhands.tools.eval.runner import load_results
+from scissorhands.tools.eval.records import load_results
 from scissorhands.tools.stats import paired_difference
 
 

@@ -35,7 +35,7 @@ from scissorhands.core.settings.schedule import load_schedule
 from scissorhands.tools import models as models_module
 from scissorhands.tools.cli import memory_line
 from scissorhands.tools.eval import run_grid
-from scissorhands.tools.eval.runner import RESULTS_FILE, load_results
+from scissorhands.tools.eval.records import RESULTS_FILE, load_results
 from scissorhands.tools.eval.tasks import Perplexity, read_requests
 from scissorhands.tools.generation import demo_prompt, generate
 from scissorhands.tools.text import decode_text
@@ -201,7 +201,7 @@ def test_a_record_from_before_a_setting_existed_is_reused_at_its_default(tmp_pat
     The old rows are made as a version without the setting wrote them: the setting deleted from each key
     (and its digest recomputed), and the full row keyed by every setting, as before it was keyed by none.
     """
-    from scissorhands.tools.eval.runner import key_id
+    from scissorhands.tools.eval.records import key_id
 
     out = tmp_path / "out"
     first = grid(out, text_file)
@@ -227,7 +227,7 @@ def test_a_record_from_before_a_setting_existed_is_reused_at_its_default(tmp_pat
 def test_a_record_from_before_mean_cap_is_reused_as_the_plain_mean_only(tmp_path, text_file):
     """``mean_cap`` came with a default (2048) that changes what a long cell computes, so a row written before it
     existed is the plain mean (``mean_cap=None``): reused at None, scored again at the default."""
-    from scissorhands.tools.eval.runner import key_id
+    from scissorhands.tools.eval.records import key_id
 
     out = tmp_path / "out"
     grid(out, text_file)
@@ -295,7 +295,7 @@ def test_cli_summary_shows_earlier_runs_on_the_same_windows_each_row_named(tmp_p
 
 
 def test_row_labels_name_what_sets_rows_apart():
-    from scissorhands.tools.eval.runner import row_labels
+    from scissorhands.tools.eval.report import row_labels
 
     def rec(method, **settings):
         return {"method": method, "key": {"method": method, "settings": settings}}
@@ -312,7 +312,7 @@ def test_row_labels_name_what_sets_rows_apart():
 
 def test_summary_rows_sit_beside_their_method_whatever_order_runs_wrote_them():
     """A later run's 2x rows are listed with their method, before its 5x rows, and the full cache first."""
-    from scissorhands.tools.eval.runner import summary_table
+    from scissorhands.tools.eval.report import summary_table
     from scissorhands.tools.eval.tasks import Perplexity
 
     def rec(method, budget, compression):
@@ -763,7 +763,7 @@ def test_lm_eval_backend_reports_a_bad_argument_in_one_line(capsys):
 def test_results_are_keyed_by_file_contents_not_paths(tmp_path):
     """Editing a schedule or data file changes the key, and restoring it restores the key (the old rule,
     size and modification time, reused a stale row after an edit that kept the size)."""
-    from scissorhands.tools.eval.runner import key_id, run_key, task_identity
+    from scissorhands.tools.eval.records import key_id, run_key, task_identity
 
     model_id = {"name": "m"}
     method = get_method("scissorhands")

@@ -245,7 +245,7 @@ def _rows():
 
 
 def test_summary_leads_with_the_paired_differences_to_the_full_cache():
-    from scissorhands.tools.eval.runner import summary_markdown
+    from scissorhands.tools.eval.report import summary_markdown
 
     text = summary_markdown(_rows())
     assert text.startswith("## Against the full cache")
@@ -258,7 +258,7 @@ def test_summary_leads_with_the_paired_differences_to_the_full_cache():
 
 def test_one_item_prints_no_interval_rather_than_nan():
     """A single window (as at 16,384 tokens) has no interval: the tables say so instead of printing ±nan."""
-    from scissorhands.tools.eval.runner import summary_markdown
+    from scissorhands.tools.eval.report import summary_markdown
     from scissorhands.tools.eval.tasks import Perplexity
     from scissorhands.tools.stats import NO_INTERVAL
 
@@ -276,7 +276,7 @@ def test_one_item_prints_no_interval_rather_than_nan():
 
 
 def test_eval_plots_carry_their_intervals(tmp_path, monkeypatch):
-    from scissorhands.tools.eval.runner import plot_results
+    from scissorhands.tools.eval.report import plot_results
 
     figures = _captured_figures(monkeypatch)
     plot_results(_rows(), tmp_path)

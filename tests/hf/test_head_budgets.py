@@ -253,7 +253,7 @@ def test_the_exact_scorer_runs_the_streaming_heads_under_a_budget_that_covers_th
 def test_an_eval_cell_is_keyed_by_the_ranking_it_ran(tmp_path):
     """Two rankings at one path are two cells: the key holds the file's digest beside its name."""
     from scissorhands.core.methods import get_method
-    from scissorhands.tools.eval.runner import run_key
+    from scissorhands.tools.eval.records import run_key
 
     path = ranking(tmp_path / "h.json", [[0.2, 0.1], [0.3, 0.4]])
 

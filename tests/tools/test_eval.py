@@ -11,7 +11,7 @@ from scissorhands.core.methods import get_method
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 from scissorhands.tools.cli import main
 from scissorhands.tools.eval import make_task, plot_results, run_grid, summary_table
-from scissorhands.tools.eval.runner import paired_vs_full
+from scissorhands.tools.eval.report import paired_vs_full
 from scissorhands.tools.eval.tasks import Agreement, MultipleChoice, Perplexity
 from scissorhands.tools.generation import demo_prompt
 

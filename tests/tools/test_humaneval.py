@@ -182,7 +182,7 @@ def test_the_tasks_keys_are_those_of_the_records_on_file():
     in docs/ were keyed by, or a run into their folder would score their cells again; the chat task's differs."""
     from pathlib import Path
 
-    from scissorhands.tools.eval.runner import task_identity
+    from scissorhands.tools.eval.records import task_identity
 
     results = Path(__file__).resolve().parents[2] / "docs" / "results" / "humaneval"
     for folder, task in (("q05_164", HumanEval()), ("q15", HumanEval()), ("q05_chat", HumanEval(chat=True))):

@@ -64,7 +64,8 @@ def _eval_budgets(args, base: CacheSettings, methods) -> list[float | int]:
 def run(args) -> int:
     from ..eval import make_task, plot_results, run_grid
     from ..eval.catalog import GENERATED
-    from ..eval.runner import RESULTS_FILE, check_results_file, folder_results, summary_markdown
+    from ..eval.records import RESULTS_FILE, check_results_file
+    from ..eval.report import folder_results, summary_markdown
     from ..models import load_model
     from ..paths import check_output_folder
     from ..text import load_texts
