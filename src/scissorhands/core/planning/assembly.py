@@ -124,13 +124,13 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
     elif isinstance(method, type):  # a method class, as the registry holds them
         method = method()
     choice = None
-    if memory is not None and settings.head_budgets is not None:
-        raise ValueError("head_budgets: cannot be combined with memory= (a memory target plans one budget for "
-                         "every head)")
     if memory is not None:
         from .memory_target import check_memory_settings, choose
 
         check_memory_settings(settings)
+        if settings.head_budgets is not None:
+            raise ValueError("head_budgets: cannot be combined with memory= (a memory target plans one budget for "
+                             "every head)")
         if shape is None:
             raise ValueError("memory: needs the model's K/V shape to choose a budget")
         length = integer(1)("length", length)  # the sequence's tokens (prompt + new ones): a whole number >= 1
