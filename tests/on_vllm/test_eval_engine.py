@@ -134,28 +134,28 @@ def test_the_engine_refuses_what_the_plugin_cannot_run(setup):
 
 PASSKEY_SIDE = """
 import json, sys
+import torch
 from scissorhands.core.methods import get_method
 from scissorhands.core.settings.config import CacheSettings
 from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs
 from scissorhands.tools.models import load_model
 
-folder, items = sys.argv[1], json.loads(sys.argv[2])
+folder, contexts = sys.argv[1], json.loads(sys.argv[2])
 model, _ = load_model(folder, dtype="float32", device="cpu")
 base = CacheSettings(recent=4, rounds=True, prefill="stream")
-out = {}
-for name, budget in (("full", None), ("scissorhands", 64)):
-    setup = ScoreSetup(get_method(name), budget, base, 0)
-    out[name] = [continuation_logprobs(model, i["ctx"], [i["cont"]], setup)[0][1] for i in items]
-print(json.dumps(out))
+keys = [model.generate(torch.tensor([c]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(c):].tolist()
+        for c in contexts]  # the full cache's own continuation: the key each prompt is asked for
+setup = ScoreSetup(get_method("scissorhands"), 64, base, 0)
+verdicts = [continuation_logprobs(model, c, [k], setup)[0][1] for c, k in zip(contexts, keys)]
+print(json.dumps({"keys": keys, "verdicts": verdicts}))
 """
 
 
 def test_passkey_through_the_engine_is_the_transformers_paths_verdict(setup):
     """A passkey cell through vLLM is right when the greedy continuation is the key; the transformers path asks the
-    same by teacher forcing. With the key set to vLLM's own full-cache continuation (a random model finds no
-    planted key), the full cache must be right everywhere on the transformers side, and under eviction (64 tokens
-    a layer, a fifth of the 320-token prompts: some continuations change, some do not) each prompt's verdict must
-    be the transformers cache's."""
+    same by teacher forcing. With each prompt's key set to the full cache's own continuation (a random model finds
+    no planted key), under eviction (64 tokens a layer, a fifth of the 320-token prompts: some continuations
+    change, some do not) each prompt's verdict through vLLM and the plugin must be the transformers cache's."""
     from transformers import AutoTokenizer
 
     from scissorhands.core.methods import get_method
@@ -168,18 +168,14 @@ def test_passkey_through_the_engine_is_the_transformers_paths_verdict(setup):
     text.write_text((HERE.parent.parent / "README.md").read_text())  # real prose for the filler
     task = Passkey(lengths=(320,), depths=(0.2, 0.5, 0.8), trials=2, data=str(text))
     items = task.items(AutoTokenizer.from_pretrained(str(folder)), None)
+    done = subprocess.run([reference_python(), "-c", PASSKEY_SIDE, str(folder),
+                           json.dumps([i.data["ctx"] for i in items])], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    reference = json.loads(done.stdout.splitlines()[-1])
+    for item, key in zip(items, reference["keys"], strict=True):
+        item.data["cont"] = key
     engine = VLLMEngine(str(folder), "float32", max_num_seqs=8, enforce_eager=True)
-    own = engine.greedy([i.data["ctx"] for i in items], 6, [], None)
-    for item, tokens in zip(items, own):
-        item.data["cont"] = tokens  # the key: what the full cache writes
     base = CacheSettings(recent=4, rounds=True, prefill="stream")
     ours = retrieval_scores(engine, task, items, get_method("scissorhands"), 64, base)
     assert [(s["length"], s["depth"]) for s in ours] == [(i.data["length"], i.data["depth"]) for i in items]
-
-    done = subprocess.run([reference_python(), "-c", PASSKEY_SIDE, str(folder),
-                           json.dumps([{"ctx": i.data["ctx"], "cont": i.data["cont"]} for i in items])],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    reference = json.loads(done.stdout.splitlines()[-1])
-    assert reference["full"] == [True] * len(items)
-    assert [s["correct"] for s in ours] == reference["scissorhands"]
+    assert [s["correct"] for s in ours] == reference["verdicts"]
