@@ -313,4 +313,37 @@ def test_the_openai_server_says_a_refusal_of_the_worker_in_one_line_with_exit_co
                                 "prefix-LM attention"), errors
     assert "Engine core initialization failed" not in done.stderr, done.stderr[-3000:]
     assert "Refusal" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]  # no traceback of it
+    assert "EngineCore failed to start" not in done.stderr, done.stderr[-3000:]  # its traceback is the refusal's
+    assert set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*")) <= records, "the front end's file is left"
+
+
+LLM_OF_A_REFUSED_WORKER = """
+import json, sys
+from vllm import LLM
+try:
+    LLM(model=sys.argv[1], load_format="dummy", skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+        enforce_eager=True, additional_config={"scissorhands": {"budget": 64}})
+except ValueError as e:
+    print(json.dumps({"kind": type(e).__name__, "message": str(e)}))
+"""
+
+
+def test_llm_with_its_engine_in_a_process_of_its_own_raises_the_workers_refusal_in_one_line(tmp_path):
+    """``LLM(...)`` at vLLM's defaults runs its engine core and worker in processes of their own: the worker's
+    refusal (HRM-Text's prefix-LM layers, which no config declares) reaches the caller as the plugin's one-line
+    ``ValueError``, not vLLM's report of a failed engine start, and the engine core logs no traceback of it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "SCISSORHANDS_VLLM")}
+    records = set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*"))
+    done = subprocess.run([sys.executable, "-c", LLM_OF_A_REFUSED_WORKER, _hrm_text(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    raised = json.loads(done.stdout.strip().splitlines()[-1])
+    assert raised["kind"] == "Refusal", raised
+    assert raised["message"].startswith("model: layer model.L_module.layers.0.self_attn.attn is prefix-LM "
+                                        "attention") and "\n" not in raised["message"], raised
+    assert "EngineCore failed to start" not in done.stderr, done.stderr[-3000:]
     assert set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*")) <= records, "the front end's file is left"

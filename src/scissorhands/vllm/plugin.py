@@ -103,13 +103,30 @@ def register() -> None:
                 kernels.build()
             except BuildError as e:
                 refuse(e, server)
-            if server:
-                await_refusals()
+            await_refusals(server)
         return config
+
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from_engine_args = LLMEngine.from_engine_args.__func__
+
+    def engine_from_args(cls, *args, **kwargs):
+        # ``LLM(...)``: an engine process that refused (the worker, once the layers exist) left its line; vLLM's
+        # report of the failed start ("Engine core initialization failed") becomes the plugin's one-line error.
+        try:
+            return from_engine_args(cls, *args, **kwargs)
+        except RuntimeError:
+            line = _recorded(os.environ.get(RECORD, "").partition(":")[2])
+            if line is None:
+                raise
+            _forget(os.environ[RECORD].partition(":")[2])
+            raise Refusal(line) from None
 
     check_and_update_config.scissorhands = True  # type: ignore[attr-defined]
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     EngineArgs.create_engine_config = create_engine_config
+    LLMEngine.from_engine_args = classmethod(engine_from_args)
+    quiet_failed_start()
 
 
 def current_platform():
@@ -152,16 +169,19 @@ def refuse(error: Exception, server: bool) -> NoReturn:
     raise error from None
 
 
-def await_refusals() -> None:
-    """In a server's front end, before its engine starts: name a file for the engine's processes to leave a
-    refusal in (:func:`refuse_in_engine`), and, should the server end with an exception after one was left, print
-    that line and exit with code 2 (Python's ``sys.excepthook``; any other exception goes to the hook before)."""
+def await_refusals(server: bool = True) -> None:
+    """In the front end, before its engine starts: name a file for the engine's processes to leave a refusal in
+    (:func:`refuse_in_engine`). ``LLM(...)`` turns a failed start after one was left into the refusal itself (the
+    patched ``LLMEngine.from_engine_args``); a server, should it end with an exception after one was left, prints
+    that line and exits with code 2 (Python's ``sys.excepthook``; any other exception goes to the hook before)."""
     here = os.environ.get(RECORD, "")
     if here.split(":", 1)[0] == str(os.getpid()):  # named already (a second engine config in this process)
         return
     path = os.path.join(tempfile.gettempdir(), f"scissorhands-refusal-{os.getpid()}-{uuid.uuid4().hex}")
     os.environ[RECORD] = f"{os.getpid()}:{path}"  # inherited by the engine's processes, started after this
     atexit.register(_forget, path)
+    if not server:
+        return
     previous = sys.excepthook
 
     def excepthook(kind, value, traceback) -> None:
@@ -194,6 +214,24 @@ def refuse_in_engine(refusal: Exception) -> NoReturn:
             logger.error("scissorhands: %s", refusal)
             raise SystemExit(2) from None
     raise refusal
+
+
+class _FailedStartOfARefusal(logging.Filter):
+    """Drops the engine core's "EngineCore failed to start." record (its traceback is the worker's end) once a
+    refusal was left: the front end says the refusal's one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("EngineCore failed to start"):
+            return True
+        return _recorded(os.environ.get(RECORD, "").partition(":")[2]) is None
+
+
+def quiet_failed_start() -> None:
+    """In every process: vLLM's engine core logs no traceback for a start the plugin refused (a logging filter
+    on its logger; any other failure is logged as vLLM logs it)."""
+    engine_logger = logging.getLogger("vllm.v1.engine.core")
+    if not any(isinstance(f, _FailedStartOfARefusal) for f in engine_logger.filters):
+        engine_logger.addFilter(_FailedStartOfARefusal())
 
 
 def _recorded(path: str) -> str | None:
