@@ -125,7 +125,33 @@ def reference(folder: str, plugin: dict, token_prompts: list[list[int]], generat
     request, answer = tmp_path / "request.json", tmp_path / "answer.json"
     request.write_text(json.dumps({"folder": folder, "plugin": plugin, "prompts": token_prompts,
                                    "tokens": generated}))
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-    subprocess.run([reference_python(), str(HERE / "reference.py"), str(request), str(answer)], check=True,
-                   env=env, timeout=600)
+    server = _reference_server()
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write(json.dumps([str(request), str(answer)]) + "\n")
+    server.stdin.flush()
+    reply = "?"
+    while reply and reply not in ("ok\n",) and not reply.startswith("error: "):  # other output is not a reply
+        reply = server.stdout.readline()
+    assert reply == "ok\n", reply or "the reference process ended (its stderr is above)"
     return json.loads(answer.read_text())
+
+
+_REFERENCE: list[subprocess.Popen] = []  # one serving process per session, started on first use
+
+
+def _reference_server() -> subprocess.Popen:
+    if not _REFERENCE or _REFERENCE[0].poll() is not None:
+        env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+        _REFERENCE[:] = [subprocess.Popen([reference_python(), str(HERE / "reference.py"), "--serve"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)]
+    return _REFERENCE[0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for server in _REFERENCE:
+        if server.stdin is not None:
+            server.stdin.close()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()

@@ -6,6 +6,10 @@ with, and writes the log-probability of each token, the greedy choice at each st
 KV head, the positions still stored once the engine's last step is done (the last token is sampled, never fed).
 
     python tests/on_vllm/reference.py request.json answer.json
+    python tests/on_vllm/reference.py --serve      # one request per stdin line (JSON [request, answer]), "ok" back
+
+The tests keep one serving process for the session (``conftest.reference``): torch and transformers are imported
+once, not once per comparison.
 """
 
 import json
@@ -41,5 +45,21 @@ def main(request_path: str, answer_path: str) -> None:
         json.dump(answers, f)
 
 
+def serve() -> None:
+    """Answer requests until stdin closes: each line ``[request, answer]`` (JSON), each reply ``ok`` or ``error: ...``
+    on one line."""
+    for line in sys.stdin:
+        request_path, answer_path = json.loads(line)
+        try:
+            main(request_path, answer_path)
+        except Exception as e:  # the test that asked fails with it; the next request is answered as usual
+            print(f"error: {type(e).__name__}: {e}".replace("\n", " "), flush=True)
+        else:
+            print("ok", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main(sys.argv[1], sys.argv[2])
