@@ -107,3 +107,20 @@ def test_protected_facts_survive_any_budget(text_file, task_name):
     assert with_facts == task.score(model, item, protected)  # the task passes its facts as the spans
     task.protect_facts = False
     assert task.score(model, item, setup)["logprob"] != pytest.approx(with_facts["logprob"], abs=1e-7)
+
+
+def test_the_filler_is_tokenized_once_per_tokenizer_and_text_and_equals_the_corpus_tokens(tmp_path):
+    """The filler (seconds to tokenize for Shakespeare) is kept for the next cell: the same ids as
+    ``corpus_tokens``, the same object for the same tokenizer and texts, tokenized again for other texts."""
+    from conftest import byte_tokenizer_fast
+
+    from scissorhands.tools.eval import passkey
+    from scissorhands.tools.text import corpus_tokens
+
+    tok = byte_tokenizer_fast()
+    texts = [("a.txt", "To be, or not to be: that is the question. " * 20), ("b.txt", "Whether 'tis nobler.")]
+    first = passkey._filler(tok, texts)
+    assert list(first) == corpus_tokens(tok, texts)
+    assert passkey._filler(byte_tokenizer_fast(), list(texts)) is first  # an equal tokenizer, equal texts
+    other = passkey._filler(tok, texts[:1])
+    assert other is not first and list(other) == corpus_tokens(tok, texts[:1])

