@@ -288,7 +288,8 @@ def test_eval_plots_carry_their_intervals(tmp_path, monkeypatch):
 def test_bench_throughput_plot_has_the_full_cache_at_the_budget(tmp_path, monkeypatch):
     from conftest import tiny_model
     from scissorhands import CacheSettings
-    from scissorhands.tools.bench import BenchConfig, plot, run_bench
+    from scissorhands.tools.bench import BenchConfig, run_bench
+    from scissorhands.tools.bench_report import plot
 
     cfg = BenchConfig(contexts=(32, 64), batches=(1,), budgets=(0.5,), steps=2, warmup=1, parts=("decode",),
                       settings=CacheSettings(recent=4))

@@ -25,134 +25,37 @@ Everything returns plain dicts (written as JSON by the CLI); nothing prints.
 from __future__ import annotations
 
 import copy
-import ctypes
-import gc
 import logging
 import os
 import platform
-import resource
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from scissorhands.core.methods import get_method
-from scissorhands.core.planning.memory_target import Shape, store_bytes
 from scissorhands.core.settings.config import PREFILL_MODES, CacheSettings, ScissorhandsConfig
-from scissorhands.core.stores import STORES, store_name
-from scissorhands.core.stores.centers import centers_frame
 from scissorhands.hf.cache import ScissorhandsCache
-from scissorhands.hf.modelinfo import FULL, model_facts, text_config
+from scissorhands.hf.modelinfo import model_facts, text_config
 
 from .bench_config import BenchConfig, budget_tokens, parse_size  # noqa: F401  (the bench's public names)
+from .bench_memory import (
+    analytic_bytes,
+    cache_bytes,
+    hwm_bytes,
+    peak_rss_bytes,
+    release_free_memory,
+    reset_peak,
+    rss_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
 # -- process memory --------------------------------------------------------------------------------------------
 
-def rss_bytes() -> int | None:
-    """The process's resident set now (Linux ``/proc``), or None where it cannot be read."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def peak_rss_bytes() -> int:
-    """Peak RSS of the process over its life (``getrusage``; kilobytes on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if platform.system() == "Darwin" else peak * 1024
-
-
-def _reset_peak() -> bool:
-    """Reset the kernel's RSS high-water mark (``VmHWM``); False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _hwm_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _release_free_memory() -> None:
-    """Return freed heap memory to the OS (glibc), so the next run's RSS growth is its own."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-# -- caches, analytic sizes ------------------------------------------------------------------------------------
-
-def cache_bytes(cache) -> dict:
-    """K/V, importance and position bytes of any cache, from tensor storage, every layer counted."""
-    if isinstance(cache, ScissorhandsCache):
-        rep = cache.memory_report()
-        return {"kv_bytes": rep["model_kv_bytes"], "importance_bytes": rep["importance_bytes"],
-                "position_bytes": rep["position_bytes"], "full_kv_bytes": rep["model_full_kv_bytes"]}
-    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers
-             if getattr(layer, "keys", None) is not None and layer.keys.numel())
-    return {"kv_bytes": kv, "importance_bytes": 0, "position_bytes": 0, "full_kv_bytes": kv}
-
-
-def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
-    """What the cache should hold, from the shapes alone.
-
-    A full-attention layer holds ``seen`` tokens in a full cache and its
-    budget in a budgeted one; a sliding layer holds ``min(seen, window - 1)``
-    (transformers' ``DynamicSlidingWindowLayer``) in both.
-    """
-    facts = model_facts(model)
-    elsize = next(model.parameters()).element_size()
-    per_token = 2 * facts.num_kv_heads * facts.head_dim * elsize  # K and V, one layer
-    budgets = [layer.budget for layer in getattr(cache, "budgeted_layers", [])]
-    config = getattr(cache, "config", None)
-    one_layer = Shape(1, facts.num_kv_heads, facts.head_dim, facts.head_dim, elsize)
-    kv, importance = 0, 0
-    full_idx = 0
-    layers = getattr(cache, "budgeted_layers", [])
-    for layer_type, window in zip(facts.layer_types, facts.sliding_windows):
-        if layer_type == FULL and budgets and config is not None and getattr(config, "kv_demote", None) is not None:
-            # A demoting (tiered) store: base planes, pools at their shares, indices, residual.
-            kv += batch * store_bytes(replace(config, budget=budgets[full_idx]), one_layer)
-            full_idx += 1
-            continue
-        if layer_type == FULL and budgets:
-            # The store's own byte model (KVStore.bytes_for: packed data with its scales, or dense rows); a
-            # store that declares none is counted at the model's dtype.
-            held = STORES[store_name(config)].bytes_for(config, one_layer, budgets[full_idx])
-            kv += batch * (facts.num_kv_heads * held if held is not None else budgets[full_idx] * per_token)
-            if config is not None and getattr(config, "kv_key_centers", None) is not None:
-                kv += facts.num_kv_heads * facts.head_dim * 4  # one float32 centre per KV head and channel
-                if centers_frame(config.kv_key_centers) == "rotary":
-                    kv += facts.head_dim // 2 * 4  # and the RoPE frequencies they are turned by
-            # A full-precision residual: each row's newest tokens again, in the model's dtype.
-            residual = getattr(layers[full_idx].kv.store, "residual", 0)
-            kv += batch * min(residual, budgets[full_idx], seen) * per_token
-            full_idx += 1
-            continue
-        tokens = min(seen, window - 1) if window is not None else seen
-        kv += batch * tokens * per_token
-    for layer in getattr(cache, "budgeted_layers", []):
-        importance += batch * facts.num_kv_heads * layer.budget * layer.state.bytes_per_token_head()
-    return {"kv_bytes": kv, "importance_bytes": importance}
 
 
 CHUNKED = "prompt-aware, chunked"  # the prefill part's name for prompt-aware with the settings' prompt_chunk
@@ -405,13 +308,13 @@ def generation_trial(model, make_cache: Callable[[], object], batch: int, prompt
     ids = _tokens(model, batch, prompt, seed)
     on_cuda = ids.device.type == "cuda"
     before: int | None
-    _release_free_memory()
+    release_free_memory()
     if on_cuda:  # the cap is on the accelerator's memory: its allocator's own peak, exact
         torch.cuda.reset_peak_memory_stats(ids.device)
         before, resettable = torch.cuda.memory_allocated(ids.device), True
     else:
         before = rss_bytes()
-        resettable = _reset_peak()
+        resettable = reset_peak()
     cache = make_cache()
     start = time.perf_counter()
     with torch.no_grad():
@@ -422,7 +325,7 @@ def generation_trial(model, make_cache: Callable[[], object], batch: int, prompt
             nxt = _forward(model, nxt, cache)
     end = time.perf_counter()
     held = sum(cache_bytes(cache)[k] for k in ("kv_bytes", "importance_bytes", "position_bytes"))
-    hwm = torch.cuda.max_memory_allocated(ids.device) if on_cuda else _hwm_bytes()
+    hwm = torch.cuda.max_memory_allocated(ids.device) if on_cuda else hwm_bytes()
     growth = None if not resettable or hwm is None or before is None else max(0, hwm - before)
     del cache
     return {"batch": batch, "rss_growth_bytes": growth, "cache_bytes": max(after_prefill, held),
@@ -565,130 +468,3 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] | None = 
 
 
 # -- tables and plots ------------------------------------------------------------------------------------------
-
-def tables(result: dict) -> str:
-    """Markdown tables of a :func:`run_bench` result."""
-    lines: list[str] = []
-    if result.get("decode"):
-        if result.get("config", {}).get("repeat_rows"):
-            lines += ["Rows are one prompt's caches repeated (`--repeat-rows`): \"prefill s\" is that one row's.", ""]
-        lines += ["| context | batch | variant | tokens held | step ms (median) | tokens/s | prefill s |",
-                  "|---|---|---|---|---|---|---|"]
-        for point in result["decode"]:
-            for v in point["variants"]:
-                held = v["budget"] if v["budget"] is not None else v["context"]
-                lines.append(f"| {point['context']} | {point['batch']} | {v['name']} | {held} | "
-                             f"{v['step_s'] * 1e3:.1f} | {v['tokens_per_s']:.1f} | {v['prefill_s']:.2f} |")
-        lines += ["", "| context | batch | budget | ours tok/s | full at budget tok/s | vs reference | "
-                  "full at context tok/s | vs full |", "|---|---|---|---|---|---|---|---|"]
-        for point in result["decode"]:
-            for r in point["ratios"]:
-                label = "" if r.get("method", "scissorhands") == "scissorhands" else f"{r['method']} "
-                spec = r["fraction"] if isinstance(r["fraction"], str) else f"{r['fraction']:g}"
-                lines.append(f"| {point['context']} | {point['batch']} | {label}{spec} ({r['budget']}) | "
-                             f"{r['tokens_per_s']:.1f} | {r['reference_tokens_per_s']:.1f} | {r['vs_reference']:.2f} | "
-                             f"{r['full_tokens_per_s']:.1f} | {r['vs_full']:.2f} |")
-        lines += ["", "| context | batch | variant | KV bytes (storage) | analytic | importance bytes | analytic | "
-                  "match |", "|---|---|---|---|---|---|---|---|"]
-        for point in result["decode"]:
-            for v in point["variants"]:
-                m, a = v["measured"], v["analytic"]
-                lines.append(f"| {point['context']} | {point['batch']} | {v['name']} | {m['kv_bytes']:,} | "
-                             f"{a['kv_bytes']:,} | {m['importance_bytes']:,} | {a['importance_bytes']:,} | "
-                             f"{'yes' if v['bytes_match'] else 'NO'} |")
-        lines.append("")
-    if result.get("prefill"):
-        lines += ["| prompt | variant | prefill s (median) | ratio to SDPA |", "|---|---|---|---|"]
-        for r in result["prefill"]:
-            lines.append(f"| {r['context']} | {r['variant']} | {r['seconds']:.3f} | {r['ratio_to_sdpa']:.2f} |")
-        lines.append("")
-    if result.get("maxbatch"):
-        lines += ["| variant | budget | max batch | x full | decode tok/s at max batch | x full | used MiB |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in result["maxbatch"]:
-            br = f"{r['batch_ratio']:.2f}" if r["batch_ratio"] is not None else "-"
-            tr = f"{r['tokens_per_s_ratio']:.2f}" if r["tokens_per_s_ratio"] is not None else "-"
-            tps = f"{r['tokens_per_s_at_max']:.1f}" if r["tokens_per_s_at_max"] else "-"
-            used = f"{r['used_bytes_at_max'] / 2**20:.1f}" if r["used_bytes_at_max"] is not None else "-"
-            more = " (limit)" if r["hit_limit"] else ""
-            lines.append(f"| {r['variant']} | {r['budget'] or '-'} | {r['max_batch']}{more} | {br} | {tps} | {tr} | "
-                         f"{used} |")
-        lines.append("")
-    if result.get("soak"):
-        s = result["soak"]
-        lines.append(f"soak: {s['tokens']} tokens at budget {s['budget']}: cache bytes flat after fill: {s['flat']}; "
-                     f"RSS growth after fill {s.get('rss_growth_after_fill', float('nan')):+.2%}; "
-                     f"tokens/s last/first {s.get('speed_window_tokens', 0)} tokens "
-                     f"{s.get('speed_last_over_first', float('nan')):.3f}")
-    if "peak_rss_bytes" in result:
-        lines.append(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB")
-    if result.get("interrupted"):
-        lines.append("interrupted: only the points above were measured")
-    return "\n".join(lines)
-
-
-def plot(result: dict, out_dir) -> list[str]:
-    """PNG plots: throughput against context, memory against tokens generated, max batch against budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir = Path(out_dir)
-    written = []
-    if result.get("decode"):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for batch in sorted({p["batch"] for p in result["decode"]}):
-            points = [p for p in result["decode"] if p["batch"] == batch]
-            names = [v["name"] for v in points[0]["variants"] if "reference_for" not in v]
-            drawn: set = set()  # one reference line per budget, however many methods share it
-            for name in names:
-                xs = [p["context"] for p in points]
-                ys = [next(v["tokens_per_s"] for v in p["variants"] if v["name"] == name) for p in points]
-                line, = ax.plot(xs, ys, marker="o", label=f"{name}, batch {batch}")
-                fraction = next((v.get("fraction") for v in points[0]["variants"] if v["name"] == name), None)
-                refs = [(p["context"], v["tokens_per_s"]) for p in points for v in p["variants"]
-                        if fraction is not None and v.get("reference_for") == fraction]
-                if refs and fraction not in drawn:  # the reference point: the full cache at context = budget
-                    drawn.add(fraction)
-                    ax.plot([x for x, _ in refs], [y for _, y in refs], marker="s", ls=":", color=line.get_color(),
-                            alpha=0.7, label=f"full cache at the budget of {name}, batch {batch}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_title("Decode throughput against context")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "throughput.png", dpi=120)
-        plt.close(fig)
-        written.append("throughput.png")
-    if result.get("soak"):
-        s = result["soak"]
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        xs = [r["tokens"] for r in s["records"]]
-        ax.plot(xs, [r["cache_bytes"] / 2**20 for r in s["records"]], marker=".", label="cache (K/V + state), MiB")
-        if all(r["rss_bytes"] is not None for r in s["records"]):
-            ax.plot(xs, [r["rss_bytes"] / 2**20 for r in s["records"]], marker=".", label="process RSS, MiB")
-        ax.set_xlabel("tokens generated")
-        ax.set_ylabel("MiB")
-        ax.set_title(f"Memory over a long generation (budget {s['budget']})")
-        ax2 = ax.twinx()
-        ax2.plot(xs, [r["tokens_per_s"] for r in s["records"]], color="gray", linestyle="--", label="tokens/s")
-        ax2.set_ylabel("tokens/s")
-        ax.legend(loc="center left", fontsize=7)
-        ax2.legend(loc="center right", fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "memory.png", dpi=120)
-        plt.close(fig)
-        written.append("memory.png")
-    if result.get("maxbatch"):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        rows = result["maxbatch"]
-        ax.bar([r["variant"] for r in rows], [r["max_batch"] for r in rows])
-        ax.set_ylabel("largest batch under the cap")
-        ax.set_title(f"Max batch under {result['config']['cap_memory'] / 2**20:.0f} MiB")
-        fig.tight_layout()
-        fig.savefig(out_dir / "max_batch.png", dpi=120)
-        plt.close(fig)
-        written.append("max_batch.png")
-    return written

@@ -120,11 +120,12 @@ def run(args, settings, check_model_args) -> int:
     """
     import torch
 
-    from .bench import plot, run_bench, tables
+    from .bench import run_bench
+    from .bench_report import plot, tables
     from .models import load_model, resolve_dtype
     from .paths import check_apart, check_output_folder
 
-    if settings.head_budgets is not None:  # its analytic bytes (bench.analytic_bytes) hold one budget per layer
+    if settings.head_budgets is not None:  # its analytic bytes (bench_memory.analytic_bytes) hold one budget per layer
         raise ValueError("head_budgets: not measured by bench, whose bytes from shapes hold one budget for every "
                          "head; measure it with eval (kv_held) or the memory report")
     cfg, threads = config_from_args(args, settings)
