@@ -289,34 +289,6 @@ def _hrm_text(tmp_path) -> str:
     return str(folder)
 
 
-def test_the_openai_server_says_a_refusal_of_the_worker_in_one_line_with_exit_code_2(tmp_path):
-    """What no config declares (HRM-Text's prefix-LM layers) is refused by the worker, in its own process, once the
-    layers exist: the server's front end prints the worker's line, last, and exits with code 2 in place of vLLM's
-    report of a failed engine start ("Engine core initialization failed", exit code 1); the worker ends without
-    a traceback of the refusal. vLLM's engine core still logs that its worker ended, above the line."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "SCISSORHANDS_VLLM")}
-    records = set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*"))
-    done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", _hrm_text(tmp_path),
-                           "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32",
-                           "--max-model-len", "512", "--enforce-eager",
-                           "--additional-config", json.dumps({"scissorhands": {"budget": 64}})],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 2, done.stderr[-3000:]
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("scissorhands: error:")]
-    assert errors == [lines[-1]], done.stderr[-3000:]
-    assert errors[0].startswith("scissorhands: error: model: layer model.L_module.layers.0.self_attn.attn is "
-                                "prefix-LM attention"), errors
-    assert "Engine core initialization failed" not in done.stderr, done.stderr[-3000:]
-    assert "Refusal" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]  # no traceback of it
-    assert "EngineCore failed to start" not in done.stderr, done.stderr[-3000:]  # its traceback is the refusal's
-    assert set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*")) <= records, "the front end's file is left"
-
-
 LLM_OF_A_REFUSED_WORKER = """
 import json, sys
 from vllm import LLM
@@ -328,22 +300,48 @@ except ValueError as e:
 """
 
 
-def test_llm_with_its_engine_in_a_process_of_its_own_raises_the_workers_refusal_in_one_line(tmp_path):
-    """``LLM(...)`` at vLLM's defaults runs its engine core and worker in processes of their own: the worker's
-    refusal (HRM-Text's prefix-LM layers, which no config declares) reaches the caller as the plugin's one-line
-    ``ValueError``, not vLLM's report of a failed engine start, and the engine core logs no traceback of it."""
+def test_a_refusal_of_the_worker_is_one_line_through_the_server_and_through_llm(tmp_path):
+    """What no config declares (HRM-Text's prefix-LM layers) is refused by the worker, in its own process, once the
+    layers exist. The OpenAI server's front end prints the worker's line, last, and exits with code 2 in place of
+    vLLM's report of a failed engine start ("Engine core initialization failed", exit code 1); ``LLM(...)`` at
+    vLLM's defaults (its engine core and worker in processes of their own) raises it as the plugin's one-line
+    ``ValueError``. Neither shows a traceback of the refusal, and the engine core logs none of its failed start.
+    The two start side by side (each waits mostly on its engine's processes)."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "SCISSORHANDS_VLLM")}
     records = set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*"))
-    done = subprocess.run([sys.executable, "-c", LLM_OF_A_REFUSED_WORKER, _hrm_text(tmp_path)], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    raised = json.loads(done.stdout.strip().splitlines()[-1])
+    model = _hrm_text(tmp_path)
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                               "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32",
+                               "--max-model-len", "512", "--enforce-eager",
+                               "--additional-config", json.dumps({"scissorhands": {"budget": 64}})],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    llm = subprocess.Popen([sys.executable, "-c", LLM_OF_A_REFUSED_WORKER, model], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        server_out, server_err = server.communicate(timeout=600)
+        llm_out, llm_err = llm.communicate(timeout=600)
+    finally:
+        for proc in (server, llm):
+            if proc.poll() is None:
+                proc.kill()
+    start = "model: layer model.L_module.layers.0.self_attn.attn is prefix-LM attention"
+
+    assert server.returncode == 2, server_err[-3000:]
+    lines = [line for line in server_err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("scissorhands: error:")]
+    assert errors == [lines[-1]], server_err[-3000:]
+    assert errors[0].startswith(f"scissorhands: error: {start}"), errors
+    assert "Engine core initialization failed" not in server_err, server_err[-3000:]
+    assert "Refusal" not in server_out + server_err, (server_out + server_err)[-3000:]  # no traceback of it
+    assert "EngineCore failed to start" not in server_err, server_err[-3000:]
+
+    assert llm.returncode == 0, llm_err[-3000:]
+    raised = json.loads(llm_out.strip().splitlines()[-1])
     assert raised["kind"] == "Refusal", raised
-    assert raised["message"].startswith("model: layer model.L_module.layers.0.self_attn.attn is prefix-LM "
-                                        "attention") and "\n" not in raised["message"], raised
-    assert "EngineCore failed to start" not in done.stderr, done.stderr[-3000:]
-    assert set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*")) <= records, "the front end's file is left"
+    assert raised["message"].startswith(start) and "\n" not in raised["message"], raised
+    assert "EngineCore failed to start" not in llm_err, llm_err[-3000:]
+    assert set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*")) <= records, "a front end's file is left"
