@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from ..methods.base import EvictionMethod
+from ..methods.base import EvictionMethod, LayerView
 from ..settings.storage import check_demotion, check_residual
 from ..stores.base import DenseKVStore, KVStore
 from ..tokens.merging import MergeState
@@ -54,7 +54,7 @@ from .demotion import Demotion
 from .eviction import Eviction
 
 
-class BudgetedKV(Eviction):
+class BudgetedKV:
     """At most ``budget`` tokens per row and KV head, evicted ``drop`` at a time by ``method``.
 
     Parameters
@@ -125,7 +125,22 @@ class BudgetedKV(Eviction):
                 raise ValueError("rounds: cannot be combined with merge, kv_demote or a static decode")
             self.rounds = RoundState()
             self.states.append(self.rounds)
+        self.eviction = Eviction(self)
         self.reset()
+
+    # -- a compression event (:class:`.eviction.Eviction`, a part of the layer) -------------------------------
+    def view(self, prompt_attention: torch.Tensor | None = None) -> LayerView:
+        """The read-only view a method scores (``prompt_attention``: see :class:`..attend.prefill.PromptAware`)."""
+        return self.eviction.view(prompt_attention)
+
+    def compress(self, rows: torch.Tensor, drop: int | None = None) -> None:
+        """Evict ``drop`` (default: the layer's) tokens from each KV head of the rows ``rows`` (CPU bool, (B,))."""
+        self.eviction.compress(rows, drop)
+
+    def evict(self, scores: torch.Tensor, n_drop: torch.Tensor) -> torch.Tensor:
+        """Drop the ``n_drop`` (B,) lowest ``scores`` (B, H_kv, L) of each row and KV head, and compact; the order
+        the slots were compacted by (B, H_kv, L), kept slots first."""
+        return self.eviction.evict(scores, n_drop)
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Empty storage shaped after a first chunk (B, H_kv, T, D)."""
