@@ -113,7 +113,6 @@ def test_the_filler_is_tokenized_once_per_tokenizer_and_text_and_equals_the_corp
     """The filler (seconds to tokenize for Shakespeare) is kept for the next cell: the same ids as
     ``corpus_tokens``, the same object for the same tokenizer and texts, tokenized again for other texts."""
     from conftest import byte_tokenizer_fast
-
     from scissorhands.tools.eval import passkey
     from scissorhands.tools.text import corpus_tokens
 
