@@ -8,15 +8,18 @@ merging, and compacts the store, every per-token state and the slot table by the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from ..methods.base import LayerView
+from ..methods.base import EvictionMethod, LayerView
+from ..stores.base import KVStore
+from ..tokens.merging import MergeState
+from ..tokens.rounds import RoundState
 from ..tokens.selection import keep_order, lowest
-
-if TYPE_CHECKING:
-    from .budgeted import BudgetedKV
+from ..tokens.slots import SlotTable
+from ..tokens.state import TokenState
+from .demotion import Demotion
 
 
 def _whole_batch(keep: torch.Tensor, sel: torch.Tensor, batch: int) -> torch.Tensor:
@@ -39,17 +42,38 @@ def _dropped(keep: torch.Tensor, n_drop: torch.Tensor, sel: torch.Tensor | None,
     return torch.zeros((batch, *keep.shape[1:]), dtype=torch.bool, device=keep.device).index_copy_(0, sel, dropped)
 
 
+class Evicted(Protocol):
+    """What an eviction reads and changes of its layer (:class:`~.budgeted.BudgetedKV` is one): its settings, its
+    parts, and its counter of events."""
+
+    budget: int
+    recent: int
+    drop: int
+    layer_idx: int
+    compressions: int
+    method: EvictionMethod
+    state: TokenState
+    states: list[TokenState]
+    store: KVStore
+    slots: SlotTable
+    shields: list
+    listeners: list
+    merge: MergeState | None
+    rounds: RoundState | None
+    demotion: Demotion | None
+
+
 class Eviction:
     """The compression event of one budgeted layer, a part it owns (``kv.eviction``): it reads the layer's
     settings and changes its store, slot table, per-token states and counter, nothing of its own.
 
     Parameters
     ----------
-    kv : BudgetedKV
+    kv : Evicted
         The layer it evicts from.
     """
 
-    def __init__(self, kv: BudgetedKV):
+    def __init__(self, kv: Evicted):
         self.kv = kv
 
     def view(self, prompt_attention: torch.Tensor | None = None) -> LayerView:
