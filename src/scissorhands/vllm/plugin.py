@@ -20,15 +20,15 @@ OpenAI server prints it and exits with code 2. The compiled operator is built
 
 What only the layers vLLM builds can show (a kind of attention no config
 declares, KV-cache groups the config's ``layer_types`` do not predict) is refused
-by the plugin's worker, in the engine's process. A server's front end names a
-file for it (:func:`await_refusals`, through ``SCISSORHANDS_VLLM_REFUSAL``, which
-the engine's processes inherit); the worker writes its line there and ends the
-engine quietly (:func:`refuse_in_engine`), and when vLLM's failed engine start
-reaches the front end's top level, the front end prints that line and exits
-with code 2 in place of vLLM's traceback.
+by the plugin's worker, in the engine's process. The front end names a file for
+it (:func:`await_refusals`, through ``SCISSORHANDS_VLLM_REFUSAL``, which the
+engine's processes inherit); the worker writes its line there and ends the
+engine quietly (:func:`refuse_in_engine`). ``LLM(...)`` then raises that line
+in place of vLLM's failed engine start; a server prints it and exits with code 2.
 
-Both start-up steps extend a vLLM method in place, since vLLM 0.32 has no hook
-for either: a general plugin gets no config step, and a platform plugin (a
+The start-up steps extend three vLLM methods in place (the config step, the
+engine config, ``LLMEngine.from_engine_args``), since vLLM 0.32 has no hook
+for them: a general plugin gets no config step, and a platform plugin (a
 ``CpuPlatform`` subclass) is skipped when ``VLLM_TARGET_DEVICE=cpu``, where vLLM
 returns its CPU platform before it loads platform plugins
 (``vllm.platforms.resolve_current_platform_cls_qualname``).
@@ -52,7 +52,7 @@ from .settings import Refusal
 FULL_ATTENTION = ("full_attention", "attention")
 #: vLLM's usage contexts of its servers: a bad setting there ends the process with one line and exit code 2.
 SERVERS = ("OPENAI_API_SERVER", "API_SERVER", "OPENAI_BATCH_RUNNER")
-#: Set by a server's front end to ``<its pid>:<file>``: where its engine's processes leave a refusal for it.
+#: Set by the front end to ``<its pid>:<file>``: where its engine's processes leave a refusal for it.
 RECORD = "SCISSORHANDS_VLLM_REFUSAL"
 
 logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
@@ -116,10 +116,10 @@ def register() -> None:
         try:
             return from_engine_args(cls, *args, **kwargs)
         except RuntimeError:
-            line = _recorded(os.environ.get(RECORD, "").partition(":")[2])
+            line = _recorded(_record_path())
             if line is None:
                 raise
-            _forget(os.environ[RECORD].partition(":")[2])
+            _forget(_record_path())
             raise Refusal(line) from None
 
     check_and_update_config.scissorhands = True  # type: ignore[attr-defined]
@@ -202,10 +202,10 @@ def await_refusals(server: bool = True) -> None:
 
 
 def refuse_in_engine(refusal: Exception) -> NoReturn:
-    """End start-up in an engine process with ``refusal`` (the worker's, once the layers exist): raised where no
-    server waits for it (``LLM(...)`` gets it). Under a server (:func:`await_refusals`) its line is left for the
-    front end first, and an engine process of the server (the engine core or a worker; not the front end itself)
-    logs it and ends with ``SystemExit(2)``, which vLLM takes as a shutdown, with no traceback of its own."""
+    """End start-up in an engine process with ``refusal`` (the worker's, once the layers exist). Its line is left
+    in the front end's file (:func:`await_refusals`) first; a process of its own (the engine core or a worker,
+    not the front end itself) then logs it and ends with ``SystemExit(2)``, which vLLM takes as a shutdown, with
+    no traceback of its own, and the front end says it. An engine in the front end's process raises it."""
     front, _, path = os.environ.get(RECORD, "").partition(":")
     if path:
         with open(path, "w", encoding="utf-8") as f:
@@ -223,7 +223,7 @@ class _FailedStartOfARefusal(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.getMessage().startswith("EngineCore failed to start"):
             return True
-        return _recorded(os.environ.get(RECORD, "").partition(":")[2]) is None
+        return _recorded(_record_path()) is None
 
 
 def quiet_failed_start() -> None:
@@ -232,6 +232,11 @@ def quiet_failed_start() -> None:
     engine_logger = logging.getLogger("vllm.v1.engine.core")
     if not any(isinstance(f, _FailedStartOfARefusal) for f in engine_logger.filters):
         engine_logger.addFilter(_FailedStartOfARefusal())
+
+
+def _record_path() -> str:
+    """The file this process's front end named for a refusal (empty: none named)."""
+    return os.environ.get(RECORD, "").partition(":")[2]
 
 
 def _recorded(path: str) -> str | None:
@@ -425,7 +430,6 @@ def refuse_groups(groups: list[list[str]]) -> None:
         raise Refusal(f"model: vLLM splits this model's budgeted layers into {len(groups)} KV-cache groups ({named}), "
                       f"each with its own block table, and the scissorhands plugin serves one; leave the "
                       f"scissorhands settings out to run it")
-
 
 
 # -- predictions from the model's config: what the worker would refuse once vLLM has built the layers -------------

@@ -36,6 +36,7 @@ class HeadGroups:
         self.parts = [kv for _, kv in groups]
         self.n_heads = len(heads)
         self.layer_idx = self.parts[0].layer_idx
+        self._query_heads: dict[int, list[tuple[int, ...]]] = {}  # per group size: each group's query heads
 
     # -- what the cache layer drives ---------------------------------------------------------------
     @property
@@ -103,9 +104,10 @@ class HeadGroups:
             raise ValueError(f"model: {h_q} query heads over {h} KV heads, but this layer was built for "
                              f"{self.n_heads} KV heads")
         g = h_q // h
+        if g not in self._query_heads:  # the query heads of each group's KV heads, worked out once per model
+            self._query_heads[g] = [tuple(k * g + j for k in hs for j in range(g)) for hs in self.heads]
         out = query.new_empty(b, h_q, t, value.shape[-1])  # (B, H_q, T, D_v)
-        for hs, kv in zip(self.heads, self.parts):
-            q_heads = tuple(k * g + j for k in hs for j in range(g))  # the query heads of these KV heads
+        for hs, kv, q_heads in zip(self.heads, self.parts, self._query_heads[g]):
             done = attend(kv, _take(query, q_heads), _take(key, hs), _take(value, hs), mask, scaling, softcap,
                           query_tile)  # (B, len(q_heads), T, D_v)
             if _contiguous(q_heads):

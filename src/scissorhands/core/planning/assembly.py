@@ -199,9 +199,7 @@ def _split_heads(config: ScissorhandsConfig, layers: list[LayerPlan], facts: Mod
                 check_room(protection, [(b, r, m)], name=protect_name)
             else:  # sinks and the most recent tokens: the recent window is what is left beside the sinks
                 r = min(config.recent_for(b), b - config.sinks - 1)
-                amount = config.drop
-                m = max(1, round(amount * b)) if isinstance(amount, float) else int(amount)
-                m = max(1, min(m, b - r - config.sinks))
+                m = config.drop_for(b)  # its clamp to b - recent - sinks is 1 wherever r was cut
             residual = config.check_residual(b) if is_hi else min(config.residual_for(b), r)
             parts.append(HeadGroupPlan(heads, b, r, m, residual, is_hi))
         out.append(replace(p, groups=tuple(parts)))
