@@ -227,3 +227,45 @@ def test_ties_keep_the_more_recent_token():
         layer.attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None, 1.0)
     # Uniform probabilities never exceed 1/n: all counts are 0, so the 3 oldest went.
     assert layer.stored_positions(0)[0].tolist() == [3, 4, 5, 6, 7, 8]
+
+
+@st.composite
+def aligned_round_cases(draw):
+    """Rounds over unpadded rows with long chunks: a round's tokens go through one block (``Streamed._round_block``)."""
+    case = draw(round_cases())
+    case["pads"] = [0] * case["b"]
+    case["t"] = t = draw(st.integers(case["budget"] + 1, case["budget"] + 40))
+    cuts = sorted(set(draw(st.lists(st.integers(1, t - 1), max_size=3))))
+    case["chunks"] = [y - x for x, y in zip([0] + cuts, cuts + [t])]
+    # Sinks where they leave a round its victims (the settings refuse a budget they fill).
+    case["sinks"] = draw(st.sampled_from([0, 0, 2])) if case["budget"] - case["recent"] - 2 >= case["drop"] else 0
+    return case
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(aligned_round_cases())
+def test_a_rounds_block_matches_the_reference(case):
+    """A round's tokens taken as one masked block (each victim hidden from the query at which it leaves on, all
+    dropped when the block ends) give the reference's outputs and kept positions, token for token."""
+    check_case(case)
+
+
+def test_a_round_is_one_attention_computation(monkeypatch):
+    """A full layer in rounds takes a chunk in one attention computation per round, not one per token: 60 tokens
+    past a budget of 16 in rounds of 6 are 10 blocks (11 with the first block that fills the budget)."""
+    import scissorhands.core.attend.blocks as blocks
+
+    calls = []
+    real = blocks.attend_stored
+    monkeypatch.setattr(blocks, "attend_stored", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    case = dict(b=2, h_kv=2, group=2, t=76, recent=3, budget=16, drop=6, window=None, bucket_steps=None,
+                importance="sum", pads=[0, 0], tile=128, seed=3)
+    q, k, v, valid = make_inputs(case)
+    out, layer = run_layer(q, k, v, valid, [76], budget=16, recent=3, drop=6, window=None, bucket_steps=None,
+                           importance="sum", scaling=0.5, rounds=True)
+    assert len(calls) == 11
+    assert layer.kv.compressions == 76 - 16  # one event per token, as token by token
+    ref_out, ref_kept = reference_stream(q, k, v, valid, budget=16, recent=3, drop=6, window=None,
+                                         bucket_steps=None, importance="sum", scaling=0.5, rounds=True)
+    assert kept_of(layer, 2, 2) == ref_kept
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)

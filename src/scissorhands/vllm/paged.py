@@ -30,8 +30,9 @@ the layer's attention itself, which replaces vLLM's kernel call:
 * **A prompt** (a request's first chunk) is taken by the core's prefill in a
   one-row layer: the same code and numbers as the transformers cache. The
   prompt-aware prefill attends it exactly and evicts it to ``B`` once; the
-  streamed one gives each token past the budget the kept set, in rounds, and
-  ends with up to ``drop`` victims pending. That gives its outputs, its
+  streamed one gives each token past the budget the kept set, in rounds (a
+  round's tokens are one masked block attention, its victims hidden from the
+  query at which each leaves on), and ends with up to ``drop`` victims pending. That gives its outputs, its
   importance and the ``B`` tokens it keeps; pending victims are copied into the
   slots that leave the window next, by rank, and other kept tokens that lie
   before the window into the remaining free slots.

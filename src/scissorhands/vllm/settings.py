@@ -27,7 +27,7 @@ What the adapter fixes, and why (each given otherwise is a one-line error):
   evicts it to the budget once, by its last queries, while the streamed one
   gives what the transformers cache gives token by token (each token past the
   budget attends the kept set, in rounds), which keeps more of what a long answer
-  needs at the cost of one eviction per prompt token past the budget.
+  needs at the cost of one block attention and one eviction per round of the prompt past the budget.
   ``"keep-prompt"`` needs a window per request (its prompt plus the budget: a
   block manager of the plugin's own, :mod:`.spec`; docs/vllm.md, "A window per
   request") and is refused;

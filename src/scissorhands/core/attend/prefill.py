@@ -111,9 +111,18 @@ class Streamed(Prefill):
         """
         b, total = cum.shape
         every = torch.ones(b, dtype=torch.bool)
+        in_rounds = _blocks_rounds(kv)
         i = 0
         while i < total:
             room = kv.room_uniform()
+            if room <= 0 and in_rounds:
+                kv.eviction.begin_round(every, drop)
+                assert kv.rounds is not None
+                k = min(total - i, int(kv.rounds.pending(kv.slots.lengths).min()))
+                if k > 1:
+                    self._round_block(kv, q, out, key, value, i, i + k, scaling, softcap, query_tile)
+                    i += k
+                    continue
             if room <= 0:
                 kv.compress(every, drop)
                 room = kv.room_uniform()
@@ -123,6 +132,37 @@ class Streamed(Prefill):
             kv.append(key[:, :, i:e], value[:, :, i:e], None, bcum)
             attend_block(kv, q[:, :, :, i:e], out[:, :, :, i:e], base, bcum, None, scaling, softcap, query_tile)
             i = e
+        most = kv.budget + kv.held_first  # a round's block held its victims beside the budget: give the room back
+        if in_rounds and kv.capacity > most >= kv.slots.length:
+            kv.resize(most)
+
+    @staticmethod
+    def _round_block(kv, q, out, key, value, i: int, e: int, scaling, softcap, query_tile) -> None:
+        """Tokens ``[i, e)`` of a full layer in rounds, each evicting the next of the round's pending victims, as one
+        block: the victims stay stored (masked from the query at which each leaves on) until the block ends, then
+        all leave at once. What the tokens one at a time give, in one attention computation instead of ``e - i``.
+        """
+        assert kv.rounds is not None
+        k, stored = e - i, kv.slots.length
+        rank = kv.rounds.rank[:, :, :stored]
+        live = rank >= 0
+        first = torch.where(live, rank, torch.iinfo(rank.dtype).max).amin(dim=-1, keepdim=True)
+        leave = torch.where(live, rank - first, k).to(torch.long)  # (B, H_kv, L): the query each victim leaves at
+        leave = torch.cat([leave, leave.new_full((*leave.shape[:2], k), k)], dim=-1)  # the block's tokens stay
+        kv.reserve(stored + k, limit=stored + k)
+        bcum = torch.arange(1, k + 1).expand(q.shape[0], k)
+        base = kv.slots.lengths.clone()
+        kv.append(key[:, :, i:e], value[:, :, i:e], None, bcum)
+        attend_block(kv, q[:, :, :, i:e], out[:, :, :, i:e], base, bcum, None, scaling, softcap, query_tile,
+                     leave=leave)
+        kv.eviction.end_round_block(leave, k)
+
+
+def _blocks_rounds(kv: BudgetedKV) -> bool:
+    """Whether a layer in rounds may take a round's tokens as one block (:meth:`Streamed._round_block`): a plain
+    dense store (a residual or packed store reads by slot index, which the victims still hold), and no listener
+    (an audit records each token's eviction at its own step)."""
+    return kv.rounds is not None and type(kv.store) is DenseKVStore and not kv.listeners and kv.merge is None
 
 
 class PromptAware(Prefill):

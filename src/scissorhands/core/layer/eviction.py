@@ -104,13 +104,27 @@ class Eviction:
     def _round(self, rows: torch.Tensor, amount: int) -> None:
         """Rows ``rows`` with no victim pending choose ``amount``; then each of ``rows`` drops its oldest victim."""
         assert self.kv.rounds is not None
+        self.begin_round(rows, amount)
+        self.evict(self.kv.rounds.next_out(self.kv.slots.lengths), torch.where(rows, 1, 0))
+
+    def begin_round(self, rows: torch.Tensor, amount: int | None = None) -> None:
+        """In rounds, rows ``rows`` (CPU bool, (B,)) with no victim pending score their tokens and choose ``amount``
+        (default: the layer's drop) victims; none leaves yet."""
+        assert self.kv.rounds is not None
         lengths = self.kv.slots.lengths
         start = rows & (self.kv.rounds.pending(lengths) == 0)
         if bool(start.any()):
             scores = self.kv.method.score(self.view())
             shield = self._shield(self.kv.slots.positions[:, :, : self.kv.slots.length])
+            amount = self.kv.drop if amount is None else amount
             self.kv.rounds.choose(lowest(scores, lengths, self.kv.recent, torch.where(start, amount, 0), shield))
-        self.evict(self.kv.rounds.next_out(lengths), torch.where(rows, 1, 0))
+
+    def end_round_block(self, leave: torch.Tensor, gone: int) -> None:
+        """After a block in which each row's victims of ``leave`` (B, H_kv, L) below ``gone`` left, one per new
+        token: drop them all at once, as ``gone`` events (the count the token-by-token path keeps)."""
+        kept = (leave >= gone).to(torch.float32)
+        self.evict(kept, torch.full((kept.shape[0],), gone, dtype=torch.long))
+        self.kv.compressions += gone - 1
 
     def _shield(self, positions: torch.Tensor) -> torch.Tensor | None:
         """Slots (B, H_kv, L) no eviction may drop: every shield's mask over ``positions``, or'ed."""
