@@ -49,13 +49,17 @@ class Watch:
         self.steps += 1
 
 
+@pytest.mark.parametrize("rounds", [False, True], ids=["per-step", "rounds"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_a_prompt_kept_whole_is_a_streamed_cache_with_the_prompt_protected(arch):
+def test_a_prompt_kept_whole_is_a_streamed_cache_with_the_prompt_protected(arch, rounds):
+    """Also in rounds (the vLLM plugin's eviction): the victims of each round are chosen among the generated
+    tokens alone, as a cache of the prompt plus the budget with the prompt protected chooses them."""
     model = tiny_model(arch)
-    p, budget, recent, drop = 37, 12, 3, 2
+    p, budget, recent, drop = 37, 12, 3, 2 + 2 * rounds
     ids = left_padded([p], seed=5)[0]
-    kept = ScissorhandsCache(model, ScissorhandsConfig(budget=budget, recent=recent, drop=drop, prefill="keep-prompt"))
-    same = ScissorhandsCache(model, ScissorhandsConfig(budget=p + budget, recent=recent, drop=drop),
+    kept = ScissorhandsCache(model, ScissorhandsConfig(budget=budget, recent=recent, drop=drop, prefill="keep-prompt",
+                                                       rounds=rounds))
+    same = ScissorhandsCache(model, ScissorhandsConfig(budget=p + budget, recent=recent, drop=drop, rounds=rounds),
                              protect=[(0, p)])
     a, b = greedy(model, ids, kept, 30), greedy(model, ids, same, 30)
     assert torch.equal(a, b)
@@ -103,10 +107,10 @@ def test_no_row_exceeds_its_prompt_plus_the_budget_and_the_kept_prompt_stays(kee
     assert sum(layer.compressions for layer in cache.budgeted_layers) > 0
 
 
-@pytest.mark.parametrize("keep", [None, 0.5, 6])
-def test_a_padded_batch_keeps_what_each_sequence_keeps_alone(keep):
+@pytest.mark.parametrize("keep,rounds", [(None, False), (0.5, False), (6, False), (None, True), (0.5, True)])
+def test_a_padded_batch_keeps_what_each_sequence_keeps_alone(keep, rounds):
     model = tiny_model("llama")
-    config = ScissorhandsConfig(budget=9, recent=2, drop=2, prefill="keep-prompt", prompt_keep=keep)
+    config = ScissorhandsConfig(budget=9, recent=2, drop=2, prefill="keep-prompt", prompt_keep=keep, rounds=rounds)
     batch, alone = batch_and_alone(model, config, [21, 14, 17], new_tokens=20)
     for row, cache in enumerate(alone):
         for lb, la in zip(batch.budgeted_layers, cache.budgeted_layers):
@@ -140,7 +144,6 @@ def test_beams_carry_each_rows_kept_prompt():
     (dict(prefill="keep-prompt", prompt_chunk=64), "prompt_chunk: a setting of prefill='prompt-aware', got "
                                                    "prefill='keep-prompt'"),
     (dict(prefill="keep-prompt", decode="static"), "prefill: 'keep-prompt'"),
-    (dict(prefill="keep-prompt", rounds=True), "prefill: 'keep-prompt'"),
 ])
 def test_settings_it_cannot_serve_are_one_line(given, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -115,7 +115,8 @@ def kept_now(engine: Engine) -> dict[str, list]:
     for layer in state.layers:
         for rid, (table_row, seen) in planner.where.items():
             # The engine's own request ids are the caller's with a suffix ("0-ae8a9492").
-            out.setdefault(rid.rsplit("-", 1)[0], []).append(layer.stored_positions(table_row, seen).tolist())
+            held = planner.held.get(rid, 0)  # a held prompt (keep-prompt) beside the window
+            out.setdefault(rid.rsplit("-", 1)[0], []).append(layer.stored_positions(table_row, seen, held).tolist())
     return out
 
 

@@ -47,9 +47,16 @@ def _compare(folder, plugin, tmp_path, lengths=LENGTHS, new=NEW, **engine_args):
     {"budget": 40, "protect_prefix": 12, "recent": 6},  # a protected prompt prefix
     {"budget": 48, "prefill": "stream"},              # the streamed prefill: the prompt in rounds of 2, 1 pending
     {"budget": 48, "prefill": "stream", "drop": 0.25, "protect_prefix": 4},  # rounds of 12, victims pending
-], ids=["defaults", "drop12", "paper", "h2o", "tova", "streaming", "protected", "stream", "stream-drop12"])
+    {"budget": 12, "prefill": "keep-prompt", "drop": 3},  # each prompt held whole, the answer's 24 in a window of 12
+], ids=["defaults", "drop12", "paper", "h2o", "tova", "streaming", "protected", "stream", "stream-drop12",
+        "keep-prompt"])
 def test_same_kept_positions_and_logprobs_as_the_transformers_cache(tiny_folder, tmp_path, plugin):
     got, want = _compare(tiny_folder, plugin, tmp_path)
+    if plugin.get("prefill") == "keep-prompt":
+        for w, p in zip(want, LENGTHS):
+            for layer in w["kept"]:
+                for head in layer:
+                    assert set(range(p)) <= set(head) and len(head) == p + plugin["budget"]
     if "protect_prefix" in plugin:
         for layer in want[0]["kept"]:
             for head in layer:
@@ -208,6 +215,79 @@ def test_blocks_go_back_to_the_pool_and_every_layer_holds_its_budget(tiny_folder
     assert held[False] <= 3 * (64 // BLOCK + 2)
 
 
+def test_a_held_prompt_keeps_its_blocks_and_frees_those_between_it_and_the_window(tiny_folder):
+    """``prefill="keep-prompt"``: the plugin's block manager keeps each request's prompt blocks and frees the blocks
+    wholly between them and the window of the budget, as the generation moves on (vLLM alone keeps them all)."""
+    held = {}
+    lengths, new, budget = (70, 45), 150, 20
+    for plugin in (None, {"budget": budget, "prefill": "keep-prompt"}):
+        engine = Engine(tiny_folder, plugin, num_gpu_blocks_override=200)
+        try:
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            total = engine.free_blocks()
+            for i, p in enumerate(prompts(*lengths)):
+                engine.llm.llm_engine.add_request(str(i), TokensPrompt(prompt_token_ids=p),
+                                                  SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+            for _ in range(new - 5):
+                engine.llm.llm_engine.step()
+            held[plugin is None] = total - engine.free_blocks()
+            if plugin is not None:
+                for rid, layers in kept_now(engine).items():
+                    p = lengths[int(rid)]
+                    for layer in layers:
+                        for head in layer:
+                            assert set(range(p)) <= set(head) and len(head) == p + budget
+        finally:
+            engine.close()
+    seen = [p + new - 6 for p in lengths]  # tokens each request has when the blocks are counted
+    assert held[True] >= sum(-(-n // BLOCK) for n in seen)  # vLLM alone: every block
+    # The plugin: each prompt's blocks, and the window's (20 positions over at most 2 blocks) after them.
+    assert held[False] <= sum(-(-p // BLOCK) + 2 for p in lengths) < held[True]
+
+
+def test_a_preempted_request_keeps_the_prompt_it_first_had(tiny_folder):
+    """``prefill="keep-prompt"``: vLLM recomputes a preempted request as one prefill of its prompt and what it had
+    generated, and its block manager keeps the original prompt's blocks only (``num_prompt_tokens``). The plugin
+    holds that same prompt and streams the recomputed generation into the window, so after the recompute each
+    layer holds the prompt whole and exactly the budget after it, and the decode goes on."""
+    import time
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    budget, new = 12, 40
+    engine = Engine(tiny_folder, {"budget": budget, "prefill": "keep-prompt"})
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=0)
+        for i, p in enumerate(prompts(*LENGTHS)):
+            engine.llm.llm_engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
+        steps, victim, checked = 0, None, False
+        while engine.llm.llm_engine.has_unfinished_requests():
+            outs = engine.llm.llm_engine.step()
+            for out in outs:
+                assert all(lp for lp in out.outputs[0].logprobs or [])
+            steps += 1
+            if steps == 20:  # the generation past the budget: rounds have run; preempt the first request
+                scheduler = engine.core.scheduler
+                victim = scheduler.running.pop(0)
+                scheduler._preempt_request(victim, time.monotonic())
+            if victim is not None and steps == 26:  # recomputed and decoding again
+                state = plugin_state(engine.llm)
+                rid = victim.request_id
+                assert state.planner.held[rid] == victim.num_prompt_tokens
+                kept = kept_now(engine)[rid.rsplit("-", 1)[0]]
+                for layer in kept:
+                    for head in layer:
+                        assert set(range(victim.num_prompt_tokens)) <= set(head)
+                        assert len(head) == victim.num_prompt_tokens + budget
+                checked = True
+        assert plugin_state(engine.llm).planner.restarts == 1 and checked
+    finally:
+        engine.close()
+
+
 def test_preemption_starts_the_sequence_again(tiny_folder):
     """A request preempted mid-decode is recomputed from its first token, as a new prompt of what it had.
 
@@ -259,7 +339,8 @@ def test_preemption_starts_the_sequence_again(tiny_folder):
 @pytest.mark.parametrize("plugin, name", [
     ({"budget": 0}, "budget"),
     ({"budget": 64, "rounds": False}, "rounds"),
-    ({"budget": 64, "prefill": "keep-prompt"}, "prefill"),
+    ({"budget": 64, "prefill": "keep-prompt", "prompt_keep": 0.5}, "prompt_keep"),
+    ({"budget": 64, "prefill": "snap"}, "prefill"),
     ({"budget": 64, "kv_bits": 4}, "kv_bits"),
     ({"budget": 64, "method": "nope"}, "method"),
     ({"budget": 64, "recnet": 3}, "recnet"),

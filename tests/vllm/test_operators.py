@@ -18,14 +18,18 @@ from scissorhands.vllm.paged import move_victims_reference, write_kv
 N, D = 32, 64  # vLLM's CPU kernels take blocks of multiples of 32; head size of SmolLM2 and Qwen2.5-0.5B
 
 
-def _decode_float64(query, kv_cache, tok, last, tables, budget, scale, softcap, count, layout):
+def _window(p: int, budget: int, held: int) -> torch.Tensor:
+    """The positions a decode row attends: a held prompt ``[0, held)``, then its window of the last ``budget``."""
+    return torch.cat([torch.arange(held), torch.arange(max(held, p - budget + 1), p + 1)])
+
+
+def _decode_float64(query, kv_cache, tok, last, tables, budget, scale, softcap, count, layout, held):
     """The decode step in float64 over the cache's K/V (outputs (R, H_q, D) and each window's contributions)."""
     keys, values = (x.double() for x in kernels.keys_values(kv_cache, layout))
     h = keys.shape[1]
     outs, contribs = [], []
     for r in range(tok.shape[0]):
-        p = int(last[r])
-        x = torch.arange(max(0, p - budget + 1), p + 1)
+        x = _window(int(last[r]), budget, int(held[r]))
         blocks, offs = tables[r].long()[x // N], x % N
         k, v = keys[blocks, :, offs], values[blocks, :, offs]  # (L, H_kv, D)
         q = query[int(tok[r])].double().view(h, -1, D)  # (H_kv, g, D)
@@ -38,20 +42,24 @@ def _decode_float64(query, kv_cache, tok, last, tables, budget, scale, softcap, 
     return torch.stack(outs), contribs
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["window", "held-prompt"])
 @pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("hkv,hq", [(3, 9), (2, 14), (1, 1), (1, 9)], ids=["g3", "g7", "g1", "g9"])
 @pytest.mark.parametrize("layout,dtype", [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16)],
                          ids=["vec-float32", "vec-bf16", "amx-bf16"])
-def test_the_decode_operator_equals_attention_in_float64(layout, dtype, hkv, hq, softcap):
+def test_the_decode_operator_equals_attention_in_float64(layout, dtype, hkv, hq, softcap, kept):
     """Windows that start and end at odd and even offsets, inside one block and across several, and shorter than
     the budget; groups of 1 to 9 query heads per KV head (more than one register block of 8); every slot no window
     reads is NaN, so a read outside a window (a tile's or a pair's other half) shows. The operator sums in float32
     (bf16 K/V are widened exactly), the reference in float64: D = 64 products per logit and at most 100 terms per
     output, each rounded at float32's 6e-8, plus the vectorised exponential's few ulps, stay far below 1e-5; a
-    misread element is off by far more."""
+    misread element is off by far more. With a held prompt (keep-prompt) each row also attends its first
+    positions, ending at odd and even offsets, beside a window that starts after them: adjacent to it, or with a
+    gap of unread (NaN) slots between."""
     gen = torch.Generator().manual_seed(hkv * 100 + hq)
     budget, scale = 100, D ** -0.5
     last = torch.tensor([0, 1, 30, 31, 32, 99, 100, 101, 150, 200, 254])
+    held = torch.minimum(last, torch.tensor([0, 1, 7, 17, 32, 20, 33, 64, 45, 90, 100])) if kept else 0 * last
     per = 9
     nb = len(last) * per
     tables = torch.randperm(nb, generator=gen).view(len(last), per).to(torch.int32)  # each request its own blocks
@@ -59,7 +67,7 @@ def test_the_decode_operator_equals_attention_in_float64(layout, dtype, hkv, hq,
     k, v = kernels.keys_values(kv, layout)
     poisoned_k, poisoned_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     for r, p in enumerate(last.tolist()):
-        x = torch.arange(max(0, p - budget + 1), p + 1)
+        x = _window(p, budget, int(held[r]))
         b, o = tables[r].long()[x // N], x % N
         poisoned_k[b, :, o], poisoned_v[b, :, o] = k[b, :, o], v[b, :, o]
     blocks, heads, offs = (t.reshape(-1) for t in torch.meshgrid(torch.arange(nb), torch.arange(hkv),
@@ -74,11 +82,11 @@ def test_the_decode_operator_equals_attention_in_float64(layout, dtype, hkv, hq,
         acc = torch.zeros(1, nb, hkv, N)
         out = torch.full((len(last), hq, D), float("nan"))
         kernels.decode(query, kv, tok, last, tables, bucket, restart, acc, out, budget, scale, softcap, count,
-                       layout)
-        want, contribs = _decode_float64(query, kv, tok, last, tables, budget, scale, softcap, count, layout)
+                       layout, held=held if kept else None)
+        want, contribs = _decode_float64(query, kv, tok, last, tables, budget, scale, softcap, count, layout, held)
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
         for r, p in enumerate(last.tolist()):
-            x = torch.arange(max(0, p - budget + 1), p + 1)
+            x = _window(p, budget, int(held[r]))
             got = acc[0][tables[r].long()[x // N], :, x % N].T  # (H_kv, L)
             if count:  # whole numbers: equal where no probability sits within rounding of 1/L (none here)
                 assert torch.equal(got.double(), contribs[r])

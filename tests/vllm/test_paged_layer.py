@@ -36,6 +36,7 @@ class Blocks:
         # (num_blocks, H_kv, N, 2D); vLLM's fp8 cache holds bytes
         self.cache = torch.zeros(requests * per, HKV, N, 2 * D, dtype=torch.uint8 if fp8 else dtype)
         self.table = torch.randperm(requests * per, generator=gen).view(requests, per).to(torch.int32)
+        self.held: dict[int, int] = {}  # each row's held prompt (keep-prompt): its positions [0, P) stay
 
     def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
         return self.table[row, positions // N].long() * N + positions % N
@@ -46,9 +47,15 @@ class Blocks:
             k, v = kernels.quantize(k, self.fp8, FP8_SCALES[0]), kernels.quantize(v, self.fp8, FP8_SCALES[1])
         write_kv(self.cache, self.layout, (slots // N)[:, None], heads, (slots % N)[:, None], k, v)  # (T, H_kv, D)
 
+    def window(self, row: int, p: int, budget: int) -> torch.Tensor:
+        """The positions a decode query at ``p`` attends: its held prompt ``[0, P)``, then ``[max(P, p-B+1), p]``."""
+        held = self.held.get(row, 0)
+        return torch.cat([torch.arange(held), torch.arange(max(held, p - budget + 1), p + 1)])
+
     def window_output(self, row: int, q: torch.Tensor, p: int, budget: int) -> torch.Tensor:
-        """vLLM's kernel for one decode query at position ``p``: attention over the logical slots ``(p - B, p]``."""
-        where = self.slots(row, torch.arange(max(0, p - budget + 1), p + 1))[:, None]
+        """vLLM's kernel for one decode query at position ``p``: attention over the logical slots ``(p - B, p]``
+        (and a held prompt's)."""
+        where = self.slots(row, self.window(row, p, budget))[:, None]
         k, v = read_kv(self.cache, self.layout, where // N, torch.arange(HKV)[None, :], where % N)  # (L, H_kv, D)
         k, v = kernels.dequantize(k, self.fp8, FP8_SCALES[0]), kernels.dequantize(v, self.fp8, FP8_SCALES[1])
         qg = q.view(HKV, HQ // HKV, D)  # (H_kv, g, D)
@@ -56,8 +63,10 @@ class Blocks:
         return torch.einsum("hgl,lhd->hgd", probs, v).reshape(HQ, D)
 
     def free_behind(self, row: int, p: int, budget: int) -> None:
-        """What vLLM's sliding-window manager frees once position ``p`` is done: blocks wholly before ``p + 2 - B``."""
-        for j in range(max(0, p + 2 - budget) // N):
+        """What vLLM's sliding-window manager frees once position ``p`` is done: blocks wholly before ``p + 2 - B``
+        (with a held prompt of P, the plugin's manager: those wholly between the prompt's and that point)."""
+        held = self.held.get(row, 0)
+        for j in range(-(-held // N), max(0, p + 2 - budget) // N):
             self.cache[self.table[row, j]] = 0x7F if self.fp8 else float("nan")  # 0x7F: NaN in both fp8 formats
 
 
@@ -83,6 +92,9 @@ PLUGINS = {
     "stream-drop4-prefill5": {"budget": 12, "prefill": "stream", "drop": 4, "prefill_drop": 5},
     "stream-h2o": {"budget": 12, "prefill": "stream", "method": "h2o", "recent": 2, "drop": 3},
     "stream-protected": {"budget": 11, "prefill": "stream", "protect_prefix": 3, "recent": 2, "drop": 3},
+    # The held prompt: each request's whole prompt stays beside a window of the budget that fills from its end.
+    "keep-prompt": {"budget": 12, "prefill": "keep-prompt"},
+    "keep-prompt-h2o": {"budget": 12, "prefill": "keep-prompt", "method": "h2o", "recent": 2, "drop": 3},
 }
 
 
@@ -123,6 +135,8 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
         table = blocks.table[[rows[r] for r in running]]
         plan = planner.for_step(step, running, starts, seq_lens, table, slots, N)
         assert planner.for_step(step, running, starts, seq_lens, table, slots, N) is plan  # one plan per step
+        for other in caches:
+            other.held = {rows[rid]: planner.held.get(rid, 0) for rid in running}
         outs, inputs = [], []
         for layer, cache in zip(layers, caches):
             q, k, v = (torch.randn(t, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV))
@@ -146,7 +160,8 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
                       outs[0][a:b])
             seen[rid] += b - a
             for layer in layers:
-                assert layer.stored_positions(blocks.table[rows[rid]], seen[rid]).shape[-1] <= budget
+                kept = planner.held.get(rid, 0)
+                assert layer.stored_positions(blocks.table[rows[rid]], seen[rid], kept).shape[-1] <= budget + kept
         for rid in running:
             for cache in caches:
                 cache.free_behind(rows[rid], seen[rid] - 1, budget)
@@ -176,7 +191,7 @@ def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, 
             torch.testing.assert_close(got[0], blocks.window_output(row, q[0], seen, settings.budget), atol=2e-6,
                                        rtol=1e-5)
         # The window holds what the core stores: the kept tokens and the victims still waiting to leave.
-        mine = layer.stored_positions(blocks.table[row], seen + q.shape[0]).tolist()
+        mine = layer.stored_positions(blocks.table[row], seen + q.shape[0], blocks.held.get(row, 0)).tolist()
         assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
 
     layer, _, _ = _serve(PLUGINS[name], compiled, check=check)

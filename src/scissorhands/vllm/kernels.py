@@ -106,11 +106,12 @@ def build():
 
 
 _NONE = torch.empty(0)
+_HELD = torch.empty(0, dtype=torch.int64)
 
 
 def decode(query, kv_cache, tok, last, tables, bucket, restart, acc, out, budget: int, scale: float,
            softcap: float | None, count: bool, layout: str = "vec", fp8: str | None = None, k_scale: float = 1.0,
-           v_scale: float = 1.0) -> None:
+           v_scale: float = 1.0, held: torch.Tensor | None = None) -> None:
     """Attend each decoding request's new query over its window, and add its probabilities to ``acc``, in place.
 
     query (T, H_q, D) the step's queries; kv_cache (num_blocks, H_kv, N, 2D) vLLM's CPU cache in ``layout``
@@ -122,19 +123,22 @@ def decode(query, kv_cache, tok, last, tables, bucket, restart, acc, out, budget
     zeroed before it is added to: a fresh token has no history. ``out`` (R, H_q, D) float32 receives the
     attention output, or None (the importance only). ``fp8``: vLLM's 8-bit format of a uint8 cache ("fp8",
     "fp8_e4m3", "fp8_e5m2"), whose values are ``k_scale`` (keys) and ``v_scale`` (values) times the bytes' own.
+    ``held`` (R,) int64, or None: each request's held prompt (``prefill="keep-prompt"``), the positions
+    ``[0, P)`` it attends beside its window, which then starts no earlier than ``P``: ``[max(P, p - B + 1), p]``.
     """
     _ops().decode(query.float().contiguous(), kv_cache, tok, last, tables.contiguous(), bucket, restart,
-                  _NONE if acc is None else acc, _NONE if out is None else out, budget, float(scale),
+                  _NONE if acc is None else acc, _NONE if out is None else out, budget,
+                  _HELD if held is None else held.to(torch.int64).contiguous(), float(scale),
                   float(softcap or 0.0), bool(count), acc is not None, out is not None, LAYOUTS[layout],
                   FP8[fp8] if fp8 else 0, float(k_scale), float(v_scale))
 
 
 def observe(query, kv_cache, tok, last, tables, bucket, restart, acc, budget: int, scale: float,
             softcap: float | None, count: bool, layout: str = "vec", fp8: str | None = None, k_scale: float = 1.0,
-            v_scale: float = 1.0) -> None:
+            v_scale: float = 1.0, held: torch.Tensor | None = None) -> None:
     """:func:`decode`'s importance update alone (no output)."""
     decode(query, kv_cache, tok, last, tables, bucket, restart, acc, None, budget, scale, softcap, count, layout,
-           fp8, k_scale, v_scale)
+           fp8, k_scale, v_scale, held)
 
 
 def prompt(q, k, v, out, acc, snap, scale: float, softcap: float | None, count: bool, bucket_steps: int | None,
@@ -232,14 +236,15 @@ def keys_values(kv_cache: torch.Tensor, layout: str = "vec", fp8: str | None = N
 
 def decode_reference(query, kv_cache, tok, last, tables, bucket, restart, acc, out, budget: int, scale: float,
                      softcap: float | None, count: bool, layout: str = "vec", fp8: str | None = None,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                     k_scale: float = 1.0, v_scale: float = 1.0, held: torch.Tensor | None = None) -> None:
     """:func:`decode` in plain torch, one request at a time (the tests' reference)."""
     keys, values = keys_values(kv_cache, layout, fp8, k_scale, v_scale)
     nb, h, n, d = keys.shape
     g = query.shape[1] // h
     for r in range(tok.shape[0]):
         p = int(last[r])
-        x = torch.arange(max(0, p - budget + 1), p + 1)
+        kept = 0 if held is None else int(held[r])
+        x = torch.cat([torch.arange(kept), torch.arange(max(kept, p - budget + 1), p + 1)])
         blocks, offs = tables[r].long()[x // n], x % n
         k, v = keys[blocks, :, offs], values[blocks, :, offs]  # (L, H_kv, D)
         q = query[int(tok[r])].float().view(h, g, d)
@@ -261,7 +266,7 @@ def decode_reference(query, kv_cache, tok, last, tables, bucket, restart, acc, o
 
 def observe_reference(query, kv_cache, tok, last, tables, bucket, restart, acc, budget: int, scale: float,
                       softcap: float | None, count: bool, layout: str = "vec", fp8: str | None = None,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      k_scale: float = 1.0, v_scale: float = 1.0, held: torch.Tensor | None = None) -> None:
     """:func:`observe` in plain torch."""
     decode_reference(query, kv_cache, tok, last, tables, bucket, restart, acc, None, budget, scale, softcap, count,
-                     layout, fp8, k_scale, v_scale)
+                     layout, fp8, k_scale, v_scale, held)

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scissorhands.core.attend.prefill import PromptAware, causal_attention, make_prefill
+from scissorhands.core.attend.prefill import KeepPrompt, PromptAware, causal_attention, make_prefill
 from scissorhands.core.attend.streaming import attend
 from scissorhands.core.layer.budgeted import BudgetedKV
 from scissorhands.core.methods.base import LayerView
@@ -118,7 +118,7 @@ def copy_slots(kv_cache: torch.Tensor, layout: str, src: torch.Tensor, dst: torc
 class StepPlan:
     """What one engine step asks of every budgeted layer (index tensors, CPU)."""
 
-    prefills: list[tuple[int, int, int]]  # (batch row, first token, end token) of each prompt
+    prefills: list[tuple[int, int, int, int]]  # (batch row, first token, end token, held prompt) of each prompt
     block_table: torch.Tensor  # (R, blocks) int32
     dec_tok: torch.Tensor | None = None  # (Dn,) each decode row's token index in the step
     dec_last: torch.Tensor | None = None  # (Dn,) its position p
@@ -126,6 +126,7 @@ class StepPlan:
     dec_slots: torch.Tensor | None = None  # (Dn,) physical slot of its new token
     dec_bucket: torch.Tensor | None = None  # (Dn,) ring slot its step adds to
     dec_restart: torch.Tensor | None = None  # (Dn,) bool: that ring slot starts a new bucket
+    dec_held: torch.Tensor | None = None  # (Dn,) int64 each decode row's held prompt (keep-prompt), else None
     round_window: torch.Tensor | None = None  # (Rr, B) physical slots of each rounding row's window, oldest first
     round_seen: torch.Tensor | None = None  # (Rr,) tokens each rounding row has seen
 
@@ -137,7 +138,8 @@ class Planner:
     window full), as the core's rounds give: at the end of a step whose sequence length ``L`` satisfies
     ``L >= start`` and ``(L - start) % drop == 0``. A streamed prompt longer than the budget ran its own rounds
     (every ``prefill_drop`` tokens, or ``drop``, from the token ``B`` on): the next comes when the victims it left
-    pending have left (:meth:`first_round`).
+    pending have left (:meth:`first_round`). A held prompt (``prefill="keep-prompt"``) stays beside the window, which
+    then fills from the prompt's end: the first round comes at ``P + B``.
     """
 
     def __init__(self, settings: PluginSettings):
@@ -145,6 +147,9 @@ class Planner:
         self.budget = config.budget
         self.drop = config.drop_for(self.budget)
         self.streamed = config.prefill == "stream"
+        self.holds_prompt = config.prefill == "keep-prompt"
+        #: Each live request's held prompt (keep-prompt): the positions ``[0, P)`` its layers keep beside the window.
+        self.held: dict[str, int] = {}
         self.prompt_drop = config.prefill_drop_for(self.budget) or self.drop
         self.bucket_steps = config.bucket_steps()
         self.n_buckets = config.n_buckets()
@@ -155,11 +160,15 @@ class Planner:
         self._cached: tuple | None = None
         self._stack: tuple | None = None  # (the layers, their positions stacked, their importance stacked)
 
-    def first_round(self, prompt: int) -> int:
+    def first_round(self, prompt: int, held: int = 0) -> int:
         """The sequence length at whose step a request of ``prompt`` tokens starts its first round after the
         prompt: ``max(prompt, B)``, or for a streamed prompt past the budget when the victims its last round in
-        the prompt chose (at the token ``c``, ``prompt_drop`` of them, one leaving per token) have all left."""
+        the prompt chose (at the token ``c``, ``prompt_drop`` of them, one leaving per token) have all left.
+        With a held prompt of ``held`` tokens the window starts after it, and what follows it in ``prompt`` (a
+        preempted request's generated tokens, recomputed) streams into the window."""
         b_, d = self.budget, self.prompt_drop
+        if self.holds_prompt:
+            return held + (b_ if prompt - held <= b_ else b_ + (prompt - held - 1 - b_) // d * d + d)
         if not self.streamed or prompt <= b_:
             return max(prompt, b_)
         return b_ + (prompt - 1 - b_) // d * d + d
@@ -169,6 +178,7 @@ class Planner:
         for rid in request_ids:
             self.start.pop(rid, None)
             self.where.pop(rid, None)
+            self.held.pop(rid, None)
 
     def after_step(self, step_id, layers: list[PagedLayer]) -> None:
         """Step ``step_id``'s rounds for every layer that deferred them, as one batch (the engine calls this once its
@@ -231,8 +241,11 @@ class Planner:
             if b - a == total:  # the sequence's first chunk: a new request, or a preempted one again
                 if rid in self.start:
                     self.restarts += 1
-                self.start[rid] = self.first_round(total)
-                prefills.append((i, a, b))
+                if self.holds_prompt:  # a recomputed request holds the prompt it first had, as vLLM's manager does
+                    self.held.setdefault(rid, total)
+                held = self.held.get(rid, 0)
+                self.start[rid] = self.first_round(total, held)
+                prefills.append((i, a, b, held))
             elif b - a == 1 and rid in self.start:
                 decode.append((i, a, total - 1))
             else:
@@ -246,6 +259,8 @@ class Planner:
             last = plan.dec_last = torch.tensor([d[2] for d in decode])
             plan.dec_tables = block_table[rows].to(torch.int32).contiguous()
             plan.dec_slots = slot_mapping[plan.dec_tok].long()
+            if self.holds_prompt:
+                plan.dec_held = torch.tensor([self.held[request_ids[d[0]]] for d in decode], dtype=torch.int64)
             if self.bucket_steps is None:
                 plan.dec_bucket = torch.zeros_like(last)
                 plan.dec_restart = torch.zeros(len(decode), dtype=torch.bool)
@@ -369,47 +384,57 @@ class PagedLayer:
         assert self.pos is not None
         block = self.block = kv_cache.shape[2]
         self.kv_cache = kv_cache
-        for i, a, b in plan.prefills:
-            self._prefill(plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block, output[a:b])
+        for i, a, b, held in plan.prefills:
+            self._prefill(plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block, output[a:b], held)
         if plan.dec_tok is not None and plan.dec_last is not None:
             self.pos[plan.dec_slots] = plan.dec_last.to(torch.int32)[:, None]
             ctx = torch.empty(plan.dec_tok.shape[0], self.heads, self.head_size)  # (Dn, H_q, D) float32
             count = self.importance is not None and self.importance.form == "count"
             self.decode(query, kv_cache, plan.dec_tok, plan.dec_last, plan.dec_tables, plan.dec_bucket,
                         plan.dec_restart, self.acc, ctx, self.budget, self.scale, self.softcap, count, self.layout,
-                        self.fp8, self.k_scale, self.v_scale)
+                        self.fp8, self.k_scale, self.v_scale, plan.dec_held)
             output.index_copy_(0, plan.dec_tok, ctx.to(output.dtype))
         if plan.round_window is not None and plan.round_seen is not None and not self.defer_rounds:
             self._round(plan.round_window, plan.round_seen, kv_cache, block)
 
-    def _prefill(self, table_row, q, k, v, kv_cache, block: int, out) -> None:
-        """Attend a prompt exactly, evict it to the budget, and move the kept tokens into the window."""
+    def _prefill(self, table_row, q, k, v, kv_cache, block: int, out, held: int = 0) -> None:
+        """Attend a prompt exactly, evict it to the budget, and move the kept tokens into the window.
+
+        ``held``: the request's held prompt (keep-prompt), kept whole where it lies; a longer first chunk is a
+        preempted request recomputed, whose tokens after the held prompt stream into the window as generated ones.
+        """
         assert self.pos is not None
         t = q.shape[0]
         if self.fp8:  # attend and keep what the cache holds: the prompt's K/V as vLLM stored them, in 8 bits
             slots = self._phys(table_row, torch.arange(t), block)[:, None]
             k, v = self._read(kv_cache, slots // block, torch.arange(self.kv_heads)[None, :], slots % block)
         prefill = make_prefill(self.settings.config, self.budget)
-        # A streamed prompt runs the decode's rounds (its last round's victims stay pending into the decode).
-        one = self._budgeted(DenseKVStore(), prefill, rounds=not isinstance(prefill, PromptAware))
+        # A streamed prompt runs the decode's rounds (its last round's victims stay pending into the decode), as do
+        # the tokens after a held prompt.
+        rounds = not isinstance(prefill, PromptAware) or isinstance(prefill, KeepPrompt)
+        one = self._budgeted(DenseKVStore(), prefill, rounds=rounds)
         k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
         one.allocate(k4, v4)
-        held = _hold_fused(one, q, k4, v4, out, self.scale, self.softcap,
-                           self.settings.config.query_tile) if self.fused_prompt else None
-        if held is not None:
+        fused = _hold_fused(one, q, k4, v4, out, self.scale, self.softcap,
+                            self.settings.config.query_tile) if self.fused_prompt else None
+        if fused is not None:
             self.prompts_fused += 1
-            self.head_queries_fused += held
+            self.head_queries_fused += fused
         else:
-            ctx = attend(one, q.transpose(0, 1)[None], k4, v4, None, self.scale, self.softcap,
-                         self.settings.config.query_tile)  # (1, H_q, T, D)
-            out.copy_(ctx[0].transpose(0, 1).reshape(out.shape).to(out.dtype))
+            cuts = [0, held, t] if 0 < held < t else [0, t]  # a held prompt first, then what was generated after it
+            for a, b in zip(cuts, cuts[1:]):
+                ctx = attend(one, q[a:b].transpose(0, 1)[None], k4[:, :, a:b], v4[:, :, a:b], None, self.scale,
+                             self.softcap, self.settings.config.query_tile)  # (1, H_q, b - a, D)
+                out[a:b].copy_(ctx[0].transpose(0, 1).reshape(out[a:b].shape).to(out.dtype))
         length = int(one.slots.lengths[0])
         kept = one.slots.positions[0, :, :length].long()  # (H_kv, L), ascending
         where = self._phys(table_row, kept, block)
         heads = torch.arange(self.kv_heads)[:, None].expand_as(where)
         if length < t:  # pending victims into the slots that leave first, other tokens before the window into holes
-            rank = None if one.rounds is None else one.rounds.rank[0, :, :length]
-            target = window_slots(kept, rank, t)
+            h0 = min(held, length)  # a held prompt stays where it is; the window is what follows it
+            rank = None if one.rounds is None else one.rounds.rank[0, :, h0:length]
+            target = kept.clone()
+            target[:, h0:] = window_slots(kept[:, h0:], rank, t)
             moved = target != kept
             if bool(moved.any()):
                 dst = self._phys(table_row, target[moved], block)
@@ -435,11 +460,11 @@ class PagedLayer:
             return k, v
         return kernels.dequantize(k, self.fp8, self.k_scale), kernels.dequantize(v, self.fp8, self.v_scale)
 
-    def stored_positions(self, table_row: torch.Tensor, seen: int) -> torch.Tensor:
-        """The positions a request's window holds per KV head, ascending (H_kv, L): tests and audits."""
+    def stored_positions(self, table_row: torch.Tensor, seen: int, held: int = 0) -> torch.Tensor:
+        """The positions a request's window (and its ``held`` prompt) holds per KV head, ascending (H_kv, L): tests
+        and audits."""
         assert self.pos is not None
-        n = min(seen, self.budget)
-        positions = torch.arange(seen - n, seen)
+        positions = torch.cat([torch.arange(held), torch.arange(max(held, seen - self.budget), seen)])
         return self.pos[self._phys(table_row, positions, self.block)].T.long().sort(dim=-1).values
 
     @staticmethod
@@ -492,7 +517,8 @@ def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Te
     prefill = one.prefill
     t, h, d = q.shape[0], k4.shape[1], q.shape[-1]
     g = q.shape[1] // h
-    if not isinstance(prefill, PromptAware) or prefill.chunk is not None or t <= one.budget:
+    if not isinstance(prefill, PromptAware) or isinstance(prefill, KeepPrompt) or prefill.chunk is not None \
+            or t <= one.budget:  # a held prompt is kept whole: nothing to select
         return None
     qf = q.float().view(t, h, g, d).permute(1, 2, 0, 3).contiguous()  # (H, g, T, D)
     kf, vf = k4[0].float().contiguous(), v4[0].float().contiguous()  # (H, T, D)

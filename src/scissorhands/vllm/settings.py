@@ -28,9 +28,11 @@ What the adapter fixes, and why (each given otherwise is a one-line error):
   gives what the transformers cache gives token by token (each token past the
   budget attends the kept set, in rounds), which keeps more of what a long answer
   needs at the cost of one block attention and one eviction per round of the prompt past the budget.
-  ``"keep-prompt"`` needs a window per request (its prompt plus the budget: a
-  block manager of the plugin's own, :mod:`.spec`; docs/vllm.md, "A window per
-  request") and is refused;
+  ``"keep-prompt"`` keeps each request's whole prompt where vLLM wrote it and
+  evicts only what it generates, at the budget: a request's window is its
+  prompt plus the budget (the plugin's block manager frees the blocks between
+  them, :mod:`.spec`; docs/vllm.md, "A window per request"); a ``prompt_keep``
+  other than the whole prompt is refused (the held blocks are the prompt's own);
 * one budget for every layer (``schedule="uniform"``): vLLM's window is one
   number;
 * K/V stay in vLLM's blocks in the model's dtype: no ``kv_bits``,
@@ -59,7 +61,7 @@ ENV = "SCISSORHANDS_VLLM"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
 FIXED: dict[str, object] = {"rounds": True}
 #: The prefill modes the adapter runs, the first its default (see the module docstring).
-PREFILLS = ("prompt-aware", "stream")
+PREFILLS = ("prompt-aware", "stream", "keep-prompt")
 _UNSUPPORTED = {"kv_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_store": None, "merge": False,
                 "schedule": "uniform", "decode": "dynamic", "prompt_chunk": None,
                 "head_budgets": None}  # a vLLM layer's blocks hold every KV head: one window for all of them
@@ -114,8 +116,11 @@ def parse(given: dict) -> PluginSettings:
     fields = from_strings(CacheSettings, values, "scissorhands setting")
     fields.setdefault("prefill", PREFILLS[0])
     if fields["prefill"] not in PREFILLS:
-        raise ValueError(f"prefill: the vLLM adapter runs {' or '.join(repr(p) for p in PREFILLS)} (a window of one "
-                         f"length for every request), got {fields['prefill']!r}")
+        raise ValueError(f"prefill: the vLLM adapter runs {', '.join(repr(p) for p in PREFILLS)}, got "
+                         f"{fields['prefill']!r}")
+    if fields["prefill"] == "keep-prompt" and fields.get("prompt_keep") is not None:
+        raise ValueError(f"prompt_keep: the vLLM adapter keeps a held prompt whole (its blocks stay where vLLM wrote "
+                         f"it), got {fields['prompt_keep']!r}")
     for key, value in FIXED.items():
         if key in fields and fields[key] != value:
             raise ValueError(f"{key}: the vLLM adapter runs with {key}={value!r} (see scissorhands.vllm.settings), "

@@ -145,7 +145,9 @@ class ScissorhandsWorker(CPUWorker):
         for name in self._budgeted:
             spec = specs.get(name)
             if type(spec) is FullAttentionSpec:
-                specs[name] = BudgetedWindowSpec.of(spec, self.scissorhands.settings.budget)
+                settings = self.scissorhands.settings
+                specs[name] = BudgetedWindowSpec.of(spec, settings.budget,
+                                                    held_prompt=settings.config.prefill == "keep-prompt")
         return specs
 
     def execute_model(self, scheduler_output):
@@ -169,5 +171,6 @@ class ScissorhandsWorker(CPUWorker):
         state = self.scissorhands
         if state is None:
             return {}
-        return {rid: [layer.stored_positions(row, seen).tolist() for layer in state.layers]
+        held = state.planner.held
+        return {rid: [layer.stored_positions(row, seen, held.get(rid, 0)).tolist() for layer in state.layers]
                 for rid, (row, seen) in state.planner.where.items()}

@@ -97,12 +97,9 @@ class CacheSettings(HeadSettings, StorageSettings, StepSettings, PrefillSettings
                 if bad:
                     raise ValueError(f"decode: {self.decode!r} needs the dense store without merge or "
                                      f"value_weighted, got {name}={getattr(self, name)!r}")
-        if self.prefill == "keep-prompt":
-            for name, bad in (("decode", self.decode != "dynamic"), ("rounds", self.rounds)):
-                if bad:
-                    raise ValueError(f"prefill: 'keep-prompt' keeps a prompt of each row's own length beside the "
-                                     f"budget, which needs decode='dynamic' without rounds, got "
-                                     f"{name}={getattr(self, name)!r}")
+        if self.prefill == "keep-prompt" and self.decode != "dynamic":
+            raise ValueError(f"prefill: 'keep-prompt' keeps a prompt of each row's own length beside the budget, "
+                             f"which needs decode='dynamic', got decode={self.decode!r}")
         if self.rounds:
             for name, bad in (("kv_demote", self.kv_demote is not None), ("decode", self.decode != "dynamic")):
                 if bad:

@@ -9,8 +9,9 @@ row), and keyed apart by the engine, so the two paths' rows pair problem by prob
 
 What the plugin fixes is fixed here too, in one line each before anything runs: rounds (set), one budget for every
 layer, a token budget (no fraction, no ``--memory``), no protected spans other than a prefix (``--protect-structure``
-is refused), K/V in the model's dtype. The plugin keeps exactly ``min(seen, budget)`` tokens per layer and KV head,
-so what an answer held (``kv_held``) is that.
+is refused), K/V in the model's dtype. The plugin keeps exactly ``min(seen, budget)`` tokens per layer and KV head
+(with ``--prefill keep-prompt``, the prompt's ``P`` beside ``min(seen - P, budget)``), so what an answer held
+(``kv_held``) is that.
 """
 
 from __future__ import annotations
@@ -144,8 +145,11 @@ def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod],
     if missing:
         for item, answer in zip(missing, engine.generate(task, missing, None)):
             item.data["full"] = task.judged(item, answer["tokens"], answer["completion"], _held(item, answer, None))
-    covered = [method.is_full or budget is None or budget >= len(item.data["prompt"]) + task.max_new_tokens
-               for item in items]  # nothing is ever evicted: the full cache's answer, as the transformers path has it
+    held = base.prefill == "keep-prompt"
+    # A budget that covers the sequence (beside a held prompt, the answer) evicts nothing: the full cache's answer,
+    # as the transformers path has it.
+    covered = [method.is_full or budget is None
+               or budget >= (0 if held else len(item.data["prompt"])) + task.max_new_tokens for item in items]
     asked = [item for item, c in zip(items, covered) if not c]
     answers = iter(engine.generate(task, asked, plugin_settings(method, budget, base)) if asked and budget else [])
     scores = []
@@ -154,15 +158,19 @@ def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod],
             scores.append(task.paired(item.data["full"], item.data["full"], True))
             continue
         a = next(answers)
-        mine = task.judged(item, a["tokens"], a["completion"], _held(item, a, budget))
+        mine = task.judged(item, a["tokens"], a["completion"], _held(item, a, budget, held))
         scores.append(task.paired(mine, item.data["full"], False))
     return scores
 
-def _held(item, answer: dict, budget: int | None) -> dict:
+def _held(item, answer: dict, budget: int | None, keeps_prompt: bool = False) -> dict:
     """What a layer held at the answer's end: every token fed (the prompt and the answer but its last token, which
-    is sampled, never fed), or the plugin's window of ``budget``."""
-    seen = len(item.data["prompt"]) + max(0, len(answer["tokens"]) - 1)
-    return {"kv_seen": seen, "kv_held": seen if budget is None else min(seen, budget)}
+    is sampled, never fed), or the plugin's window of ``budget`` (beside the whole prompt with ``keeps_prompt``)."""
+    prompt = len(item.data["prompt"])
+    seen = prompt + max(0, len(answer["tokens"]) - 1)
+    if budget is None:
+        return {"kv_seen": seen, "kv_held": seen}
+    kept = prompt + min(seen - prompt, budget) if keeps_prompt else min(seen, budget)
+    return {"kv_seen": seen, "kv_held": kept}
 
 
 def retrieval_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod], budget: int | None,
