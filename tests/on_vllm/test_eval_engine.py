@@ -49,13 +49,14 @@ from scissorhands.tools.eval.runner import run_grid
 from scissorhands.tools.models import load_model
 
 folder, problems, out, prefill, new = sys.argv[1:6]
+prefill, _, budget = prefill.partition(":")  # "keep-prompt:8": the prefill mode and the budget (default 24)
 model, tokenizer = load_model(folder, dtype="float32", device="cpu")
 engine = None
 if len(sys.argv) > 6:  # the vLLM side, eager (seconds to start)
     from scissorhands.tools.eval.engine import VLLMEngine
     engine = VLLMEngine(folder, "float32", max_num_seqs=4, enforce_eager=True)
 run_grid(model, tokenizer, model_name=folder, tasks=[HumanEval(max_new_tokens=int(new), data=problems)],
-         methods=[get_method("full"), get_method("scissorhands")], budgets=[24],
+         methods=[get_method("full"), get_method("scissorhands")], budgets=[int(budget or 24)],
          base=CacheSettings(recent=4, rounds=True, prefill=prefill), out_dir=__import__("pathlib").Path(out),
          engine=engine)
 """
@@ -78,16 +79,18 @@ def _rows(out: Path) -> dict:
     return {r["method"]: r for r in rows}
 
 
-def test_the_engines_give_the_same_answers_and_records(setup):
-    """The streamed prefill (the one whose prompt runs rounds of its own before the plugin's window takes it); the
+@pytest.mark.parametrize("prefill,budget", [("stream", 24), ("keep-prompt", 8)])
+def test_the_engines_give_the_same_answers_and_records(setup, prefill, budget):
+    """The streamed prefill (the one whose prompt runs rounds of its own before the plugin's window takes it) and
+    the held prompt (a window per request, what an answer held counted as the prompt plus the budget); the
     prompt-aware one is held to the transformers cache token by token in test_plugin_vllm.py."""
     root, folder, problems = setup
-    hf_out, vl_out = root / "hf", root / "vllm"
+    hf_out, vl_out = root / f"hf-{prefill}", root / f"vllm-{prefill}"
     args = [str(folder), str(problems)]
-    done = subprocess.run([reference_python(), "-c", GRID, *args, str(hf_out), "stream", str(NEW)],
+    done = subprocess.run([reference_python(), "-c", GRID, *args, str(hf_out), f"{prefill}:{budget}", str(NEW)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    done = subprocess.run([sys.executable, "-c", GRID, *args, str(vl_out), "stream", str(NEW), "vllm"],
+    done = subprocess.run([sys.executable, "-c", GRID, *args, str(vl_out), f"{prefill}:{budget}", str(NEW), "vllm"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -103,8 +106,10 @@ def test_the_engines_give_the_same_answers_and_records(setup):
             for field in ("completion", "passed", "full_passed", "first_divergence", "new_tokens", "kv_seen",
                           "kv_held"):
                 assert x.get(field) == y.get(field), (key, field)
-        if key != "full":  # the budget is far below every prompt: the plugin's window is all the cache holds
+        if key != "full" and prefill == "stream":  # the budget is far below every prompt: the window is all it holds
             assert all(s["kv_held"] == 24 < s["kv_seen"] for s in b["item_scores"])
+        if key != "full" and prefill == "keep-prompt":  # the prompt, and the window of 8 after it
+            assert all(s["kv_seen"] - s["new_tokens"] + 1 + 8 == s["kv_held"] < s["kv_seen"] for s in b["item_scores"])
 
 
 def test_the_engine_refuses_what_the_plugin_cannot_run(setup):
