@@ -55,7 +55,9 @@ from scissorhands.core.methods.base import LayerView
 from scissorhands.core.stores.base import DenseKVStore
 from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.core.tokens.selection import lowest
-from scissorhands.vllm.paged import PagedLayer, Planner, StepPlan, _Slots
+from scissorhands.vllm.paged import PagedLayer
+from scissorhands.vllm.planner import Planner, StepPlan
+from scissorhands.vllm.rounds import _Slots
 from scissorhands.vllm.settings import PluginSettings, parse
 
 try:

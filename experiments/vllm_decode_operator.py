@@ -6,7 +6,7 @@
   alternated before/after, ``--repeats`` times each; medians of the per-call times.
 * ``rounds``: the torch operators one step's rounds dispatch over L layers (R requests, ``--rounding`` of them
   rounding), through the compiled rounds operator and through the torch rounds it replaced
-  (``paged.move_victims_reference``), counted with a dispatch mode; the compiled call itself is one more.
+  (``rounds.move_victims_reference``), counted with a dispatch mode; the compiled call itself is one more.
 
     python experiments/vllm_decode_operator.py decode --before 1acff08 --heads 3,9 --out OUT.json
     python experiments/vllm_decode_operator.py rounds --layers 30 --requests 32
@@ -26,7 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from scissorhands.vllm import build, kernels
-from scissorhands.vllm.paged import PagedLayer, move_victims_reference, round_layers
+from scissorhands.vllm.paged import PagedLayer
+from scissorhands.vllm.rounds import move_victims_reference, round_layers
 from scissorhands.vllm.settings import parse
 
 BLOCK, HEAD = 128, 64  # vLLM's CPU block size; the head size of SmolLM2-135M and Qwen2.5-0.5B

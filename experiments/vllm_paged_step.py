@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-from scissorhands.vllm.paged import PagedLayer, Planner, write_kv
+from scissorhands.vllm.blocks import write_kv
+from scissorhands.vllm.paged import PagedLayer
+from scissorhands.vllm.planner import Planner
 from scissorhands.vllm.settings import parse
 
 HEADS, KV_HEADS, HEAD = 9, 3, 64  # SmolLM2-135M's attention shape

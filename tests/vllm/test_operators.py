@@ -3,7 +3,7 @@
 The decode operator against the same attention in float64 over K/V read back from the cache, for float32 and bf16
 K/V in the "vec" layout and bf16 in the "amx" layout (tensors in vLLM's AMX tiles built here, so the amx path is
 tested on every machine, AMX or not), with every slot outside the windows NaN. The rounds operator against its
-torch path (``paged.move_victims_reference``, the selection by the core's ``lowest``) on random states, for every
+torch path (``rounds.move_victims_reference``, the selection by the core's ``lowest``) on random states, for every
 layout and K/V type the plugin reads.
 """
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from scissorhands.vllm import kernels
-from scissorhands.vllm.paged import move_victims_reference, write_kv
+from scissorhands.vllm.blocks import write_kv
+from scissorhands.vllm.rounds import move_victims_reference
 
 N, D = 32, 64  # vLLM's CPU kernels take blocks of multiples of 32; head size of SmolLM2 and Qwen2.5-0.5B
 

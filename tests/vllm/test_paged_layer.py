@@ -18,7 +18,9 @@ from scissorhands.core.attend.prefill import make_prefill
 from scissorhands.core.attend.streaming import attend
 from scissorhands.core.stores.base import DenseKVStore
 from scissorhands.vllm import kernels
-from scissorhands.vllm.paged import PagedLayer, Planner, read_kv, write_kv
+from scissorhands.vllm.blocks import read_kv, write_kv
+from scissorhands.vllm.paged import PagedLayer
+from scissorhands.vllm.planner import Planner
 from scissorhands.vllm.settings import parse
 
 HQ, HKV, D, N = 4, 2, 16, 16  # query heads, KV heads, head size, block size (small, so windows cross blocks)

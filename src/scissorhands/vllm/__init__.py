@@ -8,7 +8,8 @@ its own: vLLM pins an older transformers). vLLM loads it through its
         --additional-config '{"scissorhands": {"budget": 256}}'
 
 How it works and what it fixes: :mod:`.settings` (the settings), :mod:`.paged`
-(the layer state over vLLM's blocks), :mod:`.backend` (the attention backend),
+(the layer state over vLLM's blocks), :mod:`.planner` and :mod:`.rounds` (a step's plan and its rounds),
+:mod:`.blocks` (vLLM's block layouts), :mod:`.backend` (the attention backend),
 :mod:`.plugin` (the entry point). Only this package imports vLLM; it drives
 :mod:`scissorhands.core` as the transformers adapter does.
 """

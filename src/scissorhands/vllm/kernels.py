@@ -26,7 +26,7 @@ on and cached by torch in ``TORCH_EXTENSIONS_DIR`` (by default
 ``scissorhands build`` (:mod:`.build`: a stale lock, a missing compiler or an
 unwritable folder is one line).
 :func:`decode_reference`, :func:`prompt_reference` and
-``paged.move_victims_reference`` are the same in plain torch: the tests hold
+``rounds.move_victims_reference`` are the same in plain torch: the tests hold
 each pair equal.
 
 Why by hand: vLLM's CPU kernels and torch's fused attention return no

@@ -4,14 +4,14 @@ vLLM keeps each layer's K/V in blocks of ``N`` tokens,
 ``kv_cache[num_blocks, H_kv, N, 2 * D]``; within a (block, KV head) the first
 half holds K and the second V, in the layout of vLLM's CPU kernel for the
 machine and dtype: "vec" (K transposed, ``[D, N]``, then V ``[N, D]``) or
-"amx" (bf16 on CPUs with AMX: tiles of 16 tokens; :func:`read_kv`). The plugin
+"amx" (bf16 on CPUs with AMX: tiles of 16 tokens; :mod:`.blocks`). The plugin
 presents a budgeted layer to vLLM as a sliding window of ``B`` slots (the
 budget), so vLLM's own block manager frees every block that falls behind the
 window. What this module adds is *which tokens live in those slots*, with the
 core's semantics of eviction in rounds (:mod:`scissorhands.core.tokens.rounds`), and
 the layer's attention itself, which replaces vLLM's kernel call:
 
-* **A round.** When a request's window is full and no victim is pending, the
+* **A round** (:mod:`.rounds`). When a request's window is full and no victim is pending, the
   layer scores the window's tokens with the method (the core's
   :class:`~scissorhands.core.methods.base.LayerView` over them, in position
   order), picks the ``drop`` lowest with the core's
@@ -36,7 +36,7 @@ the layer's attention itself, which replaces vLLM's kernel call:
   importance and the ``B`` tokens it keeps; pending victims are copied into the
   slots that leave the window next, by rank, and other kept tokens that lie
   before the window into the remaining free slots.
-* **One plan per step** (:class:`Planner`): which rows are prompts, decode
+* **One plan per step** (:class:`.planner.Planner`): which rows are prompts, decode
   steps and rounds, as index tensors, computed once on the host from vLLM's
   metadata and shared by every layer; a layer's step reads no value back from a
   tensor.
@@ -51,237 +51,24 @@ tensors of the same layout without an engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from scissorhands.core.attend.prefill import KeepPrompt, PromptAware, causal_attention, make_prefill
 from scissorhands.core.attend.streaming import attend
 from scissorhands.core.layer.budgeted import BudgetedKV
-from scissorhands.core.methods.base import LayerView
 from scissorhands.core.stores.base import DenseKVStore
 from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.core.tokens.protect import Protection
-from scissorhands.core.tokens.selection import lowest
 
 from . import kernels
+from .blocks import copy_slots, read_kv
+from .rounds import round_layers
 from .settings import PluginSettings
 
-
-def block_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K as (num_blocks, H_kv, D, N) and V as (num_blocks, H_kv, N, D): views of one layer's cache in the "vec"
-    layout (K transposed in each block)."""
-    nb, h, n, d2 = kv_cache.shape  # (num_blocks, H_kv, N, 2D)
-    flat = kv_cache.view(nb, h, 2, n * (d2 // 2))
-    return flat[:, :, 0].view(nb, h, d2 // 2, n), flat[:, :, 1].view(nb, h, n, d2 // 2)
-
-
-def _amx_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's "amx" layout (2-byte K/V): K in groups of 16 tokens, each (D/2, 16, 2), pairs of dims per token;
-    V in groups of 16 dims, each (N/2, 16, 2), pairs of tokens per dim."""
-    nb, h, n, d2 = kv_cache.shape
-    d = d2 // 2
-    flat = kv_cache.view(nb, h, 2, n * d)
-    return flat[:, :, 0].view(nb, h, n // 16, d // 2, 16, 2), flat[:, :, 1].view(nb, h, d // 16, n // 2, 16, 2)
-
-
-def read_kv(kv_cache: torch.Tensor, layout: str, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the slots ``(blocks, heads, offs)`` (index tensors of one broadcast shape S): each S + (D,)."""
-    if layout == "amx":
-        k, v = _amx_views(kv_cache)
-        return (k[blocks, heads, offs // 16, :, offs % 16, :].flatten(-2),
-                v[blocks, heads, :, offs // 2, :, offs % 2].flatten(-2))
-    keys_t, values = block_views(kv_cache)
-    return keys_t[blocks, heads, :, offs], values[blocks, heads, offs, :]
-
-
-def write_kv(kv_cache: torch.Tensor, layout: str, blocks, heads, offs, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write K and V (each S + (D,)) into the slots ``(blocks, heads, offs)``, as vLLM's cache update would."""
-    if layout == "amx":
-        kview, vview = _amx_views(kv_cache)
-        kview[blocks, heads, offs // 16, :, offs % 16, :] = k.unflatten(-1, (-1, 2)).to(kview.dtype)
-        vview[blocks, heads, :, offs // 2, :, offs % 2] = v.unflatten(-1, (-1, 16)).to(vview.dtype)
-        return
-    keys_t, values = block_views(kv_cache)
-    keys_t[blocks, heads, :, offs] = k.to(keys_t.dtype)
-    values[blocks, heads, offs, :] = v.to(values.dtype)
-
-
-def copy_slots(kv_cache: torch.Tensor, layout: str, src: torch.Tensor, dst: torch.Tensor, heads: torch.Tensor,
-               block: int) -> None:
-    """Copy K/V of KV head ``heads[i]`` from physical slot ``src[i]`` to ``dst[i]`` (all (M,)); reads come first."""
-    k, v = read_kv(kv_cache, layout, src // block, heads, src % block)
-    write_kv(kv_cache, layout, dst // block, heads, dst % block, k, v)
-
-
-@dataclass
-class StepPlan:
-    """What one engine step asks of every budgeted layer (index tensors, CPU)."""
-
-    prefills: list[tuple[int, int, int, int]]  # (batch row, first token, end token, held prompt) of each prompt
-    block_table: torch.Tensor  # (R, blocks) int32
-    dec_tok: torch.Tensor | None = None  # (Dn,) each decode row's token index in the step
-    dec_last: torch.Tensor | None = None  # (Dn,) its position p
-    dec_tables: torch.Tensor | None = None  # (Dn, blocks) int32
-    dec_slots: torch.Tensor | None = None  # (Dn,) physical slot of its new token
-    dec_bucket: torch.Tensor | None = None  # (Dn,) ring slot its step adds to
-    dec_restart: torch.Tensor | None = None  # (Dn,) bool: that ring slot starts a new bucket
-    dec_held: torch.Tensor | None = None  # (Dn,) int64 each decode row's held prompt (keep-prompt), else None
-    round_window: torch.Tensor | None = None  # (Rr, B) physical slots of each rounding row's window, oldest first
-    round_seen: torch.Tensor | None = None  # (Rr,) tokens each rounding row has seen
-
-
-class Planner:
-    """Plans each step once for every layer, and remembers each request's round phase.
-
-    A request's rounds come every ``drop`` tokens from ``max(prompt, B)`` on (the first token that finds its
-    window full), as the core's rounds give: at the end of a step whose sequence length ``L`` satisfies
-    ``L >= start`` and ``(L - start) % drop == 0``. A streamed prompt longer than the budget ran its own rounds
-    (every ``prefill_drop`` tokens, or ``drop``, from the token ``B`` on): the next comes when the victims it left
-    pending have left (:meth:`first_round`). A held prompt (``prefill="keep-prompt"``) stays beside the window, which
-    then fills from the prompt's end: the first round comes at ``P + B``.
-    """
-
-    def __init__(self, settings: PluginSettings):
-        config = settings.config
-        self.budget = config.budget
-        self.drop = config.drop_for(self.budget)
-        self.streamed = config.prefill == "stream"
-        self.holds_prompt = config.prefill == "keep-prompt"
-        #: Each live request's held prompt (keep-prompt): the positions ``[0, P)`` its layers keep beside the window.
-        self.held: dict[str, int] = {}
-        self.prompt_drop = config.prefill_drop_for(self.budget) or self.drop
-        self.bucket_steps = config.bucket_steps()
-        self.n_buckets = config.n_buckets()
-        self.start: dict[str, int] = {}
-        #: Each live request's block-table row and length at its last step (what its windows hold: tests, audits).
-        self.where: dict[str, tuple[torch.Tensor, int]] = {}
-        self.restarts = 0  # sequences begun again (a preempted request is recomputed from its first token)
-        self._cached: tuple | None = None
-        self._stack: tuple | None = None  # (the layers, their positions stacked, their importance stacked)
-
-    def first_round(self, prompt: int, held: int = 0) -> int:
-        """The sequence length at whose step a request of ``prompt`` tokens starts its first round after the
-        prompt: ``max(prompt, B)``, or for a streamed prompt past the budget when the victims its last round in
-        the prompt chose (at the token ``c``, ``prompt_drop`` of them, one leaving per token) have all left.
-        With a held prompt of ``held`` tokens the window starts after it, and what follows it in ``prompt`` (a
-        preempted request's generated tokens, recomputed) streams into the window."""
-        b_, d = self.budget, self.prompt_drop
-        if self.holds_prompt:
-            return held + (b_ if prompt - held <= b_ else b_ + (prompt - held - 1 - b_) // d * d + d)
-        if not self.streamed or prompt <= b_:
-            return max(prompt, b_)
-        return b_ + (prompt - 1 - b_) // d * d + d
-
-    def release(self, request_ids) -> None:
-        """Finished (or aborted) requests."""
-        for rid in request_ids:
-            self.start.pop(rid, None)
-            self.where.pop(rid, None)
-            self.held.pop(rid, None)
-
-    def after_step(self, step_id, layers: list[PagedLayer]) -> None:
-        """Step ``step_id``'s rounds for every layer that deferred them, as one batch (the engine calls this once its
-        forward is done; a layer's round touches only its own state, so when it runs within the step changes
-        nothing). The layers' positions and importance move into one tensor each the first time, so that the
-        batch is a few operations on all of them, not a few dozen per layer."""
-        plan = self.cached(step_id)
-        waiting = [layer for layer in layers if layer.defer_rounds and layer.kv_cache is not None]
-        if plan is None or plan.round_window is None or plan.round_seen is None or not waiting:
-            return
-        stacked = self._stacked(waiting)
-        if stacked is None:  # layers of unlike shapes: each alone
-            for layer in waiting:
-                layer._round(plan.round_window, plan.round_seen, layer.kv_cache, layer.block)
-            return
-        round_layers(waiting, stacked[0], stacked[1], [layer.kv_cache for layer in waiting], plan.round_window,
-                     plan.round_seen, waiting[0].block)
-
-    def _stacked(self, layers: list[PagedLayer]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The layers' positions (L, slots, H_kv) and importance (L, NB, num_blocks, H_kv, N) as one tensor each,
-        the layers' own now views of them; None if their shapes differ."""
-        if self._stack is not None and self._stack[0] == [id(layer) for layer in layers]:
-            return self._stack[1], self._stack[2]
-        pos = [layer.pos for layer in layers]
-        accs = [layer.acc for layer in layers]
-        shapes = {None if p is None else p.shape for p in pos}, {None if a is None else a.shape for a in accs}
-        if len(shapes[0]) != 1 or None in shapes[0] or len(shapes[1]) != 1 or len({x.block for x in layers}) != 1:
-            return None
-        pos_all = torch.stack(pos)  # type: ignore[arg-type]
-        acc_all = None if accs[0] is None else torch.stack(accs)  # type: ignore[arg-type]
-        for i, layer in enumerate(layers):
-            layer.pos = pos_all[i]
-            if acc_all is not None:
-                layer.acc = acc_all[i]
-        self._stack = ([id(layer) for layer in layers], pos_all, acc_all)
-        return pos_all, acc_all
-
-    def cached(self, step_id) -> StepPlan | None:
-        """The plan of step ``step_id`` if a layer has made it already."""
-        return self._cached[1] if self._cached is not None and self._cached[0] == step_id else None
-
-    def for_step(self, step_id, request_ids, query_start, seq_lens, block_table, slot_mapping, block: int) -> StepPlan:
-        """The plan of step ``step_id``, made by its first layer and reused by the others."""
-        plan = self.cached(step_id)
-        if plan is None:
-            plan = self.plan(request_ids, query_start, seq_lens, block_table, slot_mapping, block)
-            self._cached = (step_id, plan)
-        return plan
-
-    def plan(self, request_ids, query_start, seq_lens, block_table, slot_mapping, block: int) -> StepPlan:
-        starts, lengths = query_start.tolist(), seq_lens.tolist()
-        prefills, decode, rounds = [], [], []
-        b_, m = self.budget, self.drop
-        table = block_table.clone()  # vLLM reuses its tensor; ``where`` keeps this step's rows
-        for i, rid in enumerate(request_ids):
-            a, b, total = starts[i], starts[i + 1], lengths[i]
-            if b == a:
-                continue
-            self.where[rid] = (table[i], total)
-            if b - a == total:  # the sequence's first chunk: a new request, or a preempted one again
-                if rid in self.start:
-                    self.restarts += 1
-                if self.holds_prompt:  # a recomputed request holds the prompt it first had, as vLLM's manager does
-                    self.held.setdefault(rid, total)
-                held = self.held.get(rid, 0)
-                self.start[rid] = self.first_round(total, held)
-                prefills.append((i, a, b, held))
-            elif b - a == 1 and rid in self.start:
-                decode.append((i, a, total - 1))
-            else:
-                raise RuntimeError("scissorhands: a prompt came in chunks; the plugin turns chunked prefill off")
-            if total >= self.start[rid] and (total - self.start[rid]) % m == 0:
-                rounds.append((i, total))
-        plan = StepPlan(prefills, block_table)
-        if decode:
-            rows = torch.tensor([d[0] for d in decode])
-            plan.dec_tok = torch.tensor([d[1] for d in decode])
-            last = plan.dec_last = torch.tensor([d[2] for d in decode])
-            plan.dec_tables = block_table[rows].to(torch.int32).contiguous()
-            plan.dec_slots = slot_mapping[plan.dec_tok].long()
-            if self.holds_prompt:
-                plan.dec_held = torch.tensor([self.held[request_ids[d[0]]] for d in decode], dtype=torch.int64)
-            if self.bucket_steps is None:
-                plan.dec_bucket = torch.zeros_like(last)
-                plan.dec_restart = torch.zeros(len(decode), dtype=torch.bool)
-            else:
-                plan.dec_bucket = (last // self.bucket_steps) % self.n_buckets
-                plan.dec_restart = last % self.bucket_steps == 0
-        if rounds:
-            rows = torch.tensor([r[0] for r in rounds])
-            seen = plan.round_seen = torch.tensor([r[1] for r in rounds])
-            positions = seen[:, None] - b_ + torch.arange(b_)[None, :]  # (Rr, B), oldest first
-            tables = block_table[rows].long()
-            plan.round_window = tables.gather(1, positions // block) * block + positions % block
-        return plan
-
-
-class _Slots:
-    """The slot table a method's view reads: the window's tokens of the rounding rows, in position order."""
-
-    def __init__(self, positions: torch.Tensor, seen: torch.Tensor):
-        self.positions, self.seen = positions, seen
-        self.lengths = torch.full((positions.shape[0],), positions.shape[-1], dtype=torch.long)
+if TYPE_CHECKING:
+    from .planner import StepPlan
 
 
 class PagedLayer:
@@ -551,111 +338,3 @@ def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Te
     one.resize(one.budget)
     one.store.settle()
     return head
-
-
-def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,
-                 window: torch.Tensor, seen: torch.Tensor, block: int) -> None:
-    """One step's rounds for several layers at once: each rounding row of each layer picks ``drop`` victims per KV
-    head and swaps them into its window's leaving slots.
-
-    ``pos`` (L, slots, H_kv) and ``acc`` (L, NB, num_blocks, H_kv, N) hold the layers' positions and importance
-    stacked (each layer's own tensors are views of them), ``kv_caches`` their caches, ``window`` (Rr, B) the
-    rounding rows' physical slots oldest first (one block table serves every layer), ``seen`` (Rr,) their lengths.
-    The layers' rows are scored, selected and moved as one batch of ``L * Rr`` rows: what a layer's round gives
-    alone, for a method whose scores read no layer index (``EvictionMethod.stackable``); other methods score each
-    layer on its own view, and only the selection and the moves are batched. The selection and the moves of every
-    layer are one compiled call (:func:`.kernels.rounds`), or :func:`move_victims_reference` for the torch
-    references.
-    """
-    first = layers[0]
-    nl, (rr, b_) = len(layers), window.shape
-    m, h = first.drop, first.kv_heads
-    pos_w = pos[:, window].permute(0, 1, 3, 2).reshape(nl * rr, h, b_).long()  # (L*Rr, H_kv, B) by logical slot
-    order = pos_w.argsort(dim=-1)  # position order: the core's stored order
-    positions = pos_w.gather(-1, order)
-    seen_all = seen.repeat(nl)
-    blk, off = window // block, window % block  # (Rr, B)
-    state_acc = None
-    if acc is not None:
-        nbk = acc.shape[1]
-        gathered = acc.permute(0, 2, 4, 3, 1)[:, blk, off]  # (L, Rr, B, H_kv, NB)
-        gathered = gathered.permute(4, 0, 1, 3, 2).reshape(nbk, nl * rr, h, b_)
-        state_acc = gathered.gather(-1, order[None].expand_as(gathered))
-
-    def view(rows: slice, group: list[int]) -> LayerView:
-        """The method's view of the rows of the layers ``group`` (indices into ``layers``), stacked in that order."""
-        layer = layers[group[0]]
-        state = None
-        if state_acc is not None:
-            assert layer.importance is not None
-            state = layer.importance.over(state_acc[:, rows])
-
-        def read(length: int):
-            heads = torch.arange(h)[None, :, None]
-            slots = window[:, None, :].expand(rr, h, b_)
-            ks, vs = [], []
-            for i in group:
-                mine = slots.gather(-1, order[i * rr:(i + 1) * rr])
-                k, v = layers[i]._read(kv_caches[i], mine // block, heads, mine % block)
-                ks.append(k)
-                vs.append(v)
-            return torch.cat(ks), torch.cat(vs)
-
-        table = _Slots(positions[rows], seen_all[rows])
-        return LayerView(layer.layer_idx, b_, layer.rounds, state, table, read)  # type: ignore[arg-type]
-
-    if nl == 1 or type(first.method).stackable:
-        scores = first.method.score(view(slice(None), list(range(nl))))  # (L*Rr, H_kv, B)
-    else:
-        scores = torch.cat([layer.method.score(view(slice(i * rr, (i + 1) * rr), [i]))
-                            for i, layer in enumerate(layers)])
-    shield = None
-    for part in first.shields:
-        mask = part.mask(positions)
-        shield = mask if shield is None else shield | mask
-    if first.compiled and len({layer.layout for layer in layers}) == 1:
-        kernels.rounds(kv_caches, first.layout, pos, acc, window, scores, order, shield, first.recent, m)
-    else:
-        move_victims_reference(layers, pos, acc, kv_caches, window, scores, order, shield, block)
-    for layer in layers:
-        layer.rounds += 1
-
-
-def move_victims_reference(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,
-                           window: torch.Tensor, scores: torch.Tensor, order: torch.Tensor,
-                           shield: torch.Tensor | None, block: int) -> None:
-    """:func:`.kernels.rounds` in torch, layer by layer (the tests' reference, and the path of the torch
-    references): each row's ``drop`` lowest-scoring tokens per KV head (the core's ``lowest``) swapped into its
-    window's leaving slots, oldest victim first, with their positions and importance.
-
-    ``scores`` (L*Rr, H_kv, B) in position order, ``order`` (L*Rr, H_kv, B) the logical slot of each, ``shield``
-    (L*Rr, H_kv, B) bool or None; the others as :func:`round_layers` takes them.
-    """
-    first = layers[0]
-    nl, (rr, b_) = len(layers), window.shape
-    m, h = first.drop, first.kv_heads
-    n_rows = nl * rr
-    full = torch.full((n_rows,), b_, dtype=torch.long)
-    victims = lowest(scores, full, first.recent, torch.full((n_rows,), m, dtype=torch.long), shield)
-    chosen = torch.sort((~victims).to(torch.uint8), dim=-1, stable=True).indices[..., :m]  # oldest first
-    vlog = order.gather(-1, chosen)  # (L*Rr, H_kv, m): the victims' logical slots
-    idx = torch.arange(b_)
-    isv = torch.zeros(n_rows, h, b_, dtype=torch.bool).scatter_(-1, vlog, True)
-    displaced = ~isv & (idx < m)  # kept tokens in the leaving slots
-    free = isv & (idx >= m)  # victims' slots outside them
-    d_list = torch.sort(torch.where(displaced, idx, b_ + idx), dim=-1).indices[..., :m]
-    f_list = torch.sort(torch.where(free, idx, b_ + idx), dim=-1).indices[..., :m]
-    valid = torch.arange(m) < displaced.sum(-1, keepdim=True)
-    dst = torch.cat([idx[:m].expand(n_rows, h, m), torch.where(valid, f_list, 0)], dim=-1)  # (L*Rr, H_kv, 2m)
-    src = torch.cat([vlog, torch.where(valid, d_list, vlog[..., :1])], dim=-1)  # padding repeats pair 0
-    wide = window.repeat(nl, 1)[:, None, :].expand(n_rows, h, b_)
-    pd = wide.gather(-1, dst).view(nl, rr, h, 2 * m)
-    ps = wide.gather(-1, src).view(nl, rr, h, 2 * m)
-    heads = torch.arange(h)[None, None, :, None].expand_as(pd)
-    lay = torch.arange(nl)[:, None, None, None].expand_as(pd)
-    for i, layer in enumerate(layers):
-        copy_slots(kv_caches[i], layer.layout, ps[i], pd[i], heads[i], block)
-    pos[lay, pd, heads] = pos[lay, ps, heads]
-    if acc is not None:
-        moved = acc.permute(0, 2, 4, 3, 1)  # (L, num_blocks, N, H_kv, NB), a view
-        moved[lay, pd // block, pd % block, heads] = moved[lay, ps // block, ps % block, heads]

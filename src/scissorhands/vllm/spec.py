@@ -3,7 +3,7 @@
 A layer the plugin budgets holds at most ``budget`` tokens per request: to
 vLLM's block manager it is a window of ``budget`` slots, whose blocks are freed
 as they fall behind it (the plugin swaps the victims of each round into the
-slots that leave the window next, :mod:`.paged`). vLLM 0.32 lets a plugin bring
+slots that leave the window next, :mod:`.rounds`). vLLM 0.32 lets a plugin bring
 its own spec class and the manager that serves it
 (``vllm/v1/kv_cache_spec_registry.py``); the plugin's worker reports
 :class:`BudgetedWindowSpec` for each budgeted layer, and vLLM's engine builds a

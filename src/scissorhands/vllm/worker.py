@@ -34,7 +34,8 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from . import kernels
 from .build import BuildError
-from .paged import PagedLayer, Planner
+from .paged import PagedLayer
+from .planner import Planner
 from .plugin import refuse_groups, refuse_in_engine, refuse_layer
 from .settings import PluginSettings, Refusal, from_vllm
 from .spec import BudgetedWindowSpec
