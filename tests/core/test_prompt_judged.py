@@ -18,7 +18,8 @@ from driver import CoreLayer
 
 from scissorhands.core.attend.prefill import PromptAware
 from scissorhands.core.methods.scissorhands import Scissorhands
-from scissorhands.core.tokens.importance import ImportanceState, queries_in_window, ring_steps
+from scissorhands.core.tokens.importance import ImportanceState, queries_in_window
+from scissorhands.core.tokens.judgement import ring_steps
 
 
 def naive_judgement(q, k, observe, pool, scaling):

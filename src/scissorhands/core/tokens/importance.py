@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..stores.base import gather_rows
+from .judgement import judge
 from .state import TokenState
 
 
@@ -63,6 +64,37 @@ def tile_buckets(steps: torch.Tensor, valid: torch.Tensor, bucket_steps: int | N
     return weight, restart
 
 
+def ring_add(acc: torch.Tensor, steps: torch.Tensor, valid: torch.Tensor, contrib: torch.Tensor,
+             bucket_steps: int | None, n_buckets: int) -> None:
+    """Add a tile of queries whose steps may differ by row to the ring ``acc`` (NB, B, H_kv, capacity), in place.
+
+    Parameters
+    ----------
+    steps : LongTensor, shape (B, n), on the CPU
+        Each query's step in its own sequence (real tokens seen before it).
+    valid : BoolTensor, shape (B, n), on the CPU
+        False for padding queries, which add nothing.
+    contrib : Tensor, shape (B, H_kv, n, L)
+        What each query adds to each slot (:meth:`ImportanceState.contributions`).
+
+    Notes
+    -----
+    Each row's ring slots that restart inside the tile are zeroed, then one
+    einsum adds every query to its bucket (see :func:`tile_buckets`).
+    """
+    weight, restart = tile_buckets(steps, valid, bucket_steps, n_buckets)
+    device = acc.device
+    length = contrib.shape[-1]
+    if restart is not None and bool(restart.any()):
+        keep = (~restart).T.to(device=device, dtype=acc.dtype)  # (NB, B)
+        acc[..., :length] *= keep[:, :, None, None]
+    delta = torch.einsum("bok,bhol->kbhl", weight.to(device=device, dtype=contrib.dtype), contrib)
+    if acc.dtype.is_floating_point:
+        acc[..., :length] += delta.to(acc.dtype)
+    else:
+        acc[..., :length] += delta.round().to(acc.dtype)
+
+
 def queries_in_window(positions: torch.Tensor, seen: torch.Tensor, bucket_steps: int | None,
                       n_buckets: int) -> torch.Tensor:
     """How many queries inside the window each stored token has been scored by.
@@ -77,44 +109,6 @@ def queries_in_window(positions: torch.Tensor, seen: torch.Tensor, bucket_steps:
     else:
         start = ((now // bucket_steps - n_buckets + 1) * bucket_steps).clamp(min=0)
     return (now - torch.maximum(positions.long(), start) + 1).clamp(min=1).to(torch.float32)
-
-
-def ring_steps(positions: torch.Tensor, seen: torch.Tensor, bucket_steps: int, n_buckets: int) -> torch.Tensor:
-    """How many of the queries that scored each stored token inside the window fall in each ring slot.
-
-    positions (B, H_kv, L), seen (B,) -> float32 (NB, B, H_kv, L), whole numbers adding up over the ring to
-    :func:`queries_in_window`: the steps from a token's own to ``now = seen - 1`` that lie in the window, by the
-    bucket they belong to.
-    """
-    s, nb = bucket_steps, n_buckets
-    now = (seen - 1).to(positions.device)[:, None, None]  # (B, 1, 1)
-    pos = positions.long()
-    steps = torch.zeros(nb, *positions.shape, device=positions.device)
-    for back in range(nb):  # the window's buckets, newest first
-        bucket = now // s - back  # (B, 1, 1)
-        lo = torch.maximum(bucket * s, pos)
-        hi = torch.minimum(bucket * s + s - 1, now)
-        count = ((hi - lo + 1).clamp(min=0) * (bucket >= 0)).to(torch.float32)  # (B, H_kv, L)
-        steps.scatter_add_(0, (bucket % nb).expand_as(pos)[None], count[None])
-    return steps
-
-
-def credited(steps: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """Whole numbers per ring slot, in proportion to ``steps`` (NB, ...) and adding up to ``total`` (...): the
-    steps themselves when they add up to it, else rounded by largest remainder (a cap below the window)."""
-    share = steps * (total / steps.sum(dim=0).clamp(min=1))
-    whole = share.floor()
-    short = total - whole.sum(dim=0)  # (...) what rounding down left out
-    place = (share - whole).argsort(dim=0, descending=True, stable=True).argsort(dim=0)  # by remainder
-    return whole + (place < short).to(whole.dtype)
-
-
-def coarse(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``x`` rounded to ``bits`` significant bits, so that its product with a whole number below
-    ``2 ** (24 - bits)`` is exact in float32."""
-    mantissa, exponent = torch.frexp(x)
-    scale = float(2 ** max(bits, 1))
-    return torch.ldexp(torch.round(mantissa * scale) / scale, exponent)
 
 
 def per_query(scores: torch.Tensor, queries: torch.Tensor, form: str, mean_cap: int | None) -> torch.Tensor:
@@ -243,45 +237,9 @@ class ImportanceState(TokenState):
 
     def judged(self, observed: torch.Tensor, watched: torch.Tensor, positions: torch.Tensor,
                seen: torch.Tensor) -> None:
-        """Replace the held prompt's history by the judgement of its last queries (see :meth:`TokenState.judged`).
-
-        Each slot's history becomes one that ranks it as the selection did:
-
-        - ``sum``: the watched queries' attention, in the ring slot of the prompt's last step, where their steps
-          end (it leaves the window when they would);
-        - ``mean``: their rate, ``observed / watched``, credited for every query it divides by (those in the
-          window, up to ``mean_cap``), as if each query that saw the token had paid it that rate, and spread
-          over the ring as those queries' steps fall in its buckets. The rate is rounded to the significant bits
-          that keep ``rate x queries`` exact in float32 (12 at the default cap), so that slots the selection
-          ranked equal (a max-pooled run) stay exactly equal, and any two paths that hold the same judgement
-          (the transformers cache and the vLLM adapter) break those ties alike;
-        - ``count`` keeps what the prompt's queries counted: a count over ``1/n`` cannot be made from summed
-          probabilities.
-
-        Without it, decoding ranks the kept prompt by the attention of all its queries, which the selection did
-        not look at, and the first eviction after the prompt undoes the selection: on Qwen2.5-Coder-0.5B at
-        4,096 tokens and 5x, a multikey question's key, held whole in 56% of (layer, KV head) after the prompt,
-        was held whole in 10% after the first answered token (docs/results.md, "Retrieval").
-        """
-        if self.form == "count":
-            return
-        length = observed.shape[-1]
-        nb = self.n_buckets
-        if self.form == "sum":  # in place: a window of exact steps has hundreds of ring slots
-            rows = (watched > 0).flatten(1).any(dim=1).nonzero().squeeze(1).to(self.acc.device)  # the judged rows
-            now = torch.zeros_like(seen) if self.bucket_steps is None else ((seen - 1) // self.bucket_steps) % nb
-            self.acc[:, rows, :, :length] = 0
-            self.acc[now.to(self.acc.device)[rows], rows, :, :length] = observed[rows].to(self.acc.dtype)
-            return
-        queries = self.queries_in_window(positions, seen)
-        counted = queries if self.mean_cap is None else queries.clamp(max=self.mean_cap)
-        rate = coarse(observed / watched.clamp(min=1), 24 - int(counted.max()).bit_length())
-        if self.bucket_steps is None:
-            history = (rate * counted)[None]
-        else:
-            history = rate * credited(ring_steps(positions, seen, self.bucket_steps, nb), counted)
-        judged = (watched > 0)[None]  # a row none of whose queries was watched (no tokens in a chunk) keeps its own
-        self.acc[..., :length] = torch.where(judged, history, self.acc[..., :length]).to(self.acc.dtype)
+        """Replace the held prompt's history by the judgement of its last queries (see :meth:`TokenState.judged`),
+        so that decoding ranks the kept tokens as the selection did (:func:`.judgement.judge` says how, per form)."""
+        judge(self, observed, watched, positions, seen)
 
     def contributions(self, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """What each query adds to each key, summed over the query heads of a group.
@@ -311,33 +269,9 @@ class ImportanceState(TokenState):
         self.acc[slot, :, :, : contrib.shape[-1]] += contrib.to(self.acc.dtype)
 
     def add(self, steps: torch.Tensor, valid: torch.Tensor, contrib: torch.Tensor) -> None:
-        """Accumulate a tile of queries whose steps may differ by row.
-
-        Parameters
-        ----------
-        steps : LongTensor, shape (B, n), on the CPU
-            Each query's step in its own sequence (real tokens seen before it).
-        valid : BoolTensor, shape (B, n), on the CPU
-            False for padding queries, which add nothing.
-        contrib : Tensor, shape (B, H_kv, n, L)
-            From :meth:`contributions`.
-
-        Notes
-        -----
-        Each row's ring slots that restart inside the tile are zeroed, then one
-        einsum adds every query to its bucket (see :func:`tile_buckets`).
-        """
-        weight, restart = tile_buckets(steps, valid, self.bucket_steps, self.n_buckets)
-        device = self.acc.device
-        length = contrib.shape[-1]
-        if restart is not None and bool(restart.any()):
-            keep = (~restart).T.to(device=device, dtype=self.acc.dtype)  # (NB, B)
-            self.acc[..., :length] *= keep[:, :, None, None]
-        delta = torch.einsum("bok,bhol->kbhl", weight.to(device=device, dtype=contrib.dtype), contrib)
-        if self.acc.dtype.is_floating_point:
-            self.acc[..., :length] += delta.to(self.acc.dtype)
-        else:
-            self.acc[..., :length] += delta.round().to(self.acc.dtype)
+        """Accumulate a tile of queries whose steps may differ by row (:func:`ring_add`): ``steps``, ``valid``
+        (B, n) CPU, each query's step and False for padding; ``contrib`` (B, H_kv, n, L) from :meth:`contributions`."""
+        ring_add(self.acc, steps, valid, contrib, self.bucket_steps, self.n_buckets)
 
     # -- reads -----------------------------------------------------------------------------
     def scores(self, length: int) -> torch.Tensor:
