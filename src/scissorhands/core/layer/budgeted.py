@@ -49,6 +49,7 @@ from ..tokens.protect import Protection
 from ..tokens.rounds import RoundState
 from ..tokens.slots import SlotTable
 from ..tokens.state import TokenState
+from .append import Appending
 from .decode import make_decode
 from .demotion import Demotion
 from .eviction import Eviction
@@ -126,6 +127,7 @@ class BudgetedKV:
             self.rounds = RoundState()
             self.states.append(self.rounds)
         self.eviction = Eviction(self)
+        self.appending = Appending(self)
         self.reset()
 
     # -- a compression event (:class:`.eviction.Eviction`, a part of the layer) -------------------------------
@@ -220,54 +222,12 @@ class BudgetedKV:
             state.resize(capacity)
 
     def append(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, cum: torch.Tensor) -> None:
-        """Write each row's real tokens of a block after its stored ones.
-
-        key, value : (B, H_kv, c, D); valid : (B, c) bool or None (all real);
-        cum : (B, c) CPU, real tokens of the block up to and including each index.
-        """
-        slots = self.slots
-        added = cum[:, -1]  # (B,)
-        self.reserve(int((slots.lengths + added).max()))
-        if valid is None and slots.aligned(slots.lengths):
-            start, c = int(slots.lengths[0]), key.shape[-2]
-            slots.place_block(start, c)
-            if self.store.wants_positions:
-                self.store.write(start, key, value, positions=slots.positions[:, 0, start : start + c])
-            else:
-                self.store.write(start, key, value)
-            for state in self.states:
-                state.clear(start, start + c)
-        else:
-            rows, cols = (valid if valid is not None else torch.ones_like(cum, dtype=torch.bool)).nonzero(as_tuple=True)
-            where = slots.place_tokens(rows, cum, cols)
-            r, sl, cl = rows.to(slots.device), where.to(slots.device), cols.to(slots.device)
-            if self.store.wants_positions:
-                self.store.write_at(r, sl, key[r, :, cl], value[r, :, cl], positions=slots.positions[r, 0, sl])
-            else:
-                self.store.write_at(r, sl, key[r, :, cl], value[r, :, cl])  # (N, H_kv, D) each
-            for state in self.states:
-                state.clear_slots(r, sl)
-        slots.advance(added)
-        if self.demotion is not None:
-            self.demotion.added(added)
+        """Write each row's real tokens of a block after its stored ones (:meth:`.append.Appending.block`)."""
+        self.appending.block(key, value, valid, cum)
 
     def append_token(self, key: torch.Tensor, value: torch.Tensor) -> int:
         """Decode fast path: one token per row, all rows aligned; return the new stored length."""
-        slots = self.slots
-        length, seen = slots.uniform  # type: ignore[misc]  # the caller checked that rows are aligned
-        if length + 1 > self.capacity:
-            self.reserve(length + 1)
-        slots.positions[:, :, length] = seen
-        if self.store.wants_positions:
-            self.store.write(length, key, value, positions=slots.positions[:, 0, length : length + 1])
-        else:
-            self.store.write(length, key, value)
-        for state in self.states:
-            state.clear(length, length + 1)
-        slots.advance_uniform()
-        if self.demotion is not None:
-            self.demotion.added(1)
-        return length + 1
+        return self.appending.token(key, value)
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (beam reordering, batch expansion)."""
