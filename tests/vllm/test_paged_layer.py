@@ -84,6 +84,7 @@ PLUGINS = {
     "paper": {"budget": 12, "preset": "paper"},
     "h2o": {"budget": 12, "method": "h2o", "recent": 2, "drop": 3},
     "tova": {"budget": 12, "method": "tova"},
+    "rkv": {"budget": 12, "method": "rkv", "drop": 3},  # scores read the window's keys where they lie
     "streaming": {"budget": 12, "method": "streaming", "drop": 2},
     "protected": {"budget": 11, "protect_prefix": 3, "recent": 2, "drop": 3},
     "count-buckets": {"budget": 12, "importance": "count", "window": 6, "window_buckets": 3, "drop": 3},

@@ -5,7 +5,7 @@ Adding a method is one new file: subclass :class:`EvictionMethod`, override
 :func:`register`, and import the file below. See docs/usage.md, "Adding a method".
 """
 
-from . import full, h2o, local, random, scissorhands, streaming, tova  # noqa: F401  (each registers itself)
+from . import full, h2o, local, random, redundancy, scissorhands, streaming, tova  # noqa: F401  (each registers itself)
 from .base import EvictionMethod, LayerView
 from .registry import METHODS, get_method, methods_table, register, unregister
 

@@ -5,7 +5,7 @@ imported. A test keeps this tuple equal to the built-in entries of
 :data:`scissorhands.core.methods.METHODS`, in registry order.
 """
 
-BUILTIN_METHODS = ("full", "scissorhands", "scissorhands-count", "h2o", "local", "random", "streaming", "tova")
+BUILTIN_METHODS = ("full", "scissorhands", "scissorhands-count", "h2o", "local", "random", "rkv", "streaming", "tova")
 
 
 def method_names() -> str:
