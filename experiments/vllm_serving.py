@@ -1,7 +1,7 @@
 """vLLM with and without the scissorhands plugin, in one run: a queue of long requests under a fixed KV space.
 
 Runs in the vLLM environment (``tests/on_vllm/run`` makes ``.venv-vllm``); the model is a safetensors folder
-(the converted default: ``python -c "from scissorhands.tools.models import cache_dir; print(cache_dir())"``).
+(the converted default: ``python -c "from scissorhands.tools.model_cache import cache_dir; print(cache_dir())"``).
 
     .venv-vllm/bin/python experiments/vllm_serving.py --model FOLDER --requests 32 --prompt 2048,4096 \\
         --new 128,256 --compression 5 --kv-blocks 200 --out docs/vllm/serving.json

@@ -32,6 +32,7 @@ from conftest import (
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.methods import get_method
 from scissorhands.core.settings.schedule import load_schedule
+from scissorhands.tools import model_cache
 from scissorhands.tools import models as models_module
 from scissorhands.tools.cli import memory_line
 from scissorhands.tools.eval import run_grid
@@ -531,7 +532,7 @@ def fake_gguf(tmp_path, monkeypatch, tiny_folder):
         calls.append(filename)
         return AutoModelForCausalLM.from_pretrained(tiny_folder), AutoTokenizer.from_pretrained(tiny_folder)
 
-    monkeypatch.setattr(models_module, "_convert_gguf", convert)
+    monkeypatch.setattr(model_cache, "_convert_gguf", convert)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     return gguf, tmp_path / "cache" / "m", calls
@@ -541,13 +542,13 @@ def test_model_cache_is_verified_and_repaired(fake_gguf, caplog):
     gguf, folder, calls = fake_gguf
 
     def load():
-        with caplog.at_level(logging.WARNING, logger="scissorhands.tools.models"):
+        with caplog.at_level(logging.WARNING, logger="scissorhands.tools.model_cache"):
             caplog.clear()
-            models_module._load_converted(str(gguf), folder, "m")
+            model_cache.load_converted(str(gguf), folder, "m")
         return [r.getMessage() for r in caplog.records]
 
     assert load() == [] and len(calls) == 1
-    manifest = json.loads((folder / models_module.MANIFEST).read_text())
+    manifest = json.loads((folder / model_cache.MANIFEST).read_text())
     assert set(manifest["files"]) >= {"config.json", "model.safetensors"}
     assert load() == [] and len(calls) == 1  # verified, not converted again
 
@@ -569,20 +570,20 @@ def test_model_cache_is_verified_and_repaired(fake_gguf, caplog):
         f.write(b"x")
     assert "bytes" in load()[0] and len(calls) == 4
 
-    (folder / models_module.MANIFEST).unlink()  # a folder from an older version: not trusted
+    (folder / model_cache.MANIFEST).unlink()  # a folder from an older version: not trusted
     assert "manifest" in load()[0] and len(calls) == 5
     assert load() == [] and len(calls) == 5
 
 
 def test_unchanged_cache_is_not_rehashed(fake_gguf, monkeypatch):
     gguf, folder, calls = fake_gguf
-    models_module._load_converted(str(gguf), folder, "m")
+    model_cache.load_converted(str(gguf), folder, "m")
     hashed = []
-    real = models_module._sha256
-    monkeypatch.setattr(models_module, "_sha256", lambda p: hashed.append(p) or real(p))
-    assert models_module._cache_problem(folder) is None and hashed == []
+    real = model_cache._sha256
+    monkeypatch.setattr(model_cache, "_sha256", lambda p: hashed.append(p) or real(p))
+    assert model_cache._cache_problem(folder) is None and hashed == []
     os.utime(folder / "model.safetensors")  # touched, same content: hashed once, still fine
-    assert models_module._cache_problem(folder) is None and [p.name for p in hashed] == ["model.safetensors"]
+    assert model_cache._cache_problem(folder) is None and [p.name for p in hashed] == ["model.safetensors"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -747,10 +748,10 @@ def test_task_files_are_validated_line_by_line(tmp_path, lines, match):
 
 def test_lm_eval_backend_reports_a_bad_argument_in_one_line(capsys):
     pytest.importorskip("lm_eval")
-    from scissorhands.tools.lm_eval_backend import _check_positive_int
+    from scissorhands.tools.lm_eval_args import check_positive_int
     from scissorhands.tools.lm_eval_backend import main as lm_main
 
-    assert _check_positive_int("max_gen_toks", np.int64(3)) == 3
+    assert check_positive_int("max_gen_toks", np.int64(3)) == 3
     with pytest.raises(SystemExit) as info:
         lm_main(["--model", "scissorhands", "--model_args", "method=magic,budget=0.2", "--tasks", "hellaswag"])
     assert info.value.code == 2

@@ -454,7 +454,8 @@ def test_lm_evals_own_vllm_model_type_scores_a_task_under_eviction(monkeypatch):
     from scissorhands.tools.lm_eval_help import shipped_tasks_folder
     from scissorhands.vllm.settings import parse
 
-    folder = subprocess.run([reference_python(), "-c", "from scissorhands.tools.models import cache_dir, load_model; "
+    folder = subprocess.run([reference_python(), "-c", "from scissorhands.tools.model_cache import cache_dir; "
+                             "from scissorhands.tools.models import load_model; "
                              "load_model('smollm2-135m'); print(cache_dir() / 'smollm2-135m-instruct')"],
                             capture_output=True, text=True, check=True, timeout=600).stdout.strip().splitlines()[-1]
     plugin = {"budget": 48, "method": "h2o", "recent": 8}
@@ -509,7 +510,8 @@ def test_the_openai_server_serves_completions_and_chat_with_the_plugin(tmp_path)
 
     from conftest import reference_python
 
-    folder = subprocess.run([reference_python(), "-c", "from scissorhands.tools.models import cache_dir, load_model; "
+    folder = subprocess.run([reference_python(), "-c", "from scissorhands.tools.model_cache import cache_dir; "
+                             "from scissorhands.tools.models import load_model; "
                              "load_model('smollm2-135m'); print(cache_dir() / 'smollm2-135m-instruct')"],
                             capture_output=True, text=True, check=True, timeout=600).stdout.strip().splitlines()[-1]
     with socket.socket() as s:

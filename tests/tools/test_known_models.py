@@ -13,6 +13,7 @@ import pytest
 
 from conftest import save_tiny_model
 from scissorhands.tools import known_models as km
+from scissorhands.tools import model_cache
 from scissorhands.tools import models as models_module
 
 
@@ -91,12 +92,12 @@ def test_load_by_name_assembles_once_converts_once_and_verifies_the_cache(fake, 
         converted.append(hashlib.sha256(data).hexdigest())
         return AutoModelForCausalLM.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)
 
-    monkeypatch.setattr(models_module, "_convert_gguf", convert)
+    monkeypatch.setattr(model_cache, "_convert_gguf", convert)
     model, _ = models_module.load_model("FAKE-coder-0.1b")  # case-insensitive
     assert converted == [fake.sha256]
     cache = tmp_path / "model-cache"
     assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == [fake.cache_name]
-    assert (cache / fake.cache_name / models_module.MANIFEST).is_file()
+    assert (cache / fake.cache_name / model_cache.MANIFEST).is_file()
     assert not list(cache.glob("*.gguf"))  # the assembled file is not kept: the converted copy is
     models_module.load_model(fake.name)
     assert len(converted) == 1  # loaded from the verified cache; no assembly, no conversion

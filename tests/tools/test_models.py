@@ -1,4 +1,4 @@
-"""Tests for scissorhands.tools.models (model/tokenizer loading)."""
+"""Tests for scissorhands.tools.models (model/tokenizer loading) and .model_cache (the converted copies)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import pathlib
 import pytest
 import torch
 
-from scissorhands.tools import models
+from scissorhands.tools import model_cache, models
+from scissorhands.tools.model_cache import ModelLoadError, cache_dir
 from scissorhands.tools.models import (
     DEFAULT_MODEL,
-    ModelLoadError,
-    cache_dir,
     check_supported,
     load_model,
     resolve_dtype,
@@ -301,23 +300,23 @@ def test_write_cache_is_atomic_and_loadable(tiny_dir, isolated_cache):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     target = cache_dir() / "tiny"
-    models._write_cache(model, tokenizer, target)
+    model_cache._write_cache(model, tokenizer, target)
 
-    assert models._cache_is_complete(target)
+    assert model_cache._cache_is_complete(target)
     # no temporary siblings are left behind
     assert sorted(p.name for p in isolated_cache.iterdir()) == ["tiny"]
-    reloaded, _ = models._from_pretrained(str(target))
+    reloaded, _ = model_cache.from_pretrained(str(target))
     for key, value in model.state_dict().items():
         assert torch.equal(value, reloaded.state_dict()[key])
 
     # writing again over a complete cache keeps it (someone else won the race)
-    models._write_cache(model, tokenizer, target)
-    assert models._cache_is_complete(target)
+    model_cache._write_cache(model, tokenizer, target)
+    assert model_cache._cache_is_complete(target)
     assert sorted(p.name for p in isolated_cache.iterdir()) == ["tiny"]
 
     # explicitly replacing a stale cache works too
-    models._write_cache(model, tokenizer, target, replace=True)
-    assert models._cache_is_complete(target)
+    model_cache._write_cache(model, tokenizer, target, replace=True)
+    assert model_cache._cache_is_complete(target)
     assert sorted(p.name for p in isolated_cache.iterdir()) == ["tiny"]
 
 
@@ -328,19 +327,19 @@ def test_write_cache_unwritable_warns(tiny_dir, tmp_path, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="scissorhands.tools.models"):
-        models._write_cache(model, tokenizer, blocker / "sub" / "model")  # must not raise
+    with caplog.at_level(logging.WARNING, logger="scissorhands.tools.model_cache"):
+        model_cache._write_cache(model, tokenizer, blocker / "sub" / "model")  # must not raise
     assert any("could not cache" in r.getMessage() for r in caplog.records)
 
 
 def test_gguf_cache_name_tracks_file_identity(tmp_path):
     gguf = tmp_path / "Some Model.Q4.gguf"
     gguf.write_bytes(b"x" * 10)
-    first = models._gguf_cache_name(str(gguf))
-    assert first == models._gguf_cache_name(str(gguf))
+    first = model_cache._gguf_cache_name(str(gguf))
+    assert first == model_cache._gguf_cache_name(str(gguf))
     assert first.startswith("gguf-Some_Model.Q4-")
     gguf.write_bytes(b"x" * 11)
-    assert models._gguf_cache_name(str(gguf)) != first
+    assert model_cache._gguf_cache_name(str(gguf)) != first
 
 
 # --------------------------------------------------------------------------

@@ -50,9 +50,6 @@ From the shell (lm-eval's own command line, with this model type registered)::
 from __future__ import annotations
 
 import logging
-import numbers
-import operator
-import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -71,14 +68,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "scissorhands.tools.lm_eval_backend needs lm-evaluation-harness: pip install 'scissorhands[lmeval]'"
     ) from exc
 
-from scissorhands.core.methods import METHODS, EvictionMethod
-from scissorhands.core.settings.budget import check_budget_spec, resolve_budget
-from scissorhands.core.settings.config import CacheSettings
-from scissorhands.core.settings.declare import from_strings
+from scissorhands.core.settings.budget import resolve_budget
 from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 
+from . import lm_eval_chat
+from .lm_eval_args import check_model_args, check_positive_int
 from .lm_eval_tokens import RequestTokens
-from .models import check_supported, load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -88,119 +83,6 @@ _T = TypeVar("_T")
 
 #: The name this backend is registered under with lm-eval (``--model scissorhands``).
 MODEL_NAME = "scissorhands"
-
-# Fallback context length when neither the model config nor the tokenizer gives one.
-_DEFAULT_MAX_LENGTH = 2048
-# Tokenizers report "no limit" as a huge model_max_length.
-_NO_TOKENIZER_LIMIT = 10**9
-
-
-def _check_budget(budget, method: type[EvictionMethod]) -> float | int | None:
-    """Validate the ``budget`` model argument; ``None`` stands for no eviction (``method=full``)."""
-    if method.is_full:
-        if budget is not None:
-            logger.info("budget=%s is ignored for method=full", budget)
-        return None
-    if budget is None:
-        raise ValueError(
-            f"budget: is required for method {method.name!r} "
-            "(a fraction of each request's length up to 1, or a token count)"
-        )
-    return check_budget_spec(budget, "budget")
-
-
-def _eviction_args(method, budget, memory) -> tuple[type[EvictionMethod], float | int | None, float | int | None]:
-    """The ``method``, ``budget`` and ``memory`` model arguments checked: the method's class, the token budget
-    (``None`` for ``method=full`` or with a byte budget) and the byte budget (``None`` unless ``memory`` is given)."""
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method: unknown method {method!r}; choose from {', '.join(METHODS)}")
-    chosen = METHODS[method]
-    if memory is None:
-        return chosen, _check_budget(budget, chosen), None
-    from scissorhands.core.planning.memory_target import parse_memory
-
-    if budget is not None:
-        raise ValueError("memory: give memory or budget, not both")
-    if chosen.is_full:
-        raise ValueError("memory: method=full evicts nothing; give an evicting method")
-    return chosen, None, parse_memory(memory)
-
-
-def _check_int(name: str, value) -> int:
-    """``value`` as an ``int`` (NumPy integers included); a bool or anything else is a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}: must be an integer, got {value!r}")
-    return operator.index(value)
-
-
-def _check_positive_int(name: str, value) -> int:
-    value = _check_int(name, value)
-    if value < 1:
-        raise ValueError(f"{name}: must be >= 1, got {value}")
-    return value
-
-
-def _context_length(model, tokenizer) -> int:
-    """The longest sequence the model takes: its config, else the tokenizer, else 2048."""
-    config = model.config
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        value = getattr(text_config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(limit, int) and 0 < limit < _NO_TOKENIZER_LIMIT:
-        return limit
-    return _DEFAULT_MAX_LENGTH
-
-
-def _pick_device(device) -> torch.device:
-    """The requested device; lm-eval's command line asks for CUDA by default, so fall back to the CPU."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device: not a torch device, got {device!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        logger.warning("device: CUDA is not available; using the CPU")
-        return torch.device("cpu")
-    return device
-
-
-def _build(model, tokenizer, dtype, device):
-    """Load (or accept) the model and tokenizer."""
-    if isinstance(tokenizer, (str, os.PathLike)):
-        raise ValueError("tokenizer: must be a tokenizer object (a model name or folder brings its own)")
-    if isinstance(model, (tuple, list)):
-        if len(model) != 2 or tokenizer is not None:
-            raise ValueError("model: a built model is given as (model, tokenizer), or model= plus tokenizer=")
-        model, tokenizer = model
-    if isinstance(model, (str, os.PathLike)):
-        dtype = resolve_dtype(dtype)
-        device = _pick_device(device)
-        loaded, loaded_tokenizer = load_model(model, dtype=dtype, device=device)
-        return loaded, tokenizer if tokenizer is not None else loaded_tokenizer
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model: expected a model name, a path or a built model, got {type(model).__name__}")
-    if tokenizer is None:
-        raise ValueError("tokenizer: is required with an already-built model")
-    check_supported(model)
-    model.eval()
-    return model, tokenizer
-
-
-def _prefix_token(tokenizer, given) -> int:
-    """The token that conditions an empty context: ``given``, else BOS, else EOS (as lm-eval's ``hf``)."""
-    token = given
-    if token is None:
-        token = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    if token is None:
-        raise ValueError("prefix_token_id: the tokenizer has neither a BOS nor an EOS token; give one")
-    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-        raise ValueError(f"prefix_token_id: must be a token id (an integer >= 0), got {token!r}")
-    return token
-
 
 class ScissorhandsLM(LM):
     """lm-eval model whose requests are scored under a budgeted (evicting) KV cache.
@@ -264,19 +146,12 @@ class ScissorhandsLM(LM):
                  max_gen_toks: int = 256, prefix_token_id: int | None = None, batch_size: int | str | None = None,
                  max_batch_size: int | None = None, **settings):
         super().__init__()
-        self.method, self.budget_spec, self.memory = _eviction_args(method, budget, memory)
-        # Every cache setting by its declaration: the same names, parsing and checks as the CLI's flags.
-        self.base = CacheSettings(**from_strings(CacheSettings, settings, f"model argument for {MODEL_NAME}"))
-        self.seed = _check_int("seed", seed)
-        self._max_gen_toks = _check_positive_int("max_gen_toks", max_gen_toks)
-        max_length = None if max_length is None else _check_positive_int("max_length", max_length)
-        if batch_size not in (None, 1, "1"):
-            logger.info("batch_size=%s: requests are scored one context at a time", batch_size)
-
-        self._model, self.tokenizer = _build(model, tokenizer, dtype, device)
-        self._max_length = max_length or _context_length(self._model, self.tokenizer)
-        self._prefix_token_id = prefix_token_id = _prefix_token(self.tokenizer, prefix_token_id)
-        self.tokens = RequestTokens(self.tokenizer, self._max_length, prefix_token_id)
+        args = check_model_args(model, tokenizer, method, budget, memory, seed, dtype, device, max_length,
+                                max_gen_toks, prefix_token_id, batch_size, settings, f"model argument for {MODEL_NAME}")
+        self.method, self.budget_spec, self.memory, self.base = args.method, args.budget_spec, args.memory, args.base
+        self.seed, self._max_gen_toks, self._max_length = args.seed, args.max_gen_toks, args.max_length
+        self._model, self.tokenizer, self._prefix_token_id = args.model, args.tokenizer, args.prefix_token_id
+        self.tokens = RequestTokens(self.tokenizer, self._max_length, self._prefix_token_id)
         logger.info("lm-eval backend: method=%s budget=%s max_length=%d prefix token %d",
                     self.method.name, self.budget_spec, self._max_length, self._prefix_token_id)
 
@@ -310,40 +185,14 @@ class ScissorhandsLM(LM):
     def tokenizer_name(self) -> str:
         return str(getattr(self.tokenizer, "name_or_path", "tokenizer")).replace("/", "__")
 
-    # -- chat templates (lm-eval's ``--apply_chat_template``) ---------------------------------------------
+    # -- chat templates (lm-eval's ``--apply_chat_template``; see :mod:`.lm_eval_chat`) ----------------------
     def chat_template(self, chat_template: bool | str = False) -> str | None:
-        """The tokenizer's chat template when lm-eval is asked to apply one (``True``, or a template's name where
-        the tokenizer has several); None when it is not."""
-        if chat_template is False or chat_template is None:
-            return None
-        template = getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise ValueError("apply_chat_template: the model's tokenizer has no chat template")
-        if isinstance(template, dict):
-            name = chat_template if isinstance(chat_template, str) else "default"
-            if name not in template:
-                raise ValueError(f"apply_chat_template: no template {name!r} in the tokenizer's "
-                                 f"{', '.join(sorted(template))}")
-            return template[name]
-        return template
+        """The tokenizer's chat template when lm-eval is asked to apply one; None when it is not."""
+        return lm_eval_chat.chat_template(self.tokenizer, chat_template)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The conversation as the tokenizer's chat template writes it, as lm-eval's ``hf`` model writes it: an
-        assistant turn opened (``add_generation_prompt``) or the last one continued; a template that refuses a
-        system turn gets the conversation without it."""
-        import jinja2
-
-        self.chat_template(True)  # one line if the tokenizer has none
-
-        def render(turns):
-            return self.tokenizer.apply_chat_template(turns, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=not add_generation_prompt)
-
-        try:
-            return render(chat_history)
-        except jinja2.exceptions.TemplateError:
-            return render([turn for turn in chat_history if turn["role"] != "system"])
+        """The conversation as the tokenizer's chat template writes it, as lm-eval's ``hf`` model writes it."""
+        return lm_eval_chat.apply_chat_template(self.tokenizer, chat_history, add_generation_prompt)
 
     def get_model_info(self) -> dict:
         """Settings recorded in lm-eval's results under ``config``: method, budget and every cache setting."""
@@ -460,7 +309,7 @@ def _text_logprob(lm: ScissorhandsLM, text: str) -> float:
 def _greedy(lm: ScissorhandsLM, context: str, gen_kwargs: dict) -> str:
     """Greedy continuation of one prompt through a fresh compressed cache, cut before the first stop string."""
     stops = lm.tokens.stop_strings(gen_kwargs.pop("until", None))
-    new_tokens = _check_positive_int("max_gen_toks", gen_kwargs.pop("max_gen_toks", lm._max_gen_toks))
+    new_tokens = check_positive_int("max_gen_toks", gen_kwargs.pop("max_gen_toks", lm._max_gen_toks))
     temperature = gen_kwargs.pop("temperature", 0.0)
     if gen_kwargs.pop("do_sample", False) and temperature not in (0, 0.0, None):
         raise ValueError("do_sample: only greedy decoding is supported by the scissorhands backend")
