@@ -23,8 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from scissorhands import CacheSettings, ScissorhandsCache
-from scissorhands.tools.bench import _forward, _prefill, _tokens
 from scissorhands.tools.bench_config import budget_tokens
+from scissorhands.tools.bench_steps import forward as _forward
+from scissorhands.tools.bench_steps import prefill as _prefill
+from scissorhands.tools.bench_steps import tokens as _tokens
 from scissorhands.tools.models import load_model
 
 

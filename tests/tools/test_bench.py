@@ -7,16 +7,8 @@ import torch
 
 from conftest import run_in_process, save_tiny_model, tiny_model
 from scissorhands import CacheSettings
-from scissorhands.tools.bench import (
-    BenchConfig,
-    decode_point,
-    max_fitting,
-    maxbatch_part,
-    parse_size,
-    reference_ratios,
-    run_bench,
-    soak_part,
-)
+from scissorhands.tools.bench import BenchConfig, decode_point, parse_size, reference_ratios, run_bench
+from scissorhands.tools.bench_capacity import max_fitting, maxbatch_part, soak_part
 from scissorhands.tools.cli import main
 
 SETTINGS = CacheSettings(recent=4)
@@ -296,9 +288,9 @@ def test_repeat_rows_prefills_once_per_context_and_times_every_batch_on_copies(m
 
     model = tiny_model("llama")
     fed = []
-    real = bench._prefill
-    monkeypatch.setattr(bench, "_prefill", lambda m, ids, cache, chunk: fed.append(ids.shape) or real(m, ids, cache,
-                                                                                                         chunk))
+    real = bench.prefill
+    monkeypatch.setattr(bench, "prefill", lambda m, ids, cache, chunk: fed.append(ids.shape) or real(m, ids, cache,
+                                                                                                       chunk))
     cfg = small(contexts=(64,), batches=(1, 3), parts=("decode",), repeat_rows=True)
     result = run_bench(model, cfg)
     variants = len(result["decode"][0]["variants"])
@@ -311,8 +303,8 @@ def test_repeat_rows_prefills_once_per_context_and_times_every_batch_on_copies(m
     prefilled = bench.prefill_variants(model, cfg, 64, 1)
     _, copies = bench._repeated(prefilled, 3)
     with torch.no_grad():
-        nxt = [bench._forward(model, s["next"], s["cache"]) for s in copies]
-        alone = [bench._forward(model, s["next"], s["cache"]) for s in prefilled[1]]
+        nxt = [bench.forward(model, s["next"], s["cache"]) for s in copies]
+        alone = [bench.forward(model, s["next"], s["cache"]) for s in prefilled[1]]
     for rows, row in zip(nxt, alone):
         assert rows.shape == (3, 1) and torch.equal(rows, row.expand(3, 1))
     for s in prefilled[1]:  # the originals were copied, not repeated in place
