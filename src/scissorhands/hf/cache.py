@@ -321,19 +321,9 @@ class ScissorhandsCache(Cache):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
                 continue
             i, part = next(parts)
-            if part.groups:  # head-level budgets: each group of KV heads a budgeted layer of its own
-                layer = ScissorhandsLayer(part.budget, part.recent, part.drop, query_tile=config.query_tile,
-                                          layer_idx=idx, kv=HeadGroups([(g.heads, BudgetedKV(
-                                              g.budget, g.recent, g.drop, _plan.group_method(g), _plan.state(g), idx,
-                                              _plan.store(i, group=g), sinks=config.sinks, merge=config.merge,
-                                              prefill=_plan.prefill(i, g), decode=config.decode, rounds=config.rounds,
-                                              protect=_plan.protection if g.retrieval else None))
-                                              for g in part.groups]))
-            else:
-                layer = ScissorhandsLayer(part.budget, part.recent, part.drop, _plan.state(), self.method,
-                                          config.query_tile, idx, sinks=config.sinks, merge=config.merge,
-                                          prefill=_plan.prefill(i), protect=_plan.protection, decode=config.decode,
-                                          rounds=config.rounds, store=_plan.store(i, centers.get(idx)))
+            # The plan's finished layer (with head-level budgets, its groups of KV heads, each a layer of its own).
+            layer = ScissorhandsLayer(part.budget, part.recent, part.drop, query_tile=config.query_tile,
+                                      layer_idx=idx, kv=_plan.layer(i, idx, centers.get(idx)))
             if audit is not None:
                 if isinstance(layer.kv, HeadGroups):
                     layer.kv.listen(audit)

@@ -4,8 +4,8 @@ Every entry point (``ScissorhandsCache`` and ``for_memory``, the command line, e
 backend, the vLLM adapter) builds its layers from :func:`plan`, so each rule is applied here once: the method
 resolves its own settings over the user's (once), a memory target chooses the store and the token budget,
 the budget is split across layers, every layer is checked for room to evict beside the protected tokens, and
-each layer's full-precision residual is fixed. The plan then makes each layer's parts: its store, its prefill
-mode and its per-token state.
+each layer's full-precision residual is fixed. The plan then hands out each layer finished
+(:meth:`CachePlan.layer`), or its parts: its store, its prefill mode and its per-token state.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
     from ..attend.prefill import Prefill
     from ..facts import ModelFacts
+    from ..layer.budgeted import BudgetedKV
+    from ..layer.heads import HeadGroups
     from ..methods.base import EvictionMethod
     from ..stores.base import KVStore
     from ..stores.centers import RotaryCenters
@@ -84,6 +86,27 @@ class CachePlan:
     def state(self, group: HeadGroupPlan | None = None) -> TokenState | None:
         """A fresh per-token state for one layer or head group (its method's)."""
         return self.group_method(group).make_state(self.config)
+
+    def layer(self, layer: int, layer_idx: int | None = None,
+              key_center: torch.Tensor | RotaryCenters | None = None) -> BudgetedKV | HeadGroups:
+        """Budgeted layer ``layer`` (the ``layer``-th full-attention layer) finished, as the model's layer
+        ``layer_idx`` (default ``layer``): its store, prefill mode, per-token state, shields and eviction mode
+        from the plan, needing no check of its own; with head-level budgets, its head groups, each a budgeted layer
+        of its own over those heads."""
+        from ..layer.budgeted import BudgetedKV
+
+        part, c = self.layers[layer], self.config
+        idx = layer if layer_idx is None else layer_idx
+        if part.groups:
+            from ..layer.heads import HeadGroups
+
+            return HeadGroups([(g.heads, BudgetedKV(
+                g.budget, g.recent, g.drop, self.group_method(g), self.state(g), idx, self.store(layer, group=g),
+                sinks=c.sinks, merge=c.merge, prefill=self.prefill(layer, g), decode=c.decode, rounds=c.rounds,
+                protect=self.protection if g.retrieval else None)) for g in part.groups])
+        return BudgetedKV(part.budget, part.recent, part.drop, self.method, self.state(), idx,
+                          self.store(layer, key_center), sinks=c.sinks, merge=c.merge, prefill=self.prefill(layer),
+                          protect=self.protection, decode=c.decode, rounds=c.rounds)
 
     def group_method(self, group: HeadGroupPlan | None) -> EvictionMethod:
         """The method of a head group: the cache's for retrieval heads, StreamingLLM's for streaming heads."""
