@@ -88,12 +88,24 @@ def _terminated(args) -> str:
     return "terminated"  # bench has said where the parts it finished are
 
 
+def _import_heavy(command: str) -> None:
+    """torch (and transformers, for every command that loads a model), imported while a Ctrl-C still ends the
+    process at once: one landing inside their C++ start-up, raised as KeyboardInterrupt through a pybind11 call,
+    would abort the process ("terminate called ...") instead of ending it in one line."""
+    import torch  # noqa: F401
+
+    if command != "build":
+        import transformers  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> int:
-    if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    exits_at_once = signal.getsignal(signal.SIGINT) is _interrupted_while_importing
     interrupt_in_finalizers()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if exits_at_once:  # python -m scissorhands.tools.cli: from here on a Ctrl-C is raised, so work is kept
+        _import_heavy(args.command)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     on_main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
     try:
