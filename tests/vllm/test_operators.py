@@ -43,9 +43,10 @@ def _decode_float64(query, kv_cache, tok, last, tables, budget, scale, softcap, 
     return torch.stack(outs), contribs
 
 
-@pytest.mark.parametrize("kept", [False, True], ids=["window", "held-prompt"])
 @pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
-@pytest.mark.parametrize("hkv,hq", [(3, 9), (2, 14), (1, 1), (1, 9)], ids=["g3", "g7", "g1", "g9"])
+@pytest.mark.parametrize("hkv,hq,kept", [(3, 9, False), (2, 14, False), (1, 1, False), (1, 9, False),
+                                         (2, 14, True), (1, 9, True)],
+                         ids=["g3", "g7", "g1", "g9", "g7-held-prompt", "g9-held-prompt"])
 @pytest.mark.parametrize("layout,dtype", [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16)],
                          ids=["vec-float32", "vec-bf16", "amx-bf16"])
 def test_the_decode_operator_equals_attention_in_float64(layout, dtype, hkv, hq, softcap, kept):
