@@ -9,15 +9,11 @@ done the worker asks the planner to run the step's rounds for every layer at onc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from .rounds import round_layers
+from .rounds import Rounded, round_layers
 from .settings import PluginSettings
-
-if TYPE_CHECKING:
-    from .paged import PagedLayer
 
 
 @dataclass
@@ -86,7 +82,7 @@ class Planner:
             self.where.pop(rid, None)
             self.held.pop(rid, None)
 
-    def after_step(self, step_id, layers: list[PagedLayer]) -> None:
+    def after_step(self, step_id, layers: list[Rounded]) -> None:
         """Step ``step_id``'s rounds for every layer that deferred them, as one batch (the engine calls this once its
         forward is done; a layer's round touches only its own state, so when it runs within the step changes
         nothing). The layers' positions and importance move into one tensor each the first time, so that the
@@ -103,7 +99,7 @@ class Planner:
         round_layers(waiting, stacked[0], stacked[1], [layer.kv_cache for layer in waiting], plan.round_window,
                      plan.round_seen, waiting[0].block)
 
-    def _stacked(self, layers: list[PagedLayer]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def _stacked(self, layers: list[Rounded]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The layers' positions (L, slots, H_kv) and importance (L, NB, num_blocks, H_kv, N) as one tensor each,
         the layers' own now views of them; None if their shapes differ."""
         if self._stack is not None and self._stack[0] == [id(layer) for layer in layers]:

@@ -10,18 +10,42 @@ protected spans shielded, older first among equals); the method scores a :class:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from scissorhands.core.methods.base import LayerView
+from scissorhands.core.methods.base import EvictionMethod, LayerView
+from scissorhands.core.tokens.importance import ImportanceState
+from scissorhands.core.tokens.protect import Protection
 from scissorhands.core.tokens.selection import lowest
 
 from . import kernels
 from .blocks import copy_slots
 
-if TYPE_CHECKING:
-    from .paged import PagedLayer
+
+class Rounded(Protocol):
+    """What a step's rounds read and change of a layer (:class:`~.paged.PagedLayer` is one): its settings, its
+    method and importance, its per-slot positions and accumulators, and its cache once a step has run."""
+
+    layer_idx: int
+    kv_heads: int
+    recent: int
+    drop: int
+    layout: str
+    compiled: bool
+    method: EvictionMethod
+    importance: ImportanceState | None
+    shields: list[Protection]
+    pos: torch.Tensor | None
+    acc: torch.Tensor | None
+    rounds: int
+    block: int
+    kv_cache: torch.Tensor | None
+    defer_rounds: bool
+
+    def _read(self, kv_cache, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int) -> None: ...
 
 
 class _Slots:
@@ -32,7 +56,7 @@ class _Slots:
         self.lengths = torch.full((positions.shape[0],), positions.shape[-1], dtype=torch.long)
 
 
-def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,
+def round_layers(layers: list[Rounded], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,
                  window: torch.Tensor, seen: torch.Tensor, block: int) -> None:
     """One step's rounds for several layers at once: each rounding row of each layer picks ``drop`` victims per KV
     head and swaps them into its window's leaving slots.
@@ -100,7 +124,7 @@ def round_layers(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor 
         layer.rounds += 1
 
 
-def move_victims_reference(layers: list[PagedLayer], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,
+def move_victims_reference(layers: list[Rounded], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,
                            window: torch.Tensor, scores: torch.Tensor, order: torch.Tensor,
                            shield: torch.Tensor | None, block: int) -> None:
     """:func:`.kernels.rounds` in torch, layer by layer (the tests' reference, and the path of the torch

@@ -9,12 +9,21 @@ them (:func:`credited`), and rates rounded so that ``rate x queries`` stays exac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .importance import ImportanceState
+
+class Judged(Protocol):
+    """What a judgement reads and writes of an importance state (:class:`~.importance.ImportanceState` is one)."""
+
+    form: str
+    bucket_steps: int | None
+    n_buckets: int
+    mean_cap: int | None
+    acc: torch.Tensor
+
+    def queries_in_window(self, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor: ...
 
 
 def ring_steps(positions: torch.Tensor, seen: torch.Tensor, bucket_steps: int, n_buckets: int) -> torch.Tensor:
@@ -55,7 +64,7 @@ def coarse(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.ldexp(torch.round(mantissa * scale) / scale, exponent)
 
 
-def judge(state: ImportanceState, observed: torch.Tensor, watched: torch.Tensor, positions: torch.Tensor,
+def judge(state: Judged, observed: torch.Tensor, watched: torch.Tensor, positions: torch.Tensor,
           seen: torch.Tensor) -> None:
     """Replace ``state``'s history of the held prompt's slots by the judgement of its last queries: ``observed``
     (B, H_kv, L) what they paid each slot, ``watched`` (B, H_kv, L) how many of them saw it, ``positions`` the
