@@ -58,9 +58,9 @@ class BudgetedWindowManager(SlidingWindowManager):
     """vLLM's sliding-window manager over a :class:`BudgetedWindowSpec`: it counts a request's blocks by the
     window, frees each block once it lies behind it, and admits requests by the window's size.
 
-    With a held prompt it frees instead the blocks wholly between the prompt's last block and the window (the
-    positions ``[P, n - B + 1)`` for the token at position ``n``, as the decode operator attends ``[0, P)`` and
-    ``[max(P, n - B + 1), n]``)."""
+    With a held prompt (admitted as full attention is, :class:`BudgetedWindowSpec`) it frees instead the blocks
+    wholly between the prompt's last block and the window (the positions ``[P, n - B + 1)`` for the token at
+    position ``n``, as the decode operator attends ``[0, P)`` and ``[max(P, n - B + 1), n]``)."""
 
     def __init__(self, kv_cache_spec: BudgetedWindowSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)

@@ -4,7 +4,8 @@
   the points where some row must compress (its next real token would not fit
   the budget). Each block is one attention computation over the row's stored
   slots plus the block's own tokens (causally), so a chunk gives exactly what
-  feeding its tokens one at a time gives, and the peak is the budget.
+  feeding its tokens one at a time gives, and the peak is the budget (in rounds, the
+  budget plus one round's victims, which a round's block holds until it ends).
 * :class:`PromptAware` (``prefill="prompt-aware"``): a first chunk longer
   than the budget (the prompt) is held whole and attended exactly, then scored
   and evicted down to the budget in one step; later chunks stream.
@@ -55,7 +56,8 @@ class Prefill:
 
 
 class Streamed(Prefill):
-    """Blocks between compression events: the peak is the budget, and the result is token-by-token's.
+    """Blocks between compression events: the peak is the budget (in rounds, plus one round's victims inside a
+    chunk), and the result is token-by-token's.
 
     Parameters
     ----------
@@ -64,7 +66,7 @@ class Streamed(Prefill):
         (``prefill_drop``). None: the layer's ``drop``, which makes the chunk
         exactly what feeding its tokens one at a time gives. A larger amount
         means fewer events, each admitting a larger block; the peak stays the
-        budget.
+        budget (in rounds, the budget plus one round).
     """
 
     name = "stream"

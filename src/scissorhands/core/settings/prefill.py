@@ -33,8 +33,9 @@ class PrefillSettings:
     """How a prompt enters a layer: the mode (each mode owns its own settings, below)."""
 
     prefill: str = setting(
-        "stream", '`"stream"` (peak = budget), `"prompt-aware"` (hold the prompt once, score it by its last queries) '
-        'or `"keep-prompt"` (keep the prompt, or `prompt_keep` of it, beside a budget for the generated tokens)',
+        "stream", '`"stream"` (peak = budget; in rounds, + one round inside a chunk), `"prompt-aware"` (hold the '
+        'prompt once, score it by its last queries) or `"keep-prompt"` (keep the prompt, or `prompt_keep` of it, '
+        'beside a budget for the generated tokens)',
         s.parse_text, _prefill_name, group=GROUP, metavar="|".join(PREFILL_MODES))
 
 
@@ -46,7 +47,7 @@ class StreamedSettings:
     prefill_drop: float | int | None = setting(
         None, "streamed prefill: tokens evicted at each compression event of a chunk of several tokens (a "
         "fraction of the layer budget, or a count); `None` = `drop`, which makes a chunk exactly token-by-token "
-        "decoding. Larger means fewer, cheaper events; the peak stays the budget",
+        "decoding. Larger means fewer, cheaper events; the peak stays the budget (in rounds, + one round)",
         s.parse_optional_count_or_fraction, s.fraction_or_count(1, fraction_closed_low=False, allow_none=True),
         metavar="M|none")
 

@@ -12,7 +12,7 @@ new token then evicts the oldest pending victim, so the row holds exactly
 This is what a sliding window of ``B`` slots does when the victims are moved
 into the slots that leave the window next: the vLLM adapter's eviction, where
 scoring runs once per ``drop`` steps and the window frees whole blocks with no
-move per step (:mod:`scissorhands.vllm.paged`). The transformers cache runs the
+move per step (:mod:`scissorhands.vllm.rounds`). The transformers cache runs the
 same mode, so both keep the same positions.
 
 :class:`RoundState` is a :class:`~scissorhands.core.tokens.state.TokenState`: each

@@ -89,9 +89,9 @@ def _terminated(args) -> str:
 
 
 def _import_heavy(command: str) -> None:
-    """torch (and transformers, for every command that loads a model), imported while a Ctrl-C still ends the
-    process at once: one landing inside their C++ start-up, raised as KeyboardInterrupt through a pybind11 call,
-    would abort the process ("terminate called ...") instead of ending it in one line."""
+    """torch (and transformers, for every command but ``build``, which loads no model), imported while a Ctrl-C
+    still ends the process at once: one landing inside their C++ start-up, raised as KeyboardInterrupt through a
+    pybind11 call, would abort the process ("terminate called ...") instead of ending it in one line."""
     import torch  # noqa: F401
 
     if command != "build":
