@@ -269,3 +269,25 @@ def test_a_round_is_one_attention_computation(monkeypatch):
                                          bucket_steps=None, importance="sum", scaling=0.5, rounds=True)
     assert kept_of(layer, 2, 2) == ref_kept
     torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+
+
+def test_a_round_taken_token_by_token_keeps_the_peak_at_the_budget(monkeypatch):
+    """``Streamed(block_rounds=False)`` (what a memory target's layers run): the same outputs and positions as the
+    round's block, and no storage past the budget inside the chunk."""
+    from scissorhands.core.layer.budgeted import BudgetedKV
+
+    case = dict(b=1, h_kv=2, group=2, t=60, recent=3, budget=16, drop=6, window=None, bucket_steps=None,
+                importance="sum", pads=[0], tile=128, seed=4)
+    q, k, v, valid = make_inputs(case)
+    grown = []
+    resize = BudgetedKV.resize
+    monkeypatch.setattr(BudgetedKV, "resize", lambda kv, capacity: grown.append(capacity) or resize(kv, capacity))
+    outs = []
+    for block in (True, False):
+        layer = CoreLayer(16, 3, 6, ImportanceState("sum", None, 1), Scissorhands(),
+                          prefill=Streamed(None, block_rounds=block), rounds=True)
+        grown.clear()
+        outs.append((layer.attend(q, k, v, None, 0.5), kept_of(layer, 1, 2), max(grown)))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-9, atol=1e-9)
+    assert outs[0][1] == outs[1][1]
+    assert outs[1][2] <= 16 < outs[0][2]

@@ -206,3 +206,14 @@ def test_an_accepted_memory_target_is_never_exceeded(memory, arch, length, new, 
     finally:
         BudgetedKV.resize = resize
     assert max(held) <= choice.peak_bytes <= choice.target_bytes
+
+
+def test_a_memory_target_in_rounds_streams_without_holding_a_rounds_victims():
+    """In rounds a streamed chunk takes a round's tokens as one block, holding its victims beside the budget until
+    it ends; the layers of a cache built for a memory target do not (its peak is promised)."""
+    model = tiny_model("llama")
+    base = CacheSettings(rounds=True, prefill="stream", recent=4)
+    cache = ScissorhandsCache.for_memory(model, 0.3, 200, settings=base)
+    plain = ScissorhandsCache(model, cache.config)
+    assert all(not layer.kv.prefill.block_rounds for layer in cache.budgeted_layers)
+    assert all(layer.kv.prefill.block_rounds for layer in plain.budgeted_layers)

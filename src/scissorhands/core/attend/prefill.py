@@ -72,8 +72,11 @@ class Streamed(Prefill):
     name = "stream"
     Settings = StreamedSettings  # prefill_drop: valid only with this mode (and modes built on it)
 
-    def __init__(self, drop: int | None = None):
+    def __init__(self, drop: int | None = None, block_rounds: bool = True):
         self.drop = drop
+        #: In rounds, take a round's tokens as one block (its victims held beside the budget until it ends);
+        #: False keeps the peak at the budget, as a memory target needs (:meth:`CachePlan.prefill`).
+        self.block_rounds = block_rounds
 
     @classmethod
     def from_settings(cls, settings, layer_budget=None):
@@ -113,7 +116,7 @@ class Streamed(Prefill):
         """
         b, total = cum.shape
         every = torch.ones(b, dtype=torch.bool)
-        in_rounds = _blocks_rounds(kv)
+        in_rounds = self.block_rounds and _blocks_rounds(kv)
         i = 0
         while i < total:
             room = kv.room_uniform()

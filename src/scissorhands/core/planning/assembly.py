@@ -79,9 +79,14 @@ class CachePlan:
 
     def prefill(self, layer: int, group: HeadGroupPlan | None = None) -> Prefill:
         """Layer ``layer``'s prefill mode, with its settings (at one head group's budget if given)."""
-        from ..attend.prefill import make_prefill
+        from ..attend.prefill import Streamed, make_prefill
 
-        return make_prefill(self.config, (group or self.layers[layer]).budget)
+        made = make_prefill(self.config, (group or self.layers[layer]).budget)
+        if self.memory_choice is not None:  # a peak promised: no round's victims held beside the budget
+            for part in (made, getattr(made, "stream", None)):
+                if isinstance(part, Streamed):
+                    part.block_rounds = False
+        return made
 
     def state(self, group: HeadGroupPlan | None = None) -> TokenState | None:
         """A fresh per-token state for one layer or head group (its method's)."""
