@@ -69,11 +69,10 @@ class Planner:
         With a held prompt of ``held`` tokens the window starts after it, and what follows it in ``prompt`` (a
         preempted request's generated tokens, recomputed) streams into the window."""
         b_, d = self.budget, self.prompt_drop
-        if self.holds_prompt:
-            return held + (b_ if prompt - held <= b_ else b_ + (prompt - held - 1 - b_) // d * d + d)
-        if not self.streamed or prompt <= b_:
-            return max(prompt, b_)
-        return b_ + (prompt - 1 - b_) // d * d + d
+        streamed = prompt - held  # the tokens the window takes (after a held prompt, the recomputed generation)
+        if not (self.streamed or self.holds_prompt) or streamed <= b_:
+            return held + max(streamed, b_)
+        return held + b_ + (streamed - 1 - b_) // d * d + d
 
     def release(self, request_ids) -> None:
         """Finished (or aborted) requests."""
