@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from scissorhands import CacheSettings, ScissorhandsCache, get_method, resolve_budget
+from scissorhands import CacheSettings, ScissorhandsCache, budget_tokens, get_method
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 from scissorhands.tools.eval.tasks import Perplexity
 from scissorhands.tools.models import load_model
@@ -76,8 +76,9 @@ def main(argv=None):
             if (name, spec, method) in done:
                 continue
             start = time.perf_counter()
-            scored = [window_nll(model, it.data["ids"], method, resolve_budget(spec, it.length, settings.protected),
-                                 settings) for it in items]
+            scored = [window_nll(model, it.data["ids"], method,
+                                 budget_tokens(spec, it.length, settings, get_method(method)), settings)
+                      for it in items]
             nll = [n for n, _ in scored]
             delta, half = paired_difference(nll, full)
             rec = {"name": name, "method": method, "budget": spec, "settings": settings.as_dict(),

@@ -18,7 +18,7 @@ import json
 import time
 from pathlib import Path
 
-from scissorhands import CacheSettings, get_method, resolve_budget
+from scissorhands import CacheSettings, budget_tokens, get_method
 from scissorhands.hf.scoring import ScoreSetup
 from scissorhands.tools.eval.passkey import MultiKey, Passkey
 from scissorhands.tools.eval.records import Partial, key_id
@@ -86,7 +86,7 @@ def main(argv=None):
         earlier, start = partial.wall_s, time.perf_counter()
         scores = list(partial.scores)
         for index, item in enumerate(items[len(scores):], start=len(scores)):
-            budget = None if cell["budget"] is None else resolve_budget(cell["budget"], item.length, settings.protected)
+            budget = None if cell["budget"] is None else budget_tokens(cell["budget"], item.length, settings)
             scores.append(task.score(model, item, ScoreSetup(method, budget, settings)))
             partial.add(index, item, scores[-1], earlier + time.perf_counter() - start)
         metrics = task.aggregate(scores)

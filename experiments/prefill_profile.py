@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 import scissorhands.core.attend.blocks as blocks
 import scissorhands.core.layer.budgeted as budgeted
-from scissorhands import ScissorhandsCache, ScissorhandsConfig, resolve_budget
+from scissorhands import CacheSettings, ScissorhandsCache, ScissorhandsConfig, budget_tokens
 from scissorhands.core.methods.scissorhands import Scissorhands
 from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.tools.generation import demo_prompt
@@ -95,7 +95,7 @@ def main():
     torch.manual_seed(0)
     model, tok = load_model(args.model)
     ids = tok(demo_prompt() * 4, return_tensors="pt").input_ids[:, : args.seq_len]
-    budget = resolve_budget(args.budget, ids.shape[1], 0)
+    budget = budget_tokens(args.budget, ids.shape[1], CacheSettings())
     extra = {}
     if args.prefill is not None:
         extra["prefill"] = args.prefill

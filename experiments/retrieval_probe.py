@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from scissorhands import CacheSettings, get_method, resolve_budget
+from scissorhands import CacheSettings, budget_tokens, get_method
 from scissorhands.core.layer.audit import held_by_head
 from scissorhands.hf.scoring import ScoreSetup
 from scissorhands.tools.eval.passkey import MultiKey, Passkey
@@ -121,7 +121,7 @@ def main(argv=None):
             raise SystemExit(f"--items: no prompt {unknown[0]!r}; the prompts are {', '.join(i.key for i in items)}")
         items = [it for it in items if it.key in wanted]
     for item in items:
-        budget = None if cell["budget"] is None else resolve_budget(cell["budget"], item.length, settings.protected)
+        budget = None if cell["budget"] is None else budget_tokens(cell["budget"], item.length, settings)
         rec = {"cell": args.cell, "changed": extra, "budget": budget,
                **probe(model, tok, item, method, budget, settings, bool(cell.get("protect_facts", False)))}
         print(json.dumps(rec), flush=True)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from scissorhands import CacheSettings, get_method, resolve_budget
+from scissorhands import CacheSettings, budget_tokens, get_method
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 from scissorhands.tools.models import load_model
 from scissorhands.tools.text import shakespeare_tokens
@@ -30,7 +30,7 @@ def main():
     model, tok = load_model(args.model)
     ids = torch.tensor(shakespeare_tokens(tok, max_tokens=args.seq_len)[: args.seq_len])
     base = CacheSettings()
-    budget = resolve_budget(args.budget, len(ids), base.recent)
+    budget = budget_tokens(args.budget, len(ids), base)
     setup = ScoreSetup(get_method(args.method), budget, base)
 
     token_logprobs(model, ids[:256], setup)  # warm-up

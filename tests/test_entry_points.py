@@ -117,9 +117,8 @@ def test_the_vllm_plugin_resolves_the_same_settings(name):
 def test_every_entry_point_makes_the_same_memory_choice(name, memory):
     """``memory=`` through the Python API, the CLI's generate, eval's grid and the lm-eval backend: one store,
     one token budget, one configuration (the method's own settings included)."""
-    from scissorhands.core.planning.memory_target import choose, parse_memory
-    from scissorhands.hf.cache import memory_shape
-    from scissorhands.tools.eval.runner import MemorySpec, _choose
+    from scissorhands.core.planning.memory_target import parse_memory
+    from scissorhands.tools.eval.runner import MemorySpec, _plan
 
     model = tiny_model("llama")
     method = get_method(name)
@@ -128,17 +127,58 @@ def test_every_entry_point_makes_the_same_memory_choice(name, memory):
                                               method())
     args = cli.build_parser().parse_args(["generate", "--memory", memory, "--method", name, "--prompt", "x",
                                           *_cli_flags()])
-    assert cli.generate_config(args) is None  # chosen once the model and the length are known, as _run_generate does
-    from_cli = choose(args.memory, memory_shape(model), length, method.resolve(cli.cache_settings(args)))
+    assert cli.generate_config(args) is None  # chosen once the model and the length are known, as run() does
+    from_cli = cli.generate_plan(args, model, length).memory_choice
     eval_args = cli.build_parser().parse_args(["eval", "--methods", name, "--memory", memory, *_cli_flags()])
     spec = MemorySpec(parse_memory(eval_args.memory))
-    from_eval = _choose(model, spec, length, method, cli.cache_settings(eval_args))
+    from_eval = _plan(model, spec, length, method, cli.cache_settings(eval_args)).memory_choice
     lm = ScissorhandsLM(model=(model, _Tokenizer()), method=name, memory=memory, **FLAGS)
     setup = lm.setup_for(length)
     want = python_api.memory_choice.config
     assert from_cli.config == want and from_eval.config == want
     assert (setup.budget, setup.base) == (want.budget, want.settings)
     assert _built(setup.make_cache(model, length)) == _built(python_api)
+
+
+@pytest.mark.parametrize("name", ["scissorhands", "h2o", "tova"])
+@pytest.mark.parametrize("budget,length", [(0.2, 300), (0.1, 300), (0.5, 37), (40, 300)])
+def test_every_entry_point_turns_a_budget_into_the_same_tokens(name, budget, length):
+    """A fraction (or a count) through the Python plan, the CLI's generate, eval's grid and the lm-eval backend:
+    the plan's one rule makes it tokens (the method's own protected tokens + 1 the floor), and each builds the
+    same layers."""
+    from scissorhands.core.planning.assembly import budget_tokens
+    from scissorhands.hf.cache import cache_plan
+    from scissorhands.tools.eval.runner import _plan
+
+    model = tiny_model("llama")
+    method = get_method(name)
+    settings = ScissorhandsConfig(budget=16, **FLAGS).settings
+    python_api = cache_plan(model, settings, method(), budget=budget, length=length)
+    tokens = max(round(budget * length) if budget < 1 else budget, method.resolve(settings).protected + 1)
+    assert python_api.config.budget == budget_tokens(budget, length, settings, method) == tokens
+    args = cli.build_parser().parse_args(["generate", "--budget", str(budget), "--method", name, "--prompt", "x",
+                                          *_cli_flags()])
+    from_cli = cli.generate_plan(args, model, length)
+    eval_args = cli.build_parser().parse_args(["eval", "--methods", name, "--budgets", str(budget), *_cli_flags()])
+    from_eval = _plan(model, budget, length, method, cli.cache_settings(eval_args))
+    lm = ScissorhandsLM(model=(model, _Tokenizer()), method=name, budget=budget, **FLAGS)
+    from_lm_eval = lm.setup_for(length)
+    assert from_cli.config == from_eval.config == python_api.config == from_lm_eval.plan.config
+    want = _built(ScissorhandsCache.from_plan(model, python_api))
+    for label, made in [("cli", from_cli), ("eval", from_eval), ("lm-eval", from_lm_eval.plan)]:
+        assert _built(ScissorhandsCache.from_plan(model, made)) == want, label
+
+
+def test_a_plan_refuses_a_fraction_without_a_length_and_a_budget_beside_a_memory_target():
+    from scissorhands.hf.cache import cache_plan
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="^budget: a fraction"):
+        cache_plan(model, ScissorhandsConfig(budget=16).settings, budget=0.5)
+    with pytest.raises(ValueError, match="^memory: give memory or budget, not both"):
+        cache_plan(model, ScissorhandsConfig(budget=16).settings, budget=32, memory=0.2, length=100)
+    with pytest.raises(ValueError, match="^plan: must be a CachePlan"):
+        ScissorhandsCache.from_plan(model, ScissorhandsConfig(budget=16))
 
 
 def test_demotion_settings_are_the_same_through_every_entry_point_and_refused_by_vllm():

@@ -22,10 +22,10 @@ if TYPE_CHECKING:
         Protection,
         ScissorhandsConfig,
         TokenState,
+        budget_tokens,
         get_method,
         layer_budgets,
         register,
-        resolve_budget,
     )
     from .hf import ScissorhandsCache, ScissorhandsLayer, enable
 
@@ -35,7 +35,7 @@ __getattr__ = lazy_names(__name__, globals(), {
     "scissorhands.hf": ("ScissorhandsCache", "ScissorhandsLayer", "enable"),
     "scissorhands.core": ("DEFAULTS", "METHODS", "CacheSettings", "EvictionAudit", "EvictionMethod", "LayerView",
                           "Protection", "ScissorhandsConfig", "TokenState", "get_method", "layer_budgets", "register",
-                          "resolve_budget"),
+                          "budget_tokens"),
 })
 
 
@@ -55,6 +55,6 @@ __all__ = [
     "get_method",
     "layer_budgets",
     "register",
-    "resolve_budget",
+    "budget_tokens",
 ]
 __version__ = "0.1.0"

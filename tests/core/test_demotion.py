@@ -190,7 +190,7 @@ def test_a_demoted_token_reads_as_a_quantisation_at_its_width():
     exact4 = store.read(4)[0]
     store.demote(0, torch.ones(1, 1, 4, dtype=torch.bool))
     two = store.read(4)[0]
-    step4 = store.scale_k[:, :, :4].float()  # (1, 1, 4, 1): one group of 8 channels per token, the 4-bit step
+    step4 = store.plane.scale_k[:, :, :4].float()  # (1, 1, 4, 1): one group of 8 channels per token, the 4-bit step
     assert torch.all((exact4 - x).abs() <= step4 / 2 * (1 + 1e-3))
     # The 2-bit bins are 4 steps wide and read at their centre: within 2 steps of the value.
     assert torch.all((two - x).abs() <= 2 * step4 * (1 + 1e-3))
@@ -242,11 +242,12 @@ def test_memory_takes_the_demotion_chain_where_its_measured_curve_is_lowest():
 def test_a_demotion_re_packs_nothing(monkeypatch):
     """Decoding with demotions packs each token once per plane when it is written, and never again: a
     demotion only frees pool entries (the issue's bound is one re-pack per evicted batch; this is zero)."""
-    from scissorhands.core.stores import tiered
+    from scissorhands.core.stores import pools, tiered
 
     calls = []
     real = tiered.pack
-    monkeypatch.setattr(tiered, "pack", lambda q, bits: calls.append(q.shape) or real(q, bits))
+    for module in (tiered, pools):  # the pools' planes, and the base plane every slot holds
+        monkeypatch.setattr(module, "pack", lambda q, bits: calls.append(q.shape) or real(q, bits))
     case = dict(b=1, h_kv=2, group=1, t=50, recent=2, budget=16, drop=2, window=None, bucket_steps=None,
                 importance="sum", pads=[0], chunks=[1] * 50, sinks=0, tiers=[(8, 6), (4, 11)], base=2, seed=3,
                 tile=4, prefill_drop=None)

@@ -6,7 +6,8 @@ import torch
 from conftest import tiny_model
 from scissorhands import ScissorhandsCache, ScissorhandsConfig
 from scissorhands.core.methods import METHODS, get_method
-from scissorhands.core.settings.budget import resolve_budget
+from scissorhands.core.planning.assembly import budget_tokens
+from scissorhands.core.settings.config import CacheSettings
 from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 
 BASE = ScissorhandsConfig(budget=16, recent=3, drop=5, window=8, window_buckets=4)
@@ -83,11 +84,15 @@ def test_methods_keep_what_they_promise():
 
 
 def test_budget_resolution_and_errors():
-    assert resolve_budget(0.2, 100, 10) == 20
-    assert resolve_budget(0.05, 100, 10) == 11  # never below recent + 1
-    assert resolve_budget(64, 1000, 10) == 64
+    s = CacheSettings(recent=8, sinks=2)  # protected: 10
+    assert budget_tokens(0.2, 100, s) == 20
+    assert budget_tokens(0.05, 100, s) == 11  # never below recent + sinks + 1
+    assert budget_tokens(64, 1000, s) == 64
+    assert budget_tokens(64, None, s) == 64  # a count needs no length
+    with pytest.raises(ValueError, match="^budget: a fraction"):
+        budget_tokens(0.5, None, s)
     with pytest.raises(ValueError, match="^budgets:"):
-        resolve_budget(0, 100, 10, name="budgets")
+        budget_tokens(0, 100, s, name="budgets")
     with pytest.raises(ValueError, match="^methods:"):
         get_method("nope")
 
@@ -138,3 +143,27 @@ def test_a_model_that_scales_its_logits_is_scored_through_its_own_forward(monkey
         logits = model(ids[None]).logits[0, :-1]
     torch.testing.assert_close(token_logprobs(model, ids, setup)[0],
                                torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"kv_bits": 4, "kv_group_size": 8},
+    {"kv_bits": 2, "kv_group_size": 8, "kv_demote": "16:0.5,4:0.75"},
+    {"schedule": (24, 40)},
+])
+def test_the_plans_byte_model_is_what_the_cache_allocates(settings):
+    """What eval records (``ScoreSetup.kv_bytes``: the plan's byte model, each layer's store, residual and
+    centres) against the bytes the cache built from the same plan holds after a sequence longer than its budget,
+    and a sequence the budget covers (transformers' own cache, counted at the model's dtype)."""
+    from scissorhands.hf.modelinfo import model_facts
+
+    model = tiny_model("llama")
+    setup = ScoreSetup(get_method("scissorhands"), 32, CacheSettings(recent=4, **settings))
+    ids = torch.randint(0, model.config.vocab_size, (1, 80), generator=torch.Generator().manual_seed(0))
+    cache = setup.make_cache(model, 80)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    assert setup.kv_bytes(model, 80) == cache.memory_report()["budgeted_kv_bytes"]
+    covered = ScoreSetup(get_method("scissorhands"), 100, CacheSettings(recent=4))
+    assert covered.cache_plan(model, 80) is None
+    assert covered.kv_bytes(model, 80) == 80 * model_facts(model).kv_bytes_per_token(4)

@@ -97,7 +97,9 @@ def test_budget_means_the_same_in_every_command():
 
     gen = build_parser().parse_args(["generate", "--budget", "0.25", "--prompt", "x", "--recent", "2"])
     assert generate_config(gen) is None  # a fraction waits for the prompt's length
-    assert generate_config(gen, 400).budget == 100
+    from scissorhands.tools.cli import generate_plan
+
+    assert generate_plan(gen, tiny_model("llama"), 400).config.budget == 100  # the plan makes it tokens
     assert generate_config(build_parser().parse_args(["generate", "--budget", "100", "--prompt", "x"])).budget == 100
     bench = build_parser().parse_args(["bench", "--budgets", "0.25,100", "--seq-len", "400"])
     cfg, _ = config_from_args(bench, cache_settings(bench))

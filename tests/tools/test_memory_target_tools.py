@@ -80,7 +80,7 @@ def test_cli_memory_prints_its_choice_and_refuses_bad_input(tmp_path, capsys):
     code, _, err = run_cli(capsys, *base, "--memory", "0.2")
     assert code == 0, err
     assert "[scissorhands] memory 0.2: " in err and "expected ΔNLL about" in err
-    for extra, message in ((["--memory", "0.2", "--budget", "30"], "memory: give --memory or --budget, not both"),
+    for extra, message in ((["--memory", "0.2", "--budget", "30"], "memory: give memory or budget, not both"),
                            (["--memory", "0.0001"], "memory: '0.0001'"), (["--memory", "9ZB"], "memory: must be"),
                            ([], "budget: required")):
         code, _, err = run_cli(capsys, *base, *extra)
@@ -124,3 +124,26 @@ def test_lm_eval_memory_argument_errors_are_one_line():
                             ({"memory": 0.2, "method": "full"}, "memory: method=full")):
         with pytest.raises(ValueError, match=f"^{message}"):
             ScissorhandsLM(model=(model, _Tokenizer()), **kwargs)
+
+
+def test_rotary_centres_with_a_merge_are_refused_by_the_plan_for_every_entry_point(tmp_path):
+    """The rule lives in the plan: the transformers cache, the scorer and a fixed-frame file's contrast."""
+    from scissorhands.core.methods import get_method
+    from scissorhands.hf.scoring import ScoreSetup
+    from scissorhands.tools.calibrate import measure_key_centers, save_key_centers
+
+    model = tiny_model("llama")
+    files = {}
+    for rotary in (False, True):
+        files[rotary] = tmp_path / f"c{int(rotary)}.json"
+        save_key_centers(measure_key_centers(model, lambda t: {"input_ids": [3 + b for b in t.encode()]},
+                                             "x y z " * 30, tokens=64, rotary=rotary), files[rotary])
+    settings = CacheSettings(recent=4, kv_bits=4, merge=True, kv_key_centers=str(files[True]))
+    message = r"^kv_key_centers: rotary centres \(a format-2 file\) cannot be combined with merge=True"
+    with pytest.raises(ValueError, match=message):
+        ScissorhandsCache(model, settings.with_budget(32))
+    with pytest.raises(ValueError, match=message):
+        ScoreSetup(get_method("scissorhands"), 32, settings).make_cache(model, 64)
+    fixed = ScissorhandsCache(model, CacheSettings(recent=4, kv_bits=4, merge=True,
+                                                   kv_key_centers=str(files[False])).with_budget(32))
+    assert fixed.config.merge

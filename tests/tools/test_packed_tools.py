@@ -233,11 +233,18 @@ def test_eval_refuses_a_residual_that_does_not_fit_before_any_cell(capsys, tmp_p
 
 
 def test_eval_records_count_each_layers_residual_from_the_schedule():
-    from scissorhands.tools.eval.runner import kv_residual_bytes
+    """The plan's byte model, which eval's records use, takes each layer's residual from its own budget."""
+    from scissorhands.hf.cache import cache_plan, memory_shape
 
     model = tiny_model("llama")  # 2 full layers, 2 KV heads of 16 channels, float32
     per_layer_token = 2 * 2 * 16 * 4
-    settings = CacheSettings(kv_bits=4, schedule=(100, 300))
-    assert kv_residual_bytes(model, settings, 200) == (25 + 32) * per_layer_token  # recent 0.25 x 100 caps layer 0
-    assert kv_residual_bytes(model, CacheSettings(kv_bits=4), 200) == 2 * 32 * per_layer_token
-    assert kv_residual_bytes(model, CacheSettings(), 200) == 0
+    shape = memory_shape(model)
+
+    def residual(**settings):
+        def held(**more):
+            return cache_plan(model, CacheSettings(**settings, **more), budget=200).kv_bytes(shape)
+        return held() - held(kv_residual=0)
+
+    assert residual(kv_bits=4, schedule=(100, 300)) == (25 + 32) * per_layer_token  # recent 0.25 x 100 caps layer 0
+    assert residual(kv_bits=4) == 2 * 32 * per_layer_token
+    assert residual() == 0

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .layer.audit import EvictionAudit
     from .layer.budgeted import BudgetedKV
     from .methods import METHODS, EvictionMethod, LayerView, get_method, register
-    from .settings.budget import resolve_budget
+    from .planning.assembly import budget_tokens
     from .settings.config import DEFAULTS, CacheSettings, ScissorhandsConfig
     from .settings.schedule import layer_budgets
     from .tokens.protect import Protection
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # importing the package (or a light module in it, such as the settings) does not import torch.
 __getattr__ = lazy_names(__name__, globals(), {
     ".layer.audit": ("EvictionAudit",),
-    ".settings.budget": ("resolve_budget",),
+    ".planning.assembly": ("budget_tokens",),
     ".layer.budgeted": ("BudgetedKV",),
     ".settings.config": ("DEFAULTS", "CacheSettings", "ScissorhandsConfig",),
     ".facts": ("ModelFacts",),
@@ -55,5 +55,5 @@ __all__ = [
     "get_method",
     "layer_budgets",
     "register",
-    "resolve_budget",
+    "budget_tokens",
 ]

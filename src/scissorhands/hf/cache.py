@@ -25,7 +25,7 @@ from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.methods.scissorhands import Scissorhands
 from scissorhands.core.planning.assembly import CachePlan, plan
 from scissorhands.core.settings.config import DEFAULTS, CacheSettings, ScissorhandsConfig
-from scissorhands.core.stores.centers import RotaryCenters, load_key_centers
+from scissorhands.core.stores.centers import load_key_centers
 from scissorhands.core.tokens.protect import Protection, SpanSpec
 from scissorhands.core.tokens.slots import SlotTable
 from scissorhands.core.tokens.state import TokenState
@@ -225,16 +225,10 @@ def memory_shape(model):
                  getattr(config, "model_type", None))
 
 
-def choose_memory(model, settings: CacheSettings, method: EvictionMethod, memory, length: int) -> MemoryChoice:
-    """What a memory target chooses for this model and sequence length (the plan's choice, every check made)."""
-    choice = cache_plan(model, settings, method, memory=memory, length=length).memory_choice
-    assert choice is not None  # a plan for a memory target always holds its choice
-    return choice
-
-
 def cache_plan(model, settings: CacheSettings, method: EvictionMethod | None = None, **options) -> CachePlan:
     """:func:`scissorhands.core.planning.assembly.plan` for a transformers model (or its config): its budgeted layers
-    and K/V shape filled in; ``options`` are the plan's (``protection``, ``protect_name``, ``memory``, ``length``)."""
+    and K/V shape filled in; ``options`` are the plan's (``protection``, ``protect_name``, ``budget``, ``memory``,
+    ``length``). :meth:`ScissorhandsCache.from_plan` builds the cache it plans."""
     shape = memory_shape(model) if options.get("memory") is not None else None  # reads the weights' dtype
     facts = model_facts(model)
     return plan(settings, len(facts.full_layers), method or Scissorhands(), shape=shape, facts=facts, **options)
@@ -303,6 +297,7 @@ class ScissorhandsCache(Cache):
                              "device; use decode='dynamic' with an audit")
         if hasattr(model, "set_attn_implementation"):
             self.attention = enable(model)
+        self.plan = _plan  # what it was built from: its layers, and their bytes (CachePlan.kv_bytes)
         self.method = _plan.method
         self.config = config
         self.facts = facts
@@ -311,9 +306,6 @@ class ScissorhandsCache(Cache):
         self.memory_choice = _plan.memory_choice
         guard = ModelGuard(facts)
         centers = {} if config.kv_key_centers is None else load_key_centers(config.kv_key_centers, facts)
-        if config.merge and any(isinstance(c, RotaryCenters) for c in centers.values()):
-            raise ValueError("kv_key_centers: rotary centres (a format-2 file) cannot be combined with merge=True "
-                             "(a merge rewrites keys whose positions differ between KV heads)")
         layers: list = []
         parts = iter(enumerate(_plan.layers))  # one per full-attention layer, in order
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
@@ -352,6 +344,16 @@ class ScissorhandsCache(Cache):
         return layers[0].seen if layers else super().get_seq_length(layer_idx)
 
     @classmethod
+    def from_plan(cls, model, made: CachePlan, *, audit: EvictionAudit | None = None,
+                  protect_name: str = "protect") -> ScissorhandsCache:
+        """The cache a plan made for this model (:func:`cache_plan`) describes: its layers as the plan hands them
+        out, its protection and what a memory target chose; nothing planned again."""
+        if not isinstance(made, CachePlan):
+            raise ValueError(f"plan: must be a CachePlan (see cache_plan), got {type(made).__name__}")
+        return cls(model, made.config, made.method, protect=made.protection, audit=audit, protect_name=protect_name,
+                   _plan=made)
+
+    @classmethod
     def for_memory(cls, model, memory, length: int, settings: CacheSettings | None = None,
                    method: EvictionMethod | None = None, **kwargs) -> ScissorhandsCache:
         """A cache whose peak bytes fit ``memory`` for a sequence of ``length`` tokens (prompt + new tokens).
@@ -367,7 +369,8 @@ class ScissorhandsCache(Cache):
         protection = protect if isinstance(protect, Protection) else Protection.parse(protect)
         kwargs["protect"] = protection
         made = cache_plan(model, settings if settings is not None else CacheSettings(), method,
-                          protection=protection, memory=memory, length=length)
+                          protection=protection, memory=memory, length=length,
+                          protect_name=kwargs.get("protect_name", "protect"))
         return cls(model, made.config, made.method, _plan=made, **kwargs)
 
     def memory_report(self) -> dict:

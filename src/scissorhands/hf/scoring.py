@@ -17,9 +17,12 @@ import torch
 from transformers import DynamicCache
 
 from scissorhands.core.methods import EvictionMethod, get_method
+from scissorhands.core.planning.assembly import CachePlan
 from scissorhands.core.settings.config import CacheSettings
+from scissorhands.core.tokens.protect import Protection
 
-from .cache import ScissorhandsCache
+from .cache import ScissorhandsCache, cache_plan, memory_shape
+from .modelinfo import model_facts
 
 
 @dataclass
@@ -46,28 +49,54 @@ class ScoreSetup:
     base: CacheSettings
     seed: int = 0
     protect: tuple[tuple[int, int], ...] | None = None
+    #: The plan the budgeted cache is built from, when the caller planned it (a memory target's choice, or a
+    #: budget turned into tokens for one sequence); None: planned from ``base`` and ``budget`` when built.
+    plan: CachePlan | None = None
+
+    @classmethod
+    def planned(cls, made: CachePlan, method: type[EvictionMethod], seed: int = 0) -> ScoreSetup:
+        """The setup of a cache a plan describes (:func:`scissorhands.hf.cache.cache_plan`): its budget and
+        settings are the plan's, and the cache is built from it."""
+        return cls(method, made.config.budget, made.config.settings, seed, plan=made)
+
+    def cache_plan(self, model, total_length: int) -> CachePlan | None:
+        """The plan of the cache :meth:`make_cache` builds for a sequence of ``total_length`` tokens; None for
+        transformers' DynamicCache (nothing would be evicted: the budget covers the sequence, no head keeps less,
+        and K/V are not packed)."""
+        demoting = self.base.kv_demote is not None and not self.method.is_full and self.budget is not None
+        # Head-level budgets evict from the streaming heads' window even when the budget covers the text.
+        covered = self.budget is not None and self.budget >= total_length and self.base.head_budgets is None
+        if not demoting and (self.method.is_full or self.budget is None or covered):
+            if not self.base.quantized:
+                return None
+            # Nothing will be evicted: the full method's packed cache, whatever method was asked for, so that
+            # settings tied to eviction (the residual's cap by the recent window) do not apply.
+            return cache_plan(model, self.base, get_method("full")(), budget=total_length, length=total_length)
+        # With demotion a budget above the length still demotes by its widths' shares: the cache as built.
+        if self.plan is not None and self.protect is None:
+            return self.plan
+        settings, method = ((self.plan.config, self.plan.method) if self.plan is not None else
+                            (self.base, self.method(seed=self.seed)))
+        return cache_plan(model, settings, method, budget=self.budget if self.plan is None else None,
+                          protection=Protection.parse(None if self.protect is None else list(self.protect)))
 
     def make_cache(self, model, total_length: int):
-        """A fresh cache for a sequence of ``total_length`` tokens.
+        """A fresh cache for a sequence of ``total_length`` tokens, from :meth:`cache_plan`.
 
         When nothing would be evicted (the budget covers the sequence, and no head keeps less): transformers'
         DynamicCache, or, with packed K/V (``kv_bits`` < 16), a budgeted cache as large as the sequence.
         """
-        if self.base.kv_demote is not None and not self.method.is_full and self.budget is not None:
-            # With demotion a budget above the length still demotes by its widths' shares: the cache as built.
-            return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed),
-                                     protect=None if self.protect is None else list(self.protect))
-        # Head-level budgets evict from the streaming heads' window even when the budget covers the text.
-        covered = self.budget is not None and self.budget >= total_length and self.base.head_budgets is None
-        if self.method.is_full or self.budget is None or covered:
-            if self.base.quantized:
-                # Nothing will be evicted: the full method's packed cache, whatever method was asked for, so
-                # that settings tied to eviction (the residual's cap by the recent window) do not apply.
-                full = get_method("full")
-                return ScissorhandsCache(model, full.configure(self.base, total_length), full())
-            return DynamicCache(config=model.config)
-        return ScissorhandsCache(model, self.method.configure(self.base, self.budget), self.method(seed=self.seed),
-                                 protect=None if self.protect is None else list(self.protect))
+        made = self.cache_plan(model, total_length)
+        return DynamicCache(config=model.config) if made is None else ScissorhandsCache.from_plan(model, made)
+
+    def kv_bytes(self, model, total_length: int) -> float:
+        """K/V bytes the cache :meth:`make_cache` builds holds at the end of a ``total_length``-token sequence,
+        over the budgeted (full-attention) layers: the plan's byte model (:meth:`CachePlan.kv_bytes`), or the
+        model's dtype per token for transformers' own cache."""
+        made = self.cache_plan(model, total_length)
+        if made is None:
+            return total_length * model_facts(model).kv_bytes_per_token(next(model.parameters()).element_size())
+        return made.kv_bytes(memory_shape(model), total_length)
 
 
 def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

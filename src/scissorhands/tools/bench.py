@@ -67,11 +67,13 @@ def _variants(context: int, budgets, methods=("scissorhands",), memories=(), mod
                         "fraction": f})
         out.append({"name": f"full at {b}", "cache": "full", "context": b, "budget": None, "reference_for": f})
     for memory in memories:  # memory=: the store and token budget chosen for this context
-        from scissorhands.hf.cache import choose_memory
+        from scissorhands.hf.cache import cache_plan
 
         label, first = f"memory={memory}", None
         for m in methods:
-            choice = choose_memory(model, settings or CacheSettings(), get_method(m)(), memory, context)
+            choice = cache_plan(model, settings or CacheSettings(), get_method(m)(), memory=memory,
+                                length=context).memory_choice
+            assert choice is not None  # a memory target's plan holds what it chose
             first = choice.config.budget if first is None else first
             out.append({"name": f"{m} {label}", "cache": "scissorhands", "method": m, "context": context,
                         "budget": choice.config.budget, "fraction": label,

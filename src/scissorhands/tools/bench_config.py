@@ -137,8 +137,11 @@ class BenchConfig:
 
 
 def budget_tokens(spec: float, context: int) -> int:
-    """A bench budget in tokens: a fraction (< 1) of the context, or a token count."""
-    return round(spec * context) if spec < 1 else int(spec)
+    """A bench budget in tokens: a fraction (< 1) of the context, or a token count, by the plan's one rule
+    (:func:`scissorhands.core.planning.assembly.budget_tokens`, at the default settings' floor)."""
+    from scissorhands.core.planning.assembly import budget_tokens as tokens
+
+    return tokens(spec if spec < 1 else int(spec), context, CacheSettings())
 
 
 def parse_size(text: str, name: str = "cap-memory") -> int:

@@ -9,11 +9,8 @@ import logging
 import os
 import platform
 import resource
-from dataclasses import replace
 
-from scissorhands.core.planning.memory_target import Shape, store_bytes
-from scissorhands.core.stores import STORES, store_name
-from scissorhands.core.stores.centers import centers_frame
+from scissorhands.core.planning.memory_target import Shape
 from scissorhands.hf.cache import ScissorhandsCache
 from scissorhands.hf.modelinfo import FULL, model_facts
 
@@ -91,29 +88,14 @@ def analytic_bytes(model, cache, batch: int, seen: int) -> dict:
     elsize = next(model.parameters()).element_size()
     per_token = 2 * facts.num_kv_heads * facts.head_dim * elsize  # K and V, one layer
     budgets = [layer.budget for layer in getattr(cache, "budgeted_layers", [])]
-    config = getattr(cache, "config", None)
     one_layer = Shape(1, facts.num_kv_heads, facts.head_dim, facts.head_dim, elsize)
     kv, importance = 0, 0
     full_idx = 0
-    layers = getattr(cache, "budgeted_layers", [])
     for layer_type, window in zip(facts.layer_types, facts.sliding_windows):
-        if layer_type == FULL and budgets and config is not None and getattr(config, "kv_demote", None) is not None:
-            # A demoting (tiered) store: base planes, pools at their shares, indices, residual.
-            kv += batch * store_bytes(replace(config, budget=budgets[full_idx]), one_layer)
-            full_idx += 1
-            continue
         if layer_type == FULL and budgets:
-            # The store's own byte model (KVStore.bytes_for: packed data with its scales, or dense rows); a
-            # store that declares none is counted at the model's dtype.
-            held = STORES[store_name(config)].bytes_for(config, one_layer, budgets[full_idx])
-            kv += batch * (facts.num_kv_heads * held if held is not None else budgets[full_idx] * per_token)
-            if config is not None and getattr(config, "kv_key_centers", None) is not None:
-                kv += facts.num_kv_heads * facts.head_dim * 4  # one float32 centre per KV head and channel
-                if centers_frame(config.kv_key_centers) == "rotary":
-                    kv += facts.head_dim // 2 * 4  # and the RoPE frequencies they are turned by
-            # A full-precision residual: each row's newest tokens again, in the model's dtype.
-            residual = getattr(layers[full_idx].kv.store, "residual", 0)
-            kv += batch * min(residual, budgets[full_idx], seen) * per_token
+            # The plan's byte model: the store's own (packed data with its scales, a tiered store's pools and
+            # indices, or dense rows), each row's full-precision residual, and the layer's key centres once.
+            kv += cache.plan.layer_kv_bytes(full_idx, one_layer, rows=batch)
             full_idx += 1
             continue
         tokens = min(seen, window - 1) if window is not None else seen

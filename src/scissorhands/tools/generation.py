@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from scissorhands.core.methods import EvictionMethod
+from scissorhands.core.planning.assembly import CachePlan
 from scissorhands.core.settings.config import ScissorhandsConfig
 from scissorhands.hf.cache import ScissorhandsCache
 from scissorhands.hf.modelinfo import model_facts
@@ -73,9 +74,12 @@ class AnswerCost:
 
 
 @torch.no_grad()
-def answer_cost(model, tokenizer, prompt: str, answer: torch.Tensor, config: ScissorhandsConfig,
+def answer_cost(model, tokenizer, prompt: str, answer: torch.Tensor, config: ScissorhandsConfig | CachePlan,
                 method: EvictionMethod | None = None, protect=None) -> AnswerCost:
     """The budgeted cache's cost on ``answer`` (token ids, (N,)) after ``prompt``, against the full cache.
+
+    ``config`` is a configuration (with ``method`` and ``protect``) or the plan a cache is built from (which
+    holds both).
 
     Both caches see the prompt as one chunk and the answer as a second, as in
     generation (the answer chunk is scored exactly as if decoded token by
@@ -85,7 +89,7 @@ def answer_cost(model, tokenizer, prompt: str, answer: torch.Tensor, config: Sci
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
     answer = answer.reshape(1, -1).to(model.device)
     sides = []
-    for cache in (ScissorhandsCache(model, config, method, protect=protect), DynamicCache(config=model.config)):
+    for cache in (_budgeted(model, config, method, protect), DynamicCache(config=model.config)):
         first = model(ids, cache=cache, logits_to_keep=1).logits[:, -1:]
         rest = model(answer[:, :-1], cache=cache).logits if answer.shape[1] > 1 else first[:, :0]
         logits = torch.cat([first, rest], dim=1).float()  # (1, N, V): predicts each answer token
@@ -94,6 +98,15 @@ def answer_cost(model, tokenizer, prompt: str, answer: torch.Tensor, config: Sci
     delta, ci = mean_ci((lp_f - lp_b).tolist())
     return AnswerCost(delta_nll=delta, ci95=ci, agreement=float((top_b == answer[0]).float().mean()),
                       tokens=int(answer.shape[1]))
+
+
+def _budgeted(model, config: ScissorhandsConfig | CachePlan, method, protect, **kwargs) -> ScissorhandsCache:
+    """The budgeted cache of a plan (which holds its method and protection), or of a configuration."""
+    if isinstance(config, CachePlan):
+        if method is not None or protect is not None:
+            raise ValueError("method: a plan holds its method and protected spans; give them to the plan")
+        return ScissorhandsCache.from_plan(model, config, **kwargs)
+    return ScissorhandsCache(model, config, method, protect=protect, **kwargs)
 
 
 def check_positions(model, prompt_tokens: int, max_new_tokens: int, prompt_name: str = "prompt") -> None:
@@ -171,7 +184,7 @@ def generate(
     model,
     tokenizer,
     prompts: str | list[str],
-    config: ScissorhandsConfig | None,
+    config: ScissorhandsConfig | CachePlan | None,
     max_new_tokens: int = 64,
     do_sample: bool = False,
     temperature: float = 1.0,
@@ -193,8 +206,9 @@ def generate(
         A causal LM and its tokenizer (left padding is used for batches).
     prompts : str or list of str
         One prompt or a batch.
-    config : ScissorhandsConfig or None
-        The budget; ``None`` runs transformers' ``DynamicCache`` for comparison.
+    config : ScissorhandsConfig, CachePlan or None
+        The budget, or the plan of the cache (:func:`scissorhands.hf.cache.cache_plan`, which holds the method
+        and the protected spans); ``None`` runs transformers' ``DynamicCache`` for comparison.
     method : EvictionMethod, optional
         Another method's scoring rule (see :mod:`scissorhands.core.methods`); default Scissorhands.
     max_new_tokens : int
@@ -231,7 +245,7 @@ def generate(
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     check_positions(model, enc["input_ids"].shape[1], max_new_tokens, prompt_name)
     cache: ScissorhandsCache | DynamicCache = (
-        ScissorhandsCache(model, config, method, protect=protect, audit=audit, protect_name=protect_name)
+        _budgeted(model, config, method, protect, audit=audit, protect_name=protect_name)
         if config is not None
         else DynamicCache(config=model.config))
     torch.manual_seed(seed)

@@ -119,10 +119,10 @@ def _eviction_args(method, budget, memory) -> tuple[type[EvictionMethod], float 
     chosen = METHODS[method]
     if memory is None:
         return chosen, _check_budget(budget, chosen), None
+    from scissorhands.core.planning.assembly import check_given
     from scissorhands.core.planning.memory_target import parse_memory
 
-    if budget is not None:
-        raise ValueError("memory: give memory or budget, not both")
+    check_given(budget, memory)  # the plan's rule: a token budget or a memory target
     if chosen.is_full:
         raise ValueError("memory: method=full evicts nothing; give an evicting method")
     return chosen, None, parse_memory(memory)

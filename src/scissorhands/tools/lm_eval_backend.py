@@ -17,7 +17,7 @@ lm-eval's three request kinds is then computed through the budgeted cache:
 The budget given as ``budget=`` is resolved per sequence: a value up to 1 is a
 fraction of that sequence's own length (context + continuation tokens, a
 rolling window's tokens, or prompt + ``max_gen_toks`` for generation), a
-value above 1 is a token count (see :func:`scissorhands.core.settings.budget.resolve_budget`).
+value above 1 is a token count (see :func:`scissorhands.core.planning.assembly.budget_tokens`).
 
 Tokenisation follows lm-eval's Hugging Face backend (``--model hf``), so
 ``method=full`` reproduces its numbers: trailing whitespace of a context moves
@@ -68,7 +68,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "scissorhands.tools.lm_eval_backend needs lm-evaluation-harness: pip install 'scissorhands[lmeval]'"
     ) from exc
 
-from scissorhands.core.settings.budget import resolve_budget
 from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs, token_logprobs
 
 from . import lm_eval_chat
@@ -204,13 +203,14 @@ class ScissorhandsLM(LM):
     # -- budgets -----------------------------------------------------------------------------
     def setup_for(self, length: int) -> ScoreSetup:
         """The scoring setup for one sequence of ``length`` tokens (the budget is resolved against it)."""
-        if self.memory is not None:  # a byte budget: the store and tokens chosen for this length
-            from scissorhands.hf.cache import choose_memory
+        if self.memory is None and self.budget_spec is None:
+            return ScoreSetup(self.method, None, self.base, self.seed)
+        from scissorhands.hf.cache import cache_plan
 
-            choice = choose_memory(self._model, self.base, self.method(), self.memory, length)
-            return ScoreSetup(self.method, choice.config.budget, choice.config.settings, self.seed)
-        budget = None if self.budget_spec is None else resolve_budget(self.budget_spec, length, self.base.protected)
-        return ScoreSetup(self.method, budget, self.base, self.seed)
+        # The plan makes the budget tokens (a count, a fraction of this length) or chooses for a byte budget.
+        made = cache_plan(self._model, self.base, self.method(seed=self.seed), budget=self.budget_spec,
+                          memory=self.memory, length=length)
+        return ScoreSetup.planned(made, self.method, self.seed)
 
     # -- tokenisation (lm-eval's hf conventions; see :class:`.lm_eval_tokens.RequestTokens`) ------------
     def encode(self, text: str, special_tokens: bool | None = None) -> list[int]:
@@ -346,15 +346,14 @@ def _loglikelihood(lm: ScissorhandsLM, requests, disable_tqdm: bool) -> list[tup
     encoded = [lm.split_request(*req.args) for req in requests]
     # Requests with the same context tokens and the same resolved budget
     # share one pass over the context (e.g. the choices of one question).
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, tuple[ScoreSetup, list[int]]] = {}
     for i, (ctx, cont) in enumerate(encoded):
         setup = lm.setup_for(len(ctx) + len(cont))
-        groups.setdefault((tuple(ctx), setup.budget, setup.base), []).append(i)
+        groups.setdefault((tuple(ctx), setup.budget, setup.base), (setup, []))[1].append(i)
     results: list[tuple[float, bool] | None] = [None] * len(encoded)
-    for (ctx, budget, base), members in tqdm(groups.items(), desc="scissorhands loglikelihood",
-                                             disable=disable_tqdm):
+    for (ctx, _, _), (setup, members) in tqdm(groups.items(), desc="scissorhands loglikelihood",
+                                              disable=disable_tqdm):
         conts = [encoded[i][1] for i in members]
-        setup = ScoreSetup(lm.method, budget, base, lm.seed)
         for i, score in zip(members, continuation_logprobs(lm._model, list(ctx), conts, setup)):
             results[i] = score
             lm.cache_hook.add_partial("loglikelihood", requests[i].args, score)

@@ -111,10 +111,8 @@ class PagedLayer:
         self.settings = settings
         self.layout = layout
         self.fp8, self.k_scale, self.v_scale = fp8, float(k_scale), float(v_scale)
-        config = settings.config
-        self.budget = config.budget
-        self.recent = config.recent_for(self.budget)
-        self.drop = config.drop_for(self.budget)
+        config, part = settings.config, settings.plan.layers[0]  # every layer the plan's one
+        self.budget, self.recent, self.drop = part.budget, part.recent, part.drop
         self.layer_idx, self.scale, self.softcap = layer_idx, scale, softcap
         self.heads, self.kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.group = num_heads // num_kv_heads
@@ -141,11 +139,12 @@ class PagedLayer:
         self.defer_rounds = False
 
     def _budgeted(self, store, prefill=None, rounds: bool = False) -> BudgetedKV:
-        """A one-row core layer at these settings (a prompt's, or the transformers cache's in tests)."""
-        c = self.settings.config
-        return BudgetedKV(self.budget, self.recent, self.drop, self.method, self.method.make_state(c),
-                          self.layer_idx, store, sinks=c.sinks, prefill=prefill, protect=self.settings.protection(),
-                          rounds=rounds)
+        """A one-row core layer at these settings (a prompt's, or the transformers cache's in tests): the plan's,
+        over the given store, prefill mode and eviction in rounds."""
+        made = self.settings.plan.layer(0, self.layer_idx, store=store, prefill=prefill, rounds=rounds,
+                                        method=self.method)
+        assert isinstance(made, BudgetedKV)  # no head groups: the plugin refuses head-level budgets
+        return made
 
     def nbytes(self) -> int:
         """Bytes of the per-slot state (positions and importance)."""

@@ -50,7 +50,7 @@ import os
 from dataclasses import dataclass, replace
 
 from scissorhands.core.methods import EvictionMethod, get_method
-from scissorhands.core.planning.assembly import plan
+from scissorhands.core.planning.assembly import CachePlan, plan
 from scissorhands.core.settings.config import CacheSettings, ScissorhandsConfig
 from scissorhands.core.settings.declare import OWNED, from_strings
 from scissorhands.core.tokens.importance import ImportanceState
@@ -74,11 +74,17 @@ class Refusal(ValueError):
 
 @dataclass(frozen=True)
 class PluginSettings:
-    """What the plugin runs with: the method, the resolved cache configuration, and the protected prefix."""
+    """What the plugin runs with: the method, the plan of its budgeted layers (every layer the same: vLLM's
+    blocks hold one budget), and the protected prefix."""
 
     method: type[EvictionMethod]
-    config: ScissorhandsConfig
+    plan: CachePlan
     protect_prefix: int = 0
+
+    @property
+    def config(self) -> ScissorhandsConfig:
+        """The resolved cache configuration (the plan's)."""
+        return self.plan.config
 
     @property
     def budget(self) -> int:
@@ -137,8 +143,8 @@ def parse(given: dict) -> PluginSettings:
                              f"adapter runs {owned.axis}={_UNSUPPORTED[owned.axis]!r})")
     settings = CacheSettings(**{**fields, **FIXED})
     protection = Protection.prefix(prefix) if prefix else None
-    config = plan(settings.with_budget(budget), 1, method(), protection=protection,
-                  protect_name="protect_prefix").config
+    made = plan(settings, 1, method(), budget=budget, protection=protection, protect_name="protect_prefix")
+    config = made.config
     for key, value in FIXED.items():
         if getattr(config, key) != value:
             raise ValueError(f"method: {name!r} needs {key}={getattr(config, key)!r}; the vLLM adapter runs with "
@@ -147,7 +153,7 @@ def parse(given: dict) -> PluginSettings:
     if state is not None and not isinstance(state, ImportanceState):
         raise ValueError(f"method: {name!r} keeps per-token state of its own ({type(state).__name__}); the vLLM "
                          f"adapter holds the importance ring or nothing per slot")
-    return PluginSettings(method, config, prefix)
+    return PluginSettings(method, made, prefix)
 
 
 def from_vllm(additional_config) -> PluginSettings | None:
@@ -178,4 +184,6 @@ def _parsed(text: str) -> PluginSettings:
 
 def with_budget(settings: PluginSettings, budget: int) -> PluginSettings:
     """The same settings at another budget (benchmarks)."""
-    return replace(settings, config=settings.config.with_budget(budget))
+    made = settings.plan
+    return replace(settings, plan=plan(made.config, 1, made.method, budget=budget, protection=made.protection,
+                                       protect_name="protect_prefix"))

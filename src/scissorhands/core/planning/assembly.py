@@ -2,10 +2,12 @@
 
 Every entry point (``ScissorhandsCache`` and ``for_memory``, the command line, eval, bench, the lm-eval
 backend, the vLLM adapter) builds its layers from :func:`plan`, so each rule is applied here once: the method
-resolves its own settings over the user's (once), a memory target chooses the store and the token budget,
-the budget is split across layers, every layer is checked for room to evict beside the protected tokens, and
-each layer's full-precision residual is fixed. The plan then hands out each layer finished
-(:meth:`CachePlan.layer`), or its parts: its store, its prefill mode and its per-token state.
+resolves its own settings over the user's (once), a budget as given (a token count, a fraction of the
+sequence's length, or a memory target that chooses the store and the token budget) becomes tokens
+(:func:`budget_tokens` is the one place a fraction does), the budget is split across layers, every layer is
+checked for room to evict beside the protected tokens, and each layer's full-precision residual is fixed. The
+plan then hands out each layer finished (:meth:`CachePlan.layer`), or its parts: its store, its prefill mode and
+its per-token state.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..settings.budget import check_budget_spec
 from ..settings.config import CacheSettings, ScissorhandsConfig
 from ..settings.declare import integer
 from ..settings.heads import MIN_WINDOW
@@ -93,15 +96,29 @@ class CachePlan:
         return self.group_method(group).make_state(self.config)
 
     def layer(self, layer: int, layer_idx: int | None = None,
-              key_center: torch.Tensor | RotaryCenters | None = None) -> BudgetedKV | HeadGroups:
+              key_center: torch.Tensor | RotaryCenters | None = None, **given) -> BudgetedKV | HeadGroups:
         """Budgeted layer ``layer`` (the ``layer``-th full-attention layer) finished, as the model's layer
         ``layer_idx`` (default ``layer``): its store, prefill mode, per-token state, shields and eviction mode
         from the plan, needing no check of its own; with head-level budgets, its head groups, each a budgeted layer
-        of its own over those heads."""
+        of its own over those heads.
+
+        An adapter that keeps K/V its own way gives the parts it holds (``store``, ``prefill``, ``rounds``,
+        ``method``: the vLLM adapter's prompt over vLLM's blocks); the rest is the plan's.
+        """
         from ..layer.budgeted import BudgetedKV
 
         part, c = self.layers[layer], self.config
         idx = layer if layer_idx is None else layer_idx
+        if given:
+            if part.groups or not given.keys() <= {"store", "prefill", "rounds", "method"}:
+                raise ValueError(f"layer: a plan's layer takes store, prefill, rounds and method, got {sorted(given)}")
+            own = {"store": None, "prefill": None, "rounds": c.rounds, "method": self.method, **given}
+            method = own["method"]
+            store = own["store"] if own["store"] is not None else self.store(layer, key_center)
+            prefill = own["prefill"] if "prefill" in given else self.prefill(layer)
+            return BudgetedKV(part.budget, part.recent, part.drop, method, method.make_state(c), idx, store,
+                              sinks=c.sinks, merge=c.merge, prefill=prefill, protect=self.protection,
+                              decode=c.decode, rounds=own["rounds"])
         if part.groups:
             from ..layer.heads import HeadGroups
 
@@ -113,6 +130,47 @@ class CachePlan:
                           self.store(layer, key_center), sinks=c.sinks, merge=c.merge, prefill=self.prefill(layer),
                           protect=self.protection, decode=c.decode, rounds=c.rounds)
 
+    # -- bytes -------------------------------------------------------------------------------------
+    def layer_kv_bytes(self, layer: int, shape: Shape, held: float | None = None, rows: int = 1) -> float:
+        """K/V bytes ``rows`` sequences hold in budgeted layer ``layer`` at ``held`` tokens each (default its
+        budget; never more): the store's own byte model (``KVStore.bytes_for``: elements, packed or not, scales
+        and zero-points, a tiered store's pools at their shares) and its full-precision residual, per sequence,
+        and the layer's key centres, once. ``shape``'s ``layers`` is not read. Dense and packed stores cost the
+        same per token, so a fractional ``held`` (a mean over sequences) is exact; a demoting store is sized at
+        the nearest whole budget."""
+        from dataclasses import replace
+
+        from ..stores import STORES, store_name
+        from .memory_target import centre_bytes, store_bytes
+
+        part, c = self.layers[layer], self.config
+        n = part.budget if held is None else min(part.budget, held)
+        one = replace(shape, layers=1)
+        centres = centre_bytes(c, shape)
+        if c.kv_demote is not None:  # pools are shares of a layer's budget
+            one_row = store_bytes(c.with_budget(max(1, round(n))), one, not self.method.is_full)
+            return rows * (one_row - centres) + centres
+        dense = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
+        per_head = STORES[store_name(c)].bytes_for(c, one, 1)
+        per_head = dense if per_head is None else per_head  # a store that declares no byte model: the dtype's
+        return rows * shape.kv_heads * (n * per_head + min(part.residual, n) * dense) + centres
+
+    def kv_bytes(self, shape: Shape, held: float | None = None, rows: int = 1) -> float:
+        """K/V bytes ``rows`` sequences hold over every budgeted layer (:meth:`layer_kv_bytes`, each at its own
+        budget from the schedule)."""
+        return sum(self.layer_kv_bytes(i, shape, held, rows) for i in range(len(self.layers)))
+
+    def peak_bytes(self, shape: Shape) -> int:
+        """Everything one sequence holds at its peak over the budgeted layers: the K/V store with its residual
+        and centres, the importance state and an int32 position per slot, each layer at its own budget (what a
+        memory target plans with: :func:`scissorhands.core.planning.memory_target.peak_bytes`)."""
+        from dataclasses import replace
+
+        from .memory_target import peak_bytes
+
+        one = replace(shape, layers=1)
+        return sum(peak_bytes(self.config.with_budget(p.budget), one, not self.method.is_full) for p in self.layers)
+
     def group_method(self, group: HeadGroupPlan | None) -> EvictionMethod:
         """The method of a head group: the cache's for retrieval heads, StreamingLLM's for streaming heads."""
         if group is None or group.retrieval:
@@ -122,15 +180,61 @@ class CachePlan:
         return Streaming()
 
 
+def _method(method: EvictionMethod | type[EvictionMethod] | None) -> EvictionMethod:
+    """The method as an instance: default Scissorhands; a class (as the registry holds them) instantiated."""
+    if method is None:
+        from ..methods.scissorhands import Scissorhands
+
+        return Scissorhands()
+    return method() if isinstance(method, type) else method
+
+
+def budget_tokens(spec, length: int | None, settings: CacheSettings,
+                  method: EvictionMethod | type[EvictionMethod] | None = None, name: str = "budget") -> int:
+    """A layer's token budget for a budget as the user gave it: a token count as is, a fraction of ``length``
+    (the sequence's tokens, prompt and new ones) rounded, never below the method's protected tokens + 1 (its
+    recent window and sinks, after its own settings: the smallest budget that leaves one token to evict).
+
+    The one place a fractional budget becomes tokens (:func:`plan` calls it; so do tools that report a
+    budget without building a cache). A fraction without ``length`` is a one-line ``ValueError``.
+    """
+    return _tokens(spec, length, _method(method).resolve(settings).protected, name)
+
+
+def _tokens(spec, length: int | None, protected: int, name: str = "budget") -> int:
+    """A fraction rounded to tokens of this sequence, a count as is; never below ``protected + 1`` (short
+    sequences at a small fraction hit this floor: their compression is then below the nominal one, and the
+    evaluation records the budget actually used)."""
+    value = check_budget_spec(spec, name)
+    if isinstance(value, float):
+        if length is None:
+            raise ValueError(f"{name}: a fraction ({value:g}) needs the sequence's length to become tokens")
+        value = round(value * length)
+    return max(value, protected + 1)
+
+
+def check_given(budget, memory) -> None:
+    r"""The budget as given, checked before anything is loaded: a token budget or a memory target, not both, each
+    well formed (one-line ``ValueError``\ s naming ``budget`` or ``memory``). :func:`plan` checks the same."""
+    if budget is not None and memory is not None:
+        raise ValueError("memory: give memory or budget, not both")
+    if budget is not None:
+        check_budget_spec(budget, "budget")
+    if memory is not None:
+        from .memory_target import parse_memory
+
+        parse_memory(memory)
+
+
 def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None = None, *,
-         protection: Protection | None = None, protect_name: str = "protect", memory=None,
+         protection: Protection | None = None, protect_name: str = "protect", budget=None, memory=None,
          shape: Shape | None = None, length: int | None = None, facts: ModelFacts | None = None) -> CachePlan:
     """The plan of a cache of ``n_layers`` budgeted layers.
 
     Parameters
     ----------
     settings : CacheSettings
-        The user's settings; a ``ScissorhandsConfig`` (with its budget) unless ``memory`` is given.
+        The user's settings; a ``ScissorhandsConfig`` (with its budget) unless ``budget`` or ``memory`` is given.
     n_layers : int
         Budgeted (full-attention) layers.
     method : EvictionMethod, optional
@@ -138,6 +242,9 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
     protection : Protection, optional
         Spans never evicted; a layer left no room to evict is a one-line ``ValueError`` naming
         ``protect_name``.
+    budget : int or float, optional
+        The budget as given: a token count, or a fraction of ``length`` (:func:`budget_tokens`); it replaces
+        the settings' own.
     memory, shape, length
         A memory target (a fraction of the full cache's K/V bytes, or a size per sequence), the model's K/V
         shape and the sequence length: the store and token budget are chosen for them
@@ -145,14 +252,13 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
     facts : ModelFacts, optional
         The model's attention facts: what a head ranking (``head_budgets``) is checked against.
     """
-    if method is None:
-        from ..methods.scissorhands import Scissorhands
-
-        method = Scissorhands()
-    elif isinstance(method, type):  # a method class, as the registry holds them
-        method = method()
+    method = _method(method)
     choice = None
-    if memory is not None:
+    check_given(budget, memory)
+    if budget is not None:
+        resolved = method.resolve(settings)  # the method's own settings, resolved once
+        config = resolved.with_budget(_tokens(budget, length, resolved.protected))
+    elif memory is not None:
         from .memory_target import check_memory_settings, choose
 
         check_memory_settings(settings)
@@ -172,16 +278,22 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
     if config.kv_key_centers is not None and not config.quantized:
         raise ValueError(f"kv_key_centers: needs packed K/V (kv_bits below 16) or memory=, got "
                          f"kv_bits={config.kv_bits}")
+    if config.kv_key_centers is not None and config.merge:
+        from ..stores.centers import centers_frame
+
+        if centers_frame(config.kv_key_centers) == "rotary":
+            raise ValueError("kv_key_centers: rotary centres (a format-2 file) cannot be combined with merge=True "
+                             "(a merge rewrites keys whose positions differ between KV heads)")
     budgets = layer_budgets(config, n_layers)
     if config.prefill != "keep-prompt":  # spans in a kept prompt sit beside the budget: checked at the prompt
         check_room(protection, [(b, config.recent_for(b), config.drop_for(b)) for b in budgets], name=protect_name)
     layers = []
-    for budget in budgets:
-        if budget <= config.protected:
-            raise ValueError(f"schedule: a layer budget ({budget}) must be > the protected tokens "
+    for b in budgets:
+        if b <= config.protected:
+            raise ValueError(f"schedule: a layer budget ({b}) must be > the protected tokens "
                              f"(recent + sinks = {config.protected})")
-        layers.append(LayerPlan(budget, config.recent_for(budget), config.drop_for(budget),
-                                config.check_residual(budget, evicts=not method.is_full)))
+        layers.append(LayerPlan(b, config.recent_for(b), config.drop_for(b),
+                                config.check_residual(b, evicts=not method.is_full)))
     if config.head_budgets is not None and not method.is_full:
         layers = _split_heads(config, layers, facts, protection, protect_name)
     return CachePlan(config, method, tuple(layers), protection, choice)

@@ -233,11 +233,16 @@ def store_bytes(config: ScissorhandsConfig, shape: Shape, evicts: bool = True) -
                          "target cannot be planned for it")
     dense = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
     residual = min(config.residual_for(config.budget, evicts), config.budget) * dense  # 0 for a lossless store
-    centres = 0
-    if config.kv_key_centers is not None and config.quantized:  # float32 centres per layer (and RoPE frequencies)
-        centres = shape.kv_heads * shape.head_dim_k * 4
-        centres += shape.head_dim_k // 2 * 4 if _frame(config.kv_key_centers) == "rotary" else 0
-    return shape.layers * (shape.kv_heads * (per_head + residual) + centres)
+    return shape.layers * (shape.kv_heads * (per_head + residual) + centre_bytes(config, shape))
+
+
+def centre_bytes(config: CacheSettings, shape: Shape) -> int:
+    """One layer's key centres (float32 per KV head and channel, and the RoPE frequencies that turn rotary
+    ones): 0 without centres or packed K/V."""
+    if config.kv_key_centers is None or not config.quantized:
+        return 0
+    rotary = _frame(config.kv_key_centers) == "rotary"
+    return shape.kv_heads * shape.head_dim_k * 4 + (shape.head_dim_k // 2 * 4 if rotary else 0)
 
 
 def check_memory_settings(settings) -> None:

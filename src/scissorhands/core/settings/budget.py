@@ -1,9 +1,9 @@
-"""A budget as users give it, and the one place it becomes a token count.
+"""A budget as users give it.
 
 A *budget spec* is either a fraction of each sequence's own length (a number
 in (0, 1]; 1 means no eviction) or a token count (a whole number > 1).
-Callers that do not know the sequence yet keep the spec and resolve it per
-sequence; nobody invents a placeholder budget.
+Callers that do not know the sequence yet keep the spec; the plan turns it into tokens per sequence
+(:func:`scissorhands.core.planning.assembly.budget_tokens`, the one place); nobody invents a placeholder budget.
 """
 
 from __future__ import annotations
@@ -31,18 +31,3 @@ def check_budget_spec(spec, name: str = "budget") -> float | int:
             raise ValueError(f"{name}: a token count (> 1) must be a whole number, got {spec}")
         return int(value)
     return value
-
-
-def resolve_budget(spec, length: int, recent: int, name: str = "budget") -> int:
-    """Token budget for a sequence of ``length`` tokens.
-
-    A fraction is rounded to tokens of this sequence; a count is used as is.
-    ``recent`` is the number of tokens a layer always keeps (the recent window
-    and the sinks, ``CacheSettings.protected``). The result never goes below
-    ``recent + 1``, the smallest budget that leaves room for one token beside them (short sequences at a small
-    fraction hit this floor; their compression is then below the nominal one,
-    and the evaluation records the budget actually used).
-    """
-    value = check_budget_spec(spec, name)
-    tokens = round(value * length) if isinstance(value, float) else value
-    return max(tokens, recent + 1)

@@ -1,7 +1,7 @@
-"""One width of a tiered store above its base: a pool of entries, and which entry each slot holds.
+"""What a tiered store's widths hold: the base plane in every slot, and above it pools of entries.
 
-A :class:`~.tiered.TieredKVStore` keeps every token's base plane in its slot; each width above the base
-is a :class:`WidthPool` of ``cap`` entries per (row, KV head), sized by the width's share of the layer's
+A :class:`~.tiered.TieredKVStore` keeps every token's base plane in its slot (:class:`BasePlane`); each width
+above the base is a :class:`WidthPool` of ``cap`` entries per (row, KV head), sized by the width's share of the layer's
 budget. An entry holds the width's plane of a token's codes (the bits it adds over the width below), or,
 for 16 bits, the token's dense K and V. Each slot points at its entry, or at none (-1). Demoting a token
 releases its entries; evicting it moves only its pointer with the slot, and the pool stays where it is.
@@ -11,7 +11,75 @@ from __future__ import annotations
 
 import torch
 
-from .packed import packed_width
+from .base import gather_rows
+from .packed import pack, packed_width
+
+
+def resized(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
+    """``t`` (B, H_kv, slots, ...) with ``capacity`` slots: the first ones kept, new ones at ``fill``."""
+    out = t.new_full((*t.shape[:2], capacity, *t.shape[3:]), fill)
+    keep = min(capacity, t.shape[2])
+    out[:, :, :keep] = t[:, :, :keep]
+    return out
+
+
+def rank_in_row(rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Each of N tokens' order among the tokens of its row, ``rows`` (N,) sorted by row: (N,)."""
+    counts = torch.bincount(rows, minlength=n_rows)
+    first = torch.cumsum(counts, 0) - counts
+    return torch.arange(rows.numel(), device=rows.device) - first[rows]
+
+
+class BasePlane:
+    """What every slot of a tiered store holds, on the slot axis: the bottom width's bit plane of K and of V
+    (``k``, ``v``: uint8, (B, H_kv, capacity, W)) and their per-group float16 scales and zero-points."""
+
+    PARTS = ("k", "v", "scale_k", "zero_k", "scale_v", "zero_v")
+
+    def __init__(self, bits: int):
+        self.bits = bits
+        self.k = self.v = self.scale_k = self.zero_k = self.scale_v = self.zero_v = torch.empty(0)
+
+    def allocate(self, b: int, h: int, dims: tuple[int, int], groups: tuple[int, int], device) -> None:
+        (dk, dv), (gk, gv) = dims, groups
+        self.k = torch.zeros(b, h, 0, packed_width(dk, self.bits), dtype=torch.uint8, device=device)
+        self.v = torch.zeros(b, h, 0, packed_width(dv, self.bits), dtype=torch.uint8, device=device)
+        self.scale_k = torch.zeros(b, h, 0, dk // gk, dtype=torch.float16, device=device)
+        self.zero_k = torch.zeros_like(self.scale_k)
+        self.scale_v = torch.zeros(b, h, 0, dv // gv, dtype=torch.float16, device=device)
+        self.zero_v = torch.zeros_like(self.scale_v)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[-2] if self.k.dim() == 4 else 0
+
+    def map(self, fn) -> None:
+        """Replace every part ``t`` by ``fn(t)``."""
+        for name in self.PARTS:
+            setattr(self, name, fn(getattr(self, name)))
+
+    def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        for name in self.PARTS:
+            gather_rows(getattr(self, name), order, rows)
+
+    def put(self, index, top: int, codes_k, codes_v) -> None:
+        """Store tokens' top-width ``(codes, scale, zero)`` of K and V at ``index`` of the slot axis (a slice,
+        or ``(rows, :, slots)``), keeping the codes' top ``bits`` bits."""
+        (qk, sk, zk), (qv, sv, zv) = codes_k, codes_v
+        self.k[index] = pack(qk >> (top - self.bits), self.bits)
+        self.v[index] = pack(qv >> (top - self.bits), self.bits)
+        self.scale_k[index], self.zero_k[index], self.scale_v[index], self.zero_v[index] = sk, zk, sv, zv
+
+    def data_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def scale_bytes(self) -> int:
+        return sum(t.nbytes for t in (self.scale_k, self.zero_k, self.scale_v, self.zero_v))
+
+    def bytes_per_slot(self) -> int:
+        """One slot's bytes: its planes, scales and zero-points (float16)."""
+        return self.k.shape[-1] + self.v.shape[-1] + 2 * sum(
+            t.shape[-1] for t in (self.scale_k, self.zero_k, self.scale_v, self.zero_v))
 
 
 class WidthPool:

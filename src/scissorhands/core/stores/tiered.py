@@ -47,58 +47,13 @@ from .packed import (
     check_key_center,
     group_for,
     pack,
-    packed_width,
     quantize_codes,
     unpack,
 )
-from .pools import WidthPool
+from .pools import BasePlane, WidthPool, rank_in_row, resized
 
 
-class TieredBytes:
-    """What a tiered store costs: the bytes it holds now, and its byte model (:meth:`KVStore.bytes_for`)."""
-
-    base: torch.Tensor
-    base_v: torch.Tensor
-    scale_k: torch.Tensor
-    zero_k: torch.Tensor
-    scale_v: torch.Tensor
-    zero_v: torch.Tensor
-    center: torch.Tensor | None
-    pools: list[WidthPool]
-
-    def data_bytes(self) -> int:
-        """K/V element data: the base plane of every slot and every pool (planes, or dense rows)."""
-        return self.base.nbytes + self.base_v.nbytes + sum(p.data_bytes() for p in self.pools)
-
-    def scale_bytes(self) -> int:
-        """Scales and zero-points, key centres, and the tiers' bookkeeping (each slot's pool entries, occupancy)."""
-        own = sum(t.nbytes for t in (self.scale_k, self.zero_k, self.scale_v, self.zero_v))
-        own += 0 if self.center is None else self.center.nbytes
-        return own + sum(p.bookkeeping_bytes() for p in self.pools)
-
-    def nbytes(self) -> int:
-        return self.data_bytes() + self.scale_bytes()
-
-    def bytes_per_token_head(self) -> int:
-        """What one slot costs beside the pools: its base plane, scales and zero-points, and pool indices."""
-        per = self.base.shape[-1] + self.base_v.shape[-1]
-        per += 2 * (self.scale_k.shape[-1] + self.zero_k.shape[-1] + self.scale_v.shape[-1] + self.zero_v.shape[-1])
-        return per + sum(p.where.element_size() for p in self.pools)
-
-    @classmethod
-    def bytes_for(cls, settings, shape, tokens: int) -> int:
-        """Every slot's base plane with its scales, then each width's pool at its share (planes, or dense rows for
-        16 bits) with its occupancy map, and one pool index per slot and width."""
-        total = PackedKVStore.bytes_for(settings, shape, tokens)
-        chain = [b for b, _ in settings.kv_demote] + [int(settings.kv_bits or 16)]
-        caps = share_caps(settings.kv_demote, tokens)
-        index = 2 if max(caps) < 2**15 else 4
-        for (bits, _), below, cap in zip(settings.kv_demote, chain[1:], caps):
-            total += WidthPool.bytes_for(bits, below, cap, shape, tokens, index)
-        return total
-
-
-class TieredKVStore(TieredBytes, KVStore):
+class TieredKVStore(KVStore):
     """K/V at a chain of bit widths; the layer demotes the least important tokens a width down before evicting.
 
     Parameters
@@ -113,7 +68,8 @@ class TieredKVStore(TieredBytes, KVStore):
         As for :class:`~.packed.PackedKVStore`.
 
     The layer tells the store its budget (:meth:`bind`), which turns the
-    shares into pool sizes.
+    shares into pool sizes. Every slot's base plane is a :class:`~.pools.BasePlane`, each width above it a
+    :class:`~.pools.WidthPool`.
     """
 
     name = "tiered"
@@ -156,55 +112,61 @@ class TieredKVStore(TieredBytes, KVStore):
             raise RuntimeError("TieredKVStore: used before bind")
         return self.caps
 
-    # -- allocation ------------------------------------------------------------------------------
+    # -- allocation and bytes ------------------------------------------------------------------------
     def reset(self) -> None:
         self.pools: list[WidthPool] = []
-        self.base = self.scale_k = self.zero_k = self.scale_v = self.zero_v = torch.empty(0)
-        self.base_v = torch.empty(0)
+        self.plane = BasePlane(self.bits)
         self.dtype = torch.float32
         self.center: torch.Tensor | None = None
 
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         b, h, _, dk = key.shape
-        dv = value.shape[-1]
         check_key_center(self.key_center, h, dk)
         caps = self.tier_caps
-        dev = key.device
-        self.dtype, self.dims = key.dtype, (dk, dv)
-        self.groups = (group_for(dk, self.group_size), group_for(dv, self.group_size))
-        self.center = None if self.key_center is None else self.key_center.to(dev, torch.float32)[:, None, :]
-        self.base = torch.zeros(b, h, 0, packed_width(dk, self.bits), dtype=torch.uint8, device=dev)
-        self.base_v = torch.zeros(b, h, 0, packed_width(dv, self.bits), dtype=torch.uint8, device=dev)
-        self.scale_k = torch.zeros(b, h, 0, dk // self.groups[0], dtype=torch.float16, device=dev)
-        self.zero_k = torch.zeros_like(self.scale_k)
-        self.scale_v = torch.zeros(b, h, 0, dv // self.groups[1], dtype=torch.float16, device=dev)
-        self.zero_v = torch.zeros_like(self.scale_v)
+        self.dtype, self.dims = key.dtype, (dk, value.shape[-1])
+        self.groups = (group_for(dk, self.group_size), group_for(self.dims[1], self.group_size))
+        self.center = None if self.key_center is None else self.key_center.to(key.device, torch.float32)[:, None, :]
+        self.plane.allocate(b, h, self.dims, self.groups, key.device)
         index = torch.int16 if max(caps) < 2**15 else torch.int32
         self.pools = [WidthPool(bits, cap, below, key, value, index)
                       for (bits, _), cap, below in zip(self.tiers, caps, self.widths[1:])]
 
-    # What every slot holds, on the slot axis: the base planes of K and V, and their scales and zero-points.
-    SLOT_PARTS = ("base", "base_v", "scale_k", "zero_k", "scale_v", "zero_v")
+    def data_bytes(self) -> int:
+        """K/V element data: the base plane of every slot and every pool (planes, or dense rows)."""
+        return self.plane.data_bytes() + sum(p.data_bytes() for p in self.pools)
 
-    def _map_slots(self, fn) -> None:
-        """Replace every per-slot tensor ``t`` by ``fn(t)``."""
-        for name in self.SLOT_PARTS:
-            setattr(self, name, fn(getattr(self, name)))
+    def scale_bytes(self) -> int:
+        """Scales and zero-points, key centres, and the tiers' bookkeeping (each slot's pool entries, occupancy)."""
+        own = self.plane.scale_bytes() + (0 if self.center is None else self.center.nbytes)
+        return own + sum(p.bookkeeping_bytes() for p in self.pools)
+
+    def nbytes(self) -> int:
+        return self.data_bytes() + self.scale_bytes()
+
+    def bytes_per_token_head(self) -> int:
+        """What one slot costs beside the pools: its base plane, scales and zero-points, and pool indices."""
+        return self.plane.bytes_per_slot() + sum(p.where.element_size() for p in self.pools)
+
+    @classmethod
+    def bytes_for(cls, settings, shape, tokens: int) -> int:
+        """Every slot's base plane with its scales, then each width's pool at its share (planes, or dense rows for
+        16 bits) with its occupancy map, and one pool index per slot and width."""
+        total = PackedKVStore.bytes_for(settings, shape, tokens)
+        chain = [b for b, _ in settings.kv_demote] + [int(settings.kv_bits or 16)]
+        caps = share_caps(settings.kv_demote, tokens)
+        index = 2 if max(caps) < 2**15 else 4
+        for (bits, _), below, cap in zip(settings.kv_demote, chain[1:], caps):
+            total += WidthPool.bytes_for(bits, below, cap, shape, tokens, index)
+        return total
 
     @property
     def capacity(self) -> int:
-        return self.base.shape[-2] if self.base.dim() == 4 else 0
+        return self.plane.capacity
 
     def resize(self, capacity: int) -> None:
-        def resized(t: torch.Tensor, fill=0) -> torch.Tensor:
-            out = t.new_full((*t.shape[:2], capacity, *t.shape[3:]), fill)
-            keep = min(capacity, t.shape[2])
-            out[:, :, :keep] = t[:, :, :keep]
-            return out
-
-        self._map_slots(resized)
+        self.plane.map(lambda t: resized(t, capacity))
         for pool in self.pools:
-            pool.where = resized(pool.where, -1)  # each slot's entry moves with the slot; the pools stay
+            pool.where = resized(pool.where, capacity, -1)  # each slot's entry moves with the slot; the pools stay
 
     # -- writing -----------------------------------------------------------------------------------
     def _codes(self, key: torch.Tensor, value: torch.Tensor):
@@ -220,30 +182,19 @@ class TieredKVStore(TieredBytes, KVStore):
         return tuple(pack((code >> (self.top - pool.bits)) & (2**pool.plane - 1), pool.plane) for code in (qk, qv))
 
     def write(self, start: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor | None = None) -> None:
-        c = key.shape[-2]
-        (qk, sk, zk), (qv, sv, zv) = self._codes(key, value)
-        end = start + c
-        self.base[:, :, start:end] = pack(qk >> (self.top - self.bits), self.bits)
-        self.base_v[:, :, start:end] = pack(qv >> (self.top - self.bits), self.bits)
-        self.scale_k[:, :, start:end], self.zero_k[:, :, start:end] = sk, zk
-        self.scale_v[:, :, start:end], self.zero_v[:, :, start:end] = sv, zv
+        codes = self._codes(key, value)
+        self.plane.put((slice(None), slice(None), slice(start, start + key.shape[-2])), self.top, *codes)
         for pool in self.pools:
-            pool.put(start, *self._entry(pool, key, value, qk, qv))
+            pool.put(start, *self._entry(pool, key, value, codes[0][0], codes[1][0]))
 
     def write_at(self, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  positions: torch.Tensor | None = None) -> None:
-        (qk, sk, zk), (qv, sv, zv) = self._codes(key, value)  # (N, H_kv, ·)
-        self.base[rows, :, slots] = pack(qk >> (self.top - self.bits), self.bits)
-        self.base_v[rows, :, slots] = pack(qv >> (self.top - self.bits), self.bits)
-        self.scale_k[rows, :, slots], self.zero_k[rows, :, slots] = sk, zk
-        self.scale_v[rows, :, slots], self.zero_v[rows, :, slots] = sv, zv
-        n, h = key.shape[:2]
-        counts = torch.bincount(rows, minlength=self.base.shape[0])
-        first = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(n, device=rows.device) - first[rows]  # (N,) the token's order within its row
-        r, hh = rows[:, None], torch.arange(h, device=rows.device)[None, :]
+        codes = self._codes(key, value)  # (N, H_kv, ·)
+        self.plane.put((rows, slice(None), slots), self.top, *codes)
+        rank = rank_in_row(rows, self.plane.k.shape[0])  # (N,) the token's order within its row
+        r, hh = rows[:, None], torch.arange(key.shape[1], device=rows.device)[None, :]
         for pool in self.pools:
-            pool.put_at(r, hh, rank, slots, *self._entry(pool, key, value, qk, qv))
+            pool.put_at(r, hh, rank, slots, *self._entry(pool, key, value, codes[0][0], codes[1][0]))
 
     # -- demotion and eviction ------------------------------------------------------------------------
     def demote(self, level: int, slots: torch.Tensor) -> None:
@@ -253,11 +204,11 @@ class TieredKVStore(TieredBytes, KVStore):
 
     def forget(self, lengths: torch.Tensor) -> None:
         """Slots at or past each row's length (B,) hold nothing now: free their pool entries."""
-        cap = self.capacity
+        cap, k = self.capacity, self.plane.k
         if not self.pools or cap == 0:
             return
-        dead = torch.arange(cap, device=self.base.device)[None, :] >= lengths.to(self.base.device)[:, None]
-        dead = dead[:, None, :].expand(-1, self.base.shape[1], -1)
+        dead = torch.arange(cap, device=k.device)[None, :] >= lengths.to(k.device)[:, None]
+        dead = dead[:, None, :].expand(-1, k.shape[1], -1)
         for pool in self.pools:
             pool.release(dead)
 
@@ -271,19 +222,19 @@ class TieredKVStore(TieredBytes, KVStore):
 
     def slot_widths(self, length: int) -> torch.Tensor:
         """The width each of the first ``length`` slots holds now (B, H_kv, L)."""
-        widths = torch.full(self.base.shape[:2] + (length,), self.bits, dtype=torch.int16, device=self.base.device)
+        k = self.plane.k
+        widths = torch.full(k.shape[:2] + (length,), self.bits, dtype=torch.int16, device=k.device)
         for pool in reversed(self.pools):  # narrowest first, so a wider width overwrites
             widths.masked_fill_(pool.where[:, :, :length] >= 0, pool.bits)
         return widths
 
     def reorder(self, order: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        for name in self.SLOT_PARTS:
-            gather_rows(getattr(self, name), order, rows)
+        self.plane.reorder(order, rows)
         for pool in self.pools:
             gather_rows(pool.where, order, rows)
 
     def select_batch(self, index: torch.Tensor) -> None:
-        self._map_slots(lambda t: t.index_select(0, index))
+        self.plane.map(lambda t: t.index_select(0, index))
         for pool in self.pools:
             pool.select_batch(index)
 
@@ -307,9 +258,10 @@ def read_slots(store: TieredKVStore, which: int, start: int, end: int) -> torch.
 
     Each slot reads back at the width it holds now: its base plane, every plane it still holds above it, and
     the bits it lost at their midpoint."""
-    base = (store.base, store.base_v)[which][:, :, start:end]
-    scale = (store.scale_k, store.scale_v)[which][:, :, start:end]
-    zero = (store.zero_k, store.zero_v)[which][:, :, start:end]
+    slots = store.plane
+    base = (slots.k, slots.v)[which][:, :, start:end]
+    scale = (slots.scale_k, slots.scale_v)[which][:, :, start:end]
+    zero = (slots.zero_k, slots.zero_v)[which][:, :, start:end]
     dim, group = store.dims[which], store.groups[which]
     # Built on the top width's scale in float32, where every code is exact: each plane above the base
     # shifts the code left by its bits and adds them (zero where the slot no longer holds that width).

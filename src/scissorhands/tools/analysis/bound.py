@@ -17,9 +17,8 @@ import logging
 
 import torch
 
-from scissorhands.core.settings.budget import resolve_budget
 from scissorhands.core.settings.config import DEFAULTS, CacheSettings
-from scissorhands.hf.cache import ScissorhandsCache
+from scissorhands.hf.cache import ScissorhandsCache, cache_plan
 
 from .capture import capture_attention_outputs
 
@@ -73,13 +72,6 @@ def fit_through_origin(x, y) -> tuple[float, float]:
     return slope, (1.0 - resid / total) if total > 0 else 1.0
 
 
-def budget_for(ratio: float, length: int, recent: int) -> int:
-    """Token budget for ``B/T = ratio`` (never below ``recent + 1``)."""
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"ratios: must be in (0, 1], got {ratio}")
-    return resolve_budget(float(ratio), length, recent, name="ratios")
-
-
 @torch.no_grad()
 def deviation_vs_budget(model, ids: torch.Tensor, ratios: list[float],
                         base: CacheSettings = DEFAULTS) -> list[dict]:
@@ -104,16 +96,18 @@ def deviation_vs_budget(model, ids: torch.Tensor, ratios: list[float],
     """
     ids = ids.reshape(1, -1).to(model.device)  # (1, T)
     length = ids.shape[1]
-    recent = base.protected
+    for ratio in ratios:
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"ratios: must be in (0, 1], got {ratio}")
     with capture_attention_outputs(model) as outs:
         full_logits = model(ids, use_cache=False).logits[0]  # (T, V)
     full = [o[-1][0] for o in outs]  # per layer (T, hidden)
     results = []
     for ratio in ratios:
-        budget = budget_for(ratio, length, recent)
-        config = base.with_budget(budget)
+        made = cache_plan(model, base, budget=float(ratio), length=length)  # B/T = ratio, at least recent + 1
+        budget = made.config.budget
         with capture_attention_outputs(model) as outs:
-            logits = model(ids, cache=ScissorhandsCache(model, config)).logits[0]  # (T, V)
+            logits = model(ids, cache=ScissorhandsCache.from_plan(model, made)).logits[0]  # (T, V)
         comp = [o[-1][0] for o in outs]
         kl = kl_per_position(full_logits, logits)  # (T,)
         start = min(budget, length)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from scissorhands.core.methods import get_method
-from scissorhands.core.settings.budget import resolve_budget
+from scissorhands.core.planning.assembly import budget_tokens
 from scissorhands.core.settings.config import DEFAULTS, CacheSettings
 from scissorhands.hf.scoring import ScoreSetup, token_logprobs
 
@@ -51,7 +51,6 @@ def compare_schedules(model, windows: list[list[int]], compressions: list[float]
     if "uniform" not in schedules:
         raise ValueError("schedules: must include 'uniform' to pair against")
     length = len(windows[0])
-    recent = DEFAULTS.protected
 
     def tick():
         if progress is not None:
@@ -63,7 +62,7 @@ def compare_schedules(model, windows: list[list[int]], compressions: list[float]
         tick()
     runs = []
     for c in compressions:
-        budget = resolve_budget(1.0 / c, length, recent)
+        budget = budget_tokens(1.0 / c, length, DEFAULTS)
         per_schedule = {}
         for name, schedule in schedules.items():
             nll = []

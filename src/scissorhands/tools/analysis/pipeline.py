@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from scissorhands.core.settings.budget import resolve_budget
+from scissorhands.core.planning.assembly import budget_tokens
 from scissorhands.core.settings.config import DEFAULTS
 
 from ..text import corpus_tokens, windows
@@ -217,7 +217,7 @@ def calibrate(result: dict, settings: AnalysisSettings, out_dir: Path) -> dict:
     full = result["full_attention_layers"]
     persistence = [per_layer[i] for i in full]
     recent = DEFAULTS.protected  # every layer budget must exceed it
-    budget = resolve_budget(settings.budget, settings.ppl_seq_len, recent)
+    budget = budget_tokens(settings.budget, settings.ppl_seq_len, DEFAULTS)
     budgets = calibrated_budgets(persistence, budget, recent, settings.weight_floor)
     source = (f"{result['model']}: form (b) top-{settings.calib_topk * 100:g}% persistence, mean over heads, "
               f"T={settings.length}, {settings.windows} calibration windows from the first "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 
-from scissorhands.core.settings.budget import check_budget_spec, resolve_budget
+from scissorhands.core.settings.budget import check_budget_spec
 from scissorhands.core.settings.config import ScissorhandsConfig
 
 from .checks import check_generation_args, check_model_args, check_schedule_file, check_trust_args
@@ -148,11 +148,11 @@ def _method(args):
         raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
 
 
-def generate_config(args, length: int | None = None) -> ScissorhandsConfig | None:
-    """The cache configuration ``generate`` and ``demo`` run with: the flags, then the method's own settings.
-
-    A fractional ``--budget`` is a fraction of ``length`` (prompt + new tokens); without ``length`` it is only
-    checked, and None comes back until the prompt is tokenized.
+def generate_config(args) -> ScissorhandsConfig | None:
+    """The cache configuration ``generate`` and ``demo`` run with, where the flags alone fix it (a token
+    budget): the flags, then the method's own settings. Every flag is checked here, before the model loads;
+    None comes back for a fractional ``--budget`` or ``--memory``, which the plan turns into tokens once the
+    prompt's length is known (:func:`generate_plan`).
     """
     method = _method(args)
     settings = cache_settings(args)
@@ -162,11 +162,10 @@ def generate_config(args, length: int | None = None) -> ScissorhandsConfig | Non
     if method.is_full:  # the quantised full cache: a budget no sequence reaches, so nothing is evicted
         return method.configure(settings, NO_BUDGET)
     if getattr(args, "memory", None) is not None:
-        if args.budget is not None:
-            raise ValueError("memory: give --memory or --budget, not both")
-        from scissorhands.core.planning.memory_target import check_memory_settings, parse_memory
+        from scissorhands.core.planning.assembly import check_given
+        from scissorhands.core.planning.memory_target import check_memory_settings
 
-        parse_memory(args.memory)  # checked now; chosen once the model and the prompt's length are known
+        check_given(args.budget, args.memory)  # checked now; chosen once the model and the prompt's length are known
         check_memory_settings(settings)
         return None
     if args.budget is None:
@@ -174,11 +173,21 @@ def generate_config(args, length: int | None = None) -> ScissorhandsConfig | Non
             raise ValueError("budget: required: --budget B (tokens or a fraction), or --memory M (a byte budget)")
         args.budget = args.budget_fallback
     spec = check_budget_spec(args.budget, "budget")
-    if isinstance(spec, float):
-        if length is None:
-            return None
-        spec = resolve_budget(spec, length, method.resolve(settings).protected, "budget")
-    return method.configure(settings, spec)
+    return None if isinstance(spec, float) else method.configure(settings, spec)
+
+
+def generate_plan(args, model, length: int, protect=None, protect_name: str = "protect"):
+    """The plan ``generate`` and ``demo`` build their cache from: the flags' settings, the method's own, and the
+    budget as given (a token count, a fraction of ``length``: the prompt and the new tokens, or ``--memory``)
+    turned into tokens by the plan, once (see :func:`scissorhands.core.planning.assembly.plan`)."""
+    from scissorhands.core.tokens.protect import Protection
+    from scissorhands.hf.cache import cache_plan
+
+    method = _method(args)
+    memory = getattr(args, "memory", None)
+    budget = None if memory is not None else NO_BUDGET if method.is_full else args.budget
+    return cache_plan(model, cache_settings(args), method(seed=args.seed), budget=budget, memory=memory,
+                      length=length, protection=Protection.parse(protect), protect_name=protect_name)
 
 
 def run(args, prompt, label_budget: str) -> int:
@@ -196,20 +205,16 @@ def run(args, prompt, label_budget: str) -> int:
         prompt = prompt(tokenizer)
     prompt, n_system = _chat(args, tokenizer, prompt)
     length = len(tokenizer(prompt)["input_ids"]) + args.max_new_tokens
-    if getattr(args, "memory", None) is not None:  # a byte budget: the store and tokens chosen for this model
-        from scissorhands.hf.cache import choose_memory
-
-        choice = choose_memory(model, cache_settings(args), method(seed=args.seed), args.memory, length)
-        config = choice.config
-        label_budget = f"{config.budget} tokens, chosen for --memory {args.memory}"
-        print(f"[scissorhands] {choice.describe()}", file=sys.stderr)
+    spans, watched, protect_name = _protection(args, tokenizer, prompt, n_system)
+    made = generate_plan(args, model, length, spans or None, protect_name)
+    if made.memory_choice is not None:  # a byte budget: the store and tokens chosen for this model
+        label_budget = f"{made.config.budget} tokens, chosen for --memory {args.memory}"
+        print(f"[scissorhands] {made.memory_choice.describe()}", file=sys.stderr)
     elif config is None:  # a fractional budget: of this prompt and the new tokens
-        config = generate_config(args, length)
-        assert config is not None
-        label_budget = f"{args.budget:g} ({config.budget} tokens)"
-    if isinstance(config.schedule, tuple):  # an explicit list fixes every layer's budget
-        label_budget = (f"{','.join(str(b) for b in config.schedule)} per layer (an explicit --schedule; --budget "
-                        f"{args.budget:g} is not used)")
+        label_budget = f"{args.budget:g} ({made.config.budget} tokens)"
+    if isinstance(made.config.schedule, tuple):  # an explicit list fixes every layer's budget
+        label_budget = (f"{','.join(str(b) for b in made.config.schedule)} per layer (an explicit --schedule; "
+                        f"--budget {args.budget:g} is not used)")
     spans, watched, protect_name = _protection(args, tokenizer, prompt, n_system)
     audit = None
     if args.audit is not None:
@@ -219,9 +224,8 @@ def run(args, prompt, label_budget: str) -> int:
     prompt_name = "prompt-file" if getattr(args, "prompt_file", None) is not None else "prompt"
     sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                     ignore_eos=args.ignore_eos)
-    result = generate(model, tokenizer, prompt, config, args.max_new_tokens, progress=True,
-                      method=method(seed=args.seed), prompt_name=prompt_name, protect=spans or None, audit=audit,
-                      protect_name=protect_name, **sampling)
+    result = generate(model, tokenizer, prompt, made, args.max_new_tokens, progress=True,
+                      prompt_name=prompt_name, audit=audit, protect_name=protect_name, **sampling)
     budget_text = "none" if method.is_full else label_budget
     print(f"prompt: {result.prompt_tokens[0]} tokens; budget {budget_text}", file=sys.stderr)
     if args.compare_full:
@@ -241,8 +245,7 @@ def run(args, prompt, label_budget: str) -> int:
         diverge = next((i for i in range(n) if a[i] != b[i]), n)
         print(f"[compare] identical to the full cache for the first {diverge} of {n} new tokens; decode "
               f"speed ratio {result.decode_tokens_per_second / full.decode_tokens_per_second:.2f}x", file=sys.stderr)
-        cost = answer_cost(model, tokenizer, prompt, full.new_tokens[0], config, method(seed=args.seed),
-                           protect=spans or None)
+        cost = answer_cost(model, tokenizer, prompt, full.new_tokens[0], made)
         for line in compare_lines(result.memory, cost):
             print(line)
     return 0

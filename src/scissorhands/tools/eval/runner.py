@@ -12,13 +12,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from scissorhands.core.methods import EvictionMethod, get_method
-from scissorhands.core.planning.memory_target import store_bytes
-from scissorhands.core.settings.budget import resolve_budget
+from scissorhands.core.planning.assembly import budget_tokens
 from scissorhands.core.settings.config import CacheSettings
-from scissorhands.core.settings.schedule import layer_budgets
 from scissorhands.core.settings.tiers import tier_caps
-from scissorhands.core.stores import STORES, store_name
-from scissorhands.hf.cache import memory_shape
 from scissorhands.hf.modelinfo import model_facts
 from scissorhands.hf.scoring import ScoreSetup
 
@@ -47,36 +43,6 @@ def kv_bytes_per_token(model) -> int:
     return model_facts(model).kv_bytes_per_token(next(model.parameters()).element_size())
 
 
-def kv_bytes(model, settings, budget: float, evicts: bool = True) -> float:
-    """Bytes of one sequence's K/V at an average ``budget``: the store's own byte model (``KVStore.bytes_for``,
-    what ``memory=`` plans with and a test holds against what each store allocates), plus the residual.
-
-    Dense and packed stores cost the same per token, so a fractional mean budget is exact; a demoting store's
-    pools are shares of a layer's budget, so it is sized at the nearest whole budget.
-    """
-    shape = memory_shape(model)
-    if settings.kv_demote is not None:
-        return store_bytes(settings.with_budget(max(1, round(budget))), shape, evicts)
-    per_head = STORES[store_name(settings)].bytes_for(settings, shape, 1)
-    if per_head is None:  # a store that declares no byte model: counted at the model's dtype
-        per_head = (shape.head_dim_k + shape.head_dim_v) * shape.itemsize
-    return budget * shape.layers * shape.kv_heads * per_head + kv_residual_bytes(model, settings, budget, evicts)
-
-
-def kv_residual_bytes(model, settings, budget: float, evicts: bool = True) -> float:
-    """Bytes of a sequence's full-precision residual at an average ``budget`` (model dtype), 0 without one.
-
-    Each budgeted layer's own budget comes from the schedule, and its residual from that budget.
-    """
-    if not settings.quantized:
-        return 0
-    facts = model_facts(model)
-    per_layer_token = facts.kv_bytes_per_token(next(model.parameters()).element_size()) / len(facts.full_layers)
-    config = settings.with_budget(max(1, round(budget)))
-    return sum(min(settings.residual_for(b, evicts), b) * per_layer_token
-               for b in layer_budgets(config, len(facts.full_layers)))
-
-
 @dataclass(frozen=True)
 class MemorySpec:
     """A grid row's memory budget (``eval --memory``): the store and token budget are chosen per item.
@@ -90,10 +56,14 @@ class MemorySpec:
         return f"memory={self.value}"
 
 
-def _choose(model, spec: MemorySpec, length: int, method: type[EvictionMethod], base: CacheSettings):
-    from scissorhands.hf.cache import choose_memory
+def _plan(model, spec, length: int, method: type[EvictionMethod], base: CacheSettings, seed: int = 0):
+    """The plan of a cell's cache for one item of ``length`` tokens: a budget as given (a token count or a
+    fraction of the item) or a memory target, made tokens by the plan alone."""
+    from scissorhands.hf.cache import cache_plan
 
-    return choose_memory(model, base, method(), spec.value, length)
+    memory = spec.value if isinstance(spec, MemorySpec) else None
+    return cache_plan(model, base, method(seed=seed), budget=None if memory is not None else spec, memory=memory,
+                      length=length)
 
 
 def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], budgets: list, base: CacheSettings):
@@ -102,14 +72,14 @@ def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], bud
     Every budget a cell will use is also configured once, so settings that do
     not fit it (e.g. a drop count above the budget) fail before any cell runs.
     """
-    protected = base.protected
+    protected = method.resolve(base).protected
     seen: dict[tuple, float | int] = {}
     for spec in budgets:
         if isinstance(spec, MemorySpec):
             continue  # chosen per item; an unreachable one is refused before any cell runs (run_grid)
         if isinstance(spec, int) and spec <= protected:
             raise ValueError(f"budgets: a token count must be > recent + sinks ({protected}), got {spec}")
-        used = tuple(min(resolve_budget(spec, i.length, protected, "budgets"), i.length) for i in items)
+        used = tuple(min(budget_tokens(spec, i.length, base, method, "budgets"), i.length) for i in items)
         # A demoting cache is built even when the budget covers the item (its widths' shares still apply).
         building = {b for b, i in zip(used, items) if b < i.length or base.kv_demote is not None}
         for budget in sorted(building):
@@ -188,7 +158,7 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                 for wanted in budgets:  # a memory budget no store meets is refused before any cell runs
                     if isinstance(wanted, MemorySpec):
                         for length in sorted({i.length for i in items}):
-                            _choose(model, wanted, length, method, base)
+                            _plan(model, wanted, length, method, base)
         all_items.append(items)
     out_dir.mkdir(parents=True, exist_ok=True)
     with exclusive(out_dir, "out"):  # two runs into one folder at once would both write every row
@@ -211,14 +181,13 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
             if exact is not None and isinstance(exact.get("item_scores"), list):
                 task.take_full(items, exact["item_scores"])
             for method in methods:
-                protected = base.protected  # the floor of resolve_budget, as the recorded results always used
                 for spec in ([None] if method.is_full else budgets):
                     key = run_key(model_id, task_id, method, spec, base, limit, seed, engine_id)
                     kid = key_id(key)
                     if kid in done:
                         results.append(done[kid])
                         continue
-                    scores, budgets_used = [], []
+                    scores, budgets_used, held_bytes = [], [], []
                     desc = f"{task.name} {method.name} {'full' if spec is None else spec}"
                     choices = []
                     partial = Partial(out_dir / PARTIAL_DIR / f"{kid}.jsonl", items, resume)
@@ -231,14 +200,19 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         batch = engine_scores(engine, task, items[len(partial.scores):], method,
                                               None if spec is None else int(spec), base)
                     for index, item in enumerate(tqdm(items, desc=desc, leave=False)):
-                        cell_base = base
-                        if isinstance(spec, MemorySpec):
-                            choice = _choose(model, spec, item.length, method, base)
-                            choices.append(choice)
-                            budget, cell_base = choice.config.budget, choice.config.settings
-                        else:
-                            budget = None if spec is None else resolve_budget(spec, item.length, protected)
+                        setup = ScoreSetup(method, None, base, seed)
+                        if spec is not None and engine is not None:  # the engine plans its own layers
+                            setup = ScoreSetup(method, budget_tokens(spec, item.length, base, method), base, seed)
+                        elif spec is not None:  # one plan per item: its budget in tokens, or a memory target's choice
+                            setup = ScoreSetup.planned(_plan(model, spec, item.length, method, base, seed), method,
+                                                       seed)
+                            if setup.plan is not None and setup.plan.memory_choice is not None:
+                                choices.append(setup.plan.memory_choice)
+                        budget = setup.budget
                         budgets_used.append(item.length if budget is None else min(budget, item.length))
+                        # K/V held at the item's end: the plan's byte model (the engine keeps dense K/V).
+                        held_bytes.append(budgets_used[-1] * per_token if engine is not None else
+                                          setup.kv_bytes(model, item.length))
                         if index < len(partial.scores):
                             scores.append(partial.scores[index])
                             if method.is_full and not method.resolve(base).quantized:
@@ -247,7 +221,7 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         if engine is not None:
                             scores.append(batch[index - len(partial.scores)])
                         else:
-                            scores.append(task.score(model, item, ScoreSetup(method, budget, cell_base, seed)))
+                            scores.append(task.score(model, item, setup))
                         partial.add(index, item, scores[-1], earlier + time.perf_counter() - start)
                     metrics = task.aggregate(scores)
                     mean_len = sum(i.length for i in items) / len(items)
@@ -257,7 +231,7 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
                         "metric": task.main_metric, "value": metrics[task.main_metric], "metrics": metrics,
                         "compression": mean_len / mean_budget, "mean_length": mean_len, "mean_budget": mean_budget,
                         "kv_bytes": (sum(c.peak_bytes for c in choices) / len(choices)) if choices else
-                        kv_bytes(model, method.resolve(base), mean_budget, evicts=not method.is_full),
+                        sum(held_bytes) / len(held_bytes),
                         "full_kv_bytes": mean_len * per_token,
                         "wall_s": earlier + time.perf_counter() - start, "n_items": len(items), "seed": seed,
                         "config": jsonable(method.resolve(base).as_dict()),
