@@ -136,6 +136,10 @@ def test_every_entry_point_makes_the_same_memory_choice(name, memory):
     setup = lm.setup_for(length)
     want = python_api.memory_choice.config
     assert from_cli.config == want and from_eval.config == want
+    from scissorhands.hf.cache import memory_shape
+
+    # The plan's bytes are the ones its memory target planned with.
+    assert python_api.plan.peak_bytes(memory_shape(model)) == python_api.memory_choice.peak_bytes
     assert (setup.budget, setup.base) == (want.budget, want.settings)
     assert _built(setup.make_cache(model, length)) == _built(python_api)
 
