@@ -167,3 +167,21 @@ def test_the_plans_byte_model_is_what_the_cache_allocates(settings):
     covered = ScoreSetup(get_method("scissorhands"), 100, CacheSettings(recent=4))
     assert covered.cache_plan(model, 80) is None
     assert covered.kv_bytes(model, 80) == 80 * model_facts(model).kv_bytes_per_token(4)
+
+
+def test_a_planned_setup_holds_its_plan_until_a_task_changes_its_settings():
+    """The eval runner plans each item once (``ScoreSetup.planned``); a task that changes the settings (a text
+    scored whole streams its prompt) or adds protected spans gets a cache planned from what it asked."""
+    from dataclasses import replace
+
+    from scissorhands.hf.cache import cache_plan
+
+    model = tiny_model("llama")
+    method = get_method("scissorhands")
+    made = cache_plan(model, CacheSettings(recent=4, prefill="prompt-aware"), method(), budget=0.4, length=40)
+    setup = ScoreSetup.planned(made, method)
+    assert setup.budget == 16 and setup.cache_plan(model, 40) is made
+    moved = replace(setup, base=setup.base.with_plugin("prefill", "stream"))
+    assert moved.cache_plan(model, 40).config.prefill == "stream" and made.config.prefill == "prompt-aware"
+    guarded = replace(setup, protect=((0, 3),)).cache_plan(model, 40)
+    assert guarded.config == made.config and guarded.protection is not None and made.protection is None

@@ -73,11 +73,15 @@ class ScoreSetup:
             # settings tied to eviction (the residual's cap by the recent window) do not apply.
             return cache_plan(model, self.base, get_method("full")(), budget=total_length, length=total_length)
         # With demotion a budget above the length still demotes by its widths' shares: the cache as built.
-        if self.plan is not None and self.protect is None:
-            return self.plan
-        settings, method = ((self.plan.config, self.plan.method) if self.plan is not None else
+        # The caller's plan holds while the budget and settings are its own (a task that changes them, as a
+        # streamed prefill for a text scored whole, plans anew from them).
+        planned = self.plan if self.plan is not None and (self.plan.config.budget, self.plan.config.settings) == (
+            self.budget, self.base) else None
+        if planned is not None and self.protect is None:
+            return planned
+        settings, method = ((planned.config, planned.method) if planned is not None else
                             (self.base, self.method(seed=self.seed)))
-        return cache_plan(model, settings, method, budget=self.budget if self.plan is None else None,
+        return cache_plan(model, settings, method, budget=self.budget if planned is None else None,
                           protection=Protection.parse(None if self.protect is None else list(self.protect)))
 
     def make_cache(self, model, total_length: int):
