@@ -238,3 +238,31 @@ def test_static_decode_is_the_same_through_every_entry_point(decode):
     assert want[1] == [decode, decode]
     for label, cache in [("cli", from_cli), ("scorer", scorer), ("eval", from_eval), ("lm-eval", from_lm_eval)]:
         assert (_built(cache), steps(cache)) == want, label
+
+
+@pytest.mark.parametrize("name", ["scissorhands", "h2o"])  # TOVA protects 1 token: a budget of 1 is a fraction
+def test_a_token_count_at_the_protected_tokens_is_refused_alike_by_every_entry_point(name):
+    """One rule, the plan's (``check_budget``): a count must exceed the method's recent window and sinks; the
+    command line, eval's grid, the lm-eval backend, the vLLM plugin and the plan refuse it in the same line."""
+    from scissorhands.core.planning.assembly import check_budget
+    from scissorhands.core.settings.config import CacheSettings
+    from scissorhands.hf.cache import cache_plan
+    from scissorhands.tools.cli.eval import _eval_budgets
+    from scissorhands.vllm.settings import parse
+
+    model = tiny_model("llama")
+    eval_args = cli.build_parser().parse_args(["eval", "--methods", name, "--budgets", "0", *_cli_flags()])
+    method = get_method(name)
+    protected = method.resolve(CacheSettings(**FLAGS)).protected
+    message = rf"^budgets?: a token count must be > recent \+ sinks \({protected}\), got {protected}"
+    for attempt in (
+        lambda: check_budget(protected, CacheSettings(**FLAGS), method),
+        lambda: cache_plan(model, CacheSettings(**FLAGS), method(), budget=protected),
+        lambda: _eval_budgets(setattr(eval_args, "budgets", str(protected)) or eval_args,
+                              cli.cache_settings(eval_args), [method]),
+        lambda: ScissorhandsLM(model=(model, _Tokenizer()), method=name, budget=protected, **FLAGS),
+        lambda: parse({"method": name, "budget": protected, **{k: str(v) for k, v in FLAGS.items()}}),
+    ):
+        with pytest.raises(ValueError, match=message):
+            attempt()
+    assert check_budget(protected + 1, CacheSettings(**FLAGS), method) == protected + 1

@@ -86,6 +86,10 @@ def check_model_args(model, tokenizer, method, budget, memory, seed, dtype, devi
     chosen, budget_spec, memory = _eviction_args(method, budget, memory)
     # Every cache setting by its declaration: the same names, parsing and checks as the CLI's flags.
     base = CacheSettings(**from_strings(CacheSettings, settings, what))
+    if budget_spec is not None:  # the plan's rule, before the model loads: a count above the protected tokens
+        from scissorhands.core.planning.assembly import check_budget
+
+        check_budget(budget_spec, base, chosen)
     seed = _check_int("seed", seed)
     max_gen_toks = check_positive_int("max_gen_toks", max_gen_toks)
     max_length = None if max_length is None else check_positive_int("max_length", max_length)

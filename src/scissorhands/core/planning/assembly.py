@@ -201,16 +201,32 @@ def budget_tokens(spec, length: int | None, settings: CacheSettings,
     return _tokens(spec, length, _method(method).resolve(settings).protected, name)
 
 
-def _tokens(spec, length: int | None, protected: int, name: str = "budget") -> int:
-    """A fraction rounded to tokens of this sequence, a count as is; never below ``protected + 1`` (short
-    sequences at a small fraction hit this floor: their compression is then below the nominal one, and the
-    evaluation records the budget actually used)."""
+def check_budget(spec, settings: CacheSettings, method: EvictionMethod | type[EvictionMethod] | None = None,
+                 name: str = "budget") -> float | int:
+    """A budget as given, checked against the settings before anything is loaded: a fraction in (0, 1], or a token
+    count above the method's protected tokens (its recent window and sinks); one-line ``ValueError`` naming
+    ``name``. The plan checks the same when it makes the budget tokens."""
+    return _checked(spec, _method(method).resolve(settings).protected, name)
+
+
+def _checked(spec, protected: int, name: str) -> float | int:
     value = check_budget_spec(spec, name)
+    if isinstance(value, int) and value <= protected:
+        raise ValueError(f"{name}: a token count must be > recent + sinks ({protected}), got {value}; lower recent "
+                         "or raise the budget")
+    return value
+
+
+def _tokens(spec, length: int | None, protected: int, name: str = "budget") -> int:
+    """A fraction rounded to tokens of this sequence, never below ``protected + 1`` (short sequences at a small
+    fraction hit this floor: their compression is then below the nominal one, and the evaluation records the
+    budget actually used); a count as is, refused at or below ``protected``."""
+    value = _checked(spec, protected, name)
     if isinstance(value, float):
         if length is None:
             raise ValueError(f"{name}: a fraction ({value:g}) needs the sequence's length to become tokens")
-        value = round(value * length)
-    return max(value, protected + 1)
+        return max(round(value * length), protected + 1)
+    return value
 
 
 def check_given(budget, memory) -> None:

@@ -53,11 +53,13 @@ def _eval_budgets(args, base: CacheSettings, methods) -> list[float | int]:
     twice = next((b for i, b in enumerate(budgets) if b in budgets[:i]), None)
     if twice is not None:
         raise ValueError(f"budgets: {twice} is given twice")
-    if any(not m.is_full for m in methods):
-        for b in budgets:
-            if isinstance(b, int) and b <= base.protected:
-                raise ValueError(f"budgets: a token count must be > recent + sinks ({base.protected}), got {b}; "
-                                 "lower --recent or raise the budget")
+    from scissorhands.core.planning.assembly import check_budget
+
+    for m in methods:  # the plan's rule, before the model loads: a count above each method's protected tokens
+        if not m.is_full:
+            for b in budgets:
+                if isinstance(b, int):  # a fraction is floored per item, not refused
+                    check_budget(b, base, m, "budgets")
     return budgets
 
 
