@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import sys
 
-from scissorhands.core.settings.budget import check_budget_spec
 from scissorhands.core.settings.config import ScissorhandsConfig
 
 from .checks import check_generation_args, check_model_args, check_schedule_file, check_trust_args
@@ -172,7 +171,9 @@ def generate_config(args) -> ScissorhandsConfig | None:
         if getattr(args, "budget_fallback", None) is None:
             raise ValueError("budget: required: --budget B (tokens or a fraction), or --memory M (a byte budget)")
         args.budget = args.budget_fallback
-    spec = check_budget_spec(args.budget, "budget")
+    from scissorhands.core.planning.assembly import check_budget
+
+    spec = check_budget(args.budget, settings, method)  # the plan's rule, before the model loads
     return None if isinstance(spec, float) else method.configure(settings, spec)
 
 
