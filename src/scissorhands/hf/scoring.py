@@ -71,7 +71,7 @@ class ScoreSetup:
                 return None
             # Nothing will be evicted: the full method's packed cache, whatever method was asked for, so that
             # settings tied to eviction (the residual's cap by the recent window) do not apply.
-            return cache_plan(model, self.base, get_method("full")(), budget=total_length, length=total_length)
+            return cache_plan(model, self.base, get_method("full")(), budget=1.0, length=total_length)  # it all
         # With demotion a budget above the length still demotes by its widths' shares: the cache as built.
         # The caller's plan holds while the budget and settings are its own (a task that changes them, as a
         # streamed prefill for a text scored whole, plans anew from them).
