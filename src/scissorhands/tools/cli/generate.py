@@ -155,6 +155,7 @@ def generate_config(args) -> ScissorhandsConfig | None:
     """
     method = _method(args)
     settings = cache_settings(args)
+    check_schedule_file(settings)
     if method.is_full and not settings.quantized:
         raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method, "
                          "or --kv-bits for a quantised full cache")
@@ -192,12 +193,11 @@ def generate_plan(args, model, length: int, protect=None, protect_name: str = "p
 
 
 def run(args, prompt, label_budget: str) -> int:
-    method = _method(args)
-    config = generate_config(args)
-    check_schedule_file(config if config is not None else cache_settings(args))
     check_generation_args(args)
     check_trust_args(args)
     check_model_args(args)
+    method = _method(args)
+    config = generate_config(args)
     from ..generation import generate  # imports transformers: after every check
     from ..models import load_model
 
