@@ -96,7 +96,9 @@ class CachePlan:
         return self.group_method(group).make_state(self.config)
 
     def layer(self, layer: int, layer_idx: int | None = None,
-              key_center: torch.Tensor | RotaryCenters | None = None, **given) -> BudgetedKV | HeadGroups:
+              key_center: torch.Tensor | RotaryCenters | None = None, *, store: KVStore | None = None,
+              prefill: Prefill | None | str = "plan", rounds: bool | None = None,
+              method: EvictionMethod | None = None) -> BudgetedKV | HeadGroups:
         """Budgeted layer ``layer`` (the ``layer``-th full-attention layer) finished, as the model's layer
         ``layer_idx`` (default ``layer``): its store, prefill mode, per-token state, shields and eviction mode
         from the plan, needing no check of its own; with head-level budgets, its head groups, each a budgeted layer
@@ -109,26 +111,20 @@ class CachePlan:
 
         part, c = self.layers[layer], self.config
         idx = layer if layer_idx is None else layer_idx
-        if given:
-            if part.groups or not given.keys() <= {"store", "prefill", "rounds", "method"}:
-                raise ValueError(f"layer: a plan's layer takes store, prefill, rounds and method, got {sorted(given)}")
-            own = {"store": None, "prefill": None, "rounds": c.rounds, "method": self.method, **given}
-            method = own["method"]
-            store = own["store"] if own["store"] is not None else self.store(layer, key_center)
-            prefill = own["prefill"] if "prefill" in given else self.prefill(layer)
-            return BudgetedKV(part.budget, part.recent, part.drop, method, method.make_state(c), idx, store,
-                              sinks=c.sinks, merge=c.merge, prefill=prefill, protect=self.protection,
-                              decode=c.decode, rounds=own["rounds"])
         if part.groups:
+            if store is not None or prefill != "plan" or rounds is not None or method is not None:
+                raise ValueError("layer: a layer split into head groups takes its parts from the plan alone")
             from ..layer.heads import HeadGroups
 
             return HeadGroups([(g.heads, BudgetedKV(
                 g.budget, g.recent, g.drop, self.group_method(g), self.state(g), idx, self.store(layer, group=g),
                 sinks=c.sinks, merge=c.merge, prefill=self.prefill(layer, g), decode=c.decode, rounds=c.rounds,
                 protect=self.protection if g.retrieval else None)) for g in part.groups])
-        return BudgetedKV(part.budget, part.recent, part.drop, self.method, self.state(), idx,
-                          self.store(layer, key_center), sinks=c.sinks, merge=c.merge, prefill=self.prefill(layer),
-                          protect=self.protection, decode=c.decode, rounds=c.rounds)
+        method = self.method if method is None else method
+        return BudgetedKV(part.budget, part.recent, part.drop, method, method.make_state(c), idx,
+                          self.store(layer, key_center) if store is None else store, sinks=c.sinks, merge=c.merge,
+                          prefill=self.prefill(layer) if prefill == "plan" else prefill, protect=self.protection,
+                          decode=c.decode, rounds=c.rounds if rounds is None else rounds)
 
     # -- bytes -------------------------------------------------------------------------------------
     def layer_kv_bytes(self, layer: int, shape: Shape, held: float | None = None, rows: int = 1) -> float:

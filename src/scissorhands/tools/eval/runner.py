@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from scissorhands.core.methods import EvictionMethod, get_method
-from scissorhands.core.planning.assembly import budget_tokens, check_budget
+from scissorhands.core.planning.assembly import budget_tokens
 from scissorhands.core.settings.config import CacheSettings
 from scissorhands.core.settings.tiers import tier_caps
 from scissorhands.hf.modelinfo import model_facts
@@ -77,7 +77,7 @@ def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], bud
     for spec in budgets:
         if isinstance(spec, MemorySpec):
             continue  # chosen per item; an unreachable one is refused before any cell runs (run_grid)
-        check_budget(spec, base, method, "budgets")
+        # The plan's rule makes each item's tokens (and refuses a count at or below the protected tokens).
         used = tuple(min(budget_tokens(spec, i.length, base, method, "budgets"), i.length) for i in items)
         # A demoting cache is built even when the budget covers the item (its widths' shares still apply).
         building = {b for b, i in zip(used, items) if b < i.length or base.kv_demote is not None}
