@@ -65,9 +65,11 @@ def make_requests(tokenizer, text: str, n: int, prompt: tuple[int, int], new: tu
 #: holds each prompt whole); "vllm-defaults" is vLLM as it ships (chunked prefill, prefix caching, its compiled mode
 #: whatever ``--eager`` says); "vllm-chunked", "vllm-prefix" and "vllm-compiled" are vLLM with the same flags but
 #: one of those three turned back on, to tell what each is worth to vLLM alone; "scissorhands-compiled" is the plugin
-#: in vLLM's compiled mode, to set beside "vllm-compiled".
+#: in vLLM's compiled mode, to set beside "vllm-compiled"; "scissorhands-keep-prompt" is the plugin holding each
+#: prompt whole (``prefill="keep-prompt"``) with vLLM's prefix caching on, so a shared system prompt is computed
+#: and stored once.
 VARIANTS = ("vllm", "scissorhands", "vllm-defaults", "vllm-chunked", "vllm-prefix", "vllm-compiled",
-            "scissorhands-compiled")
+            "scissorhands-compiled", "scissorhands-keep-prompt")
 COMPILED = ("vllm-defaults", "vllm-compiled", "scissorhands-compiled")
 
 
@@ -76,7 +78,8 @@ def engine_args(name: str, folder: str, kv_blocks: int | None, max_seqs: int, ma
     args = dict(model=folder, dtype=dtype, enforce_eager=eager and name not in COMPILED,
                 max_model_len=max_len, max_num_seqs=max_seqs, seed=0)
     if name != "vllm-defaults":
-        args.update(enable_prefix_caching=name == "vllm-prefix", enable_chunked_prefill=name == "vllm-chunked")
+        args.update(enable_prefix_caching=name in ("vllm-prefix", "scissorhands-keep-prompt"),
+                    enable_chunked_prefill=name == "vllm-chunked")
         if name != "vllm-chunked":  # a whole prompt in one step, as the plugin takes it
             args["max_num_batched_tokens"] = max(max_len, 8192)
     if kv_blocks is not None:
@@ -84,7 +87,8 @@ def engine_args(name: str, folder: str, kv_blocks: int | None, max_seqs: int, ma
     if block_size is not None:
         args["block_size"] = block_size
     if name.startswith("scissorhands"):
-        args["additional_config"] = {"scissorhands": plugin}
+        held = {"prefill": "keep-prompt"} if name == "scissorhands-keep-prompt" else {}
+        args["additional_config"] = {"scissorhands": plugin | held}
     return args
 
 
@@ -191,7 +195,7 @@ def plot(record_path: str) -> Path:
     panels = [x for x in panels if any(r.get(x[0]) is not None for rows in runs.values() for r in rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.1 * len(panels), 3.4))
     colors = {"vllm": "tab:gray", "scissorhands": "tab:blue", "vllm-defaults": "tab:olive", "vllm-chunked": "tab:cyan",
-              "scissorhands-compiled": "tab:red",
+              "scissorhands-compiled": "tab:red", "scissorhands-keep-prompt": "tab:green",
               "vllm-prefix": "tab:purple", "vllm-compiled": "tab:brown"}
     for ax, (key, title, unit) in zip(axes, panels):
         mids, lo, hi = [], [], []
@@ -226,15 +230,17 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     medians = {name: {k: statistics.median(r[k] for r in rows if r.get(k) is not None)
                       for k in keys if any(r.get(k) is not None for r in rows)} for name, rows in runs.items()}
     ratios = {}
-    mine = runs.get("scissorhands", [])
-    for name, rows in runs.items():
-        if name == "scissorhands":
-            continue
-        for k in ("tokens_per_s", "decode_tokens_per_s", "max_running", "mean_running"):
-            each = [a[k] / b[k] for a, b in zip(mine, rows) if a.get(k) and b.get(k)]
-            if each:
-                ratios[f"{k} vs {name}"] = {"median": statistics.median(each), "min": min(each), "max": max(each),
-                                            "n": len(each)}
+    for ours in [name for name in runs if name.startswith("scissorhands")]:
+        mine = runs[ours]
+        for name, rows in runs.items():
+            if name.startswith("scissorhands"):
+                continue
+            for k in ("tokens_per_s", "decode_tokens_per_s", "max_running", "mean_running"):
+                each = [a[k] / b[k] for a, b in zip(mine, rows) if a.get(k) and b.get(k)]
+                if each:  # "scissorhands" keeps the key it always had
+                    key = f"{k} vs {name}" if ours == "scissorhands" else f"{k} of {ours} vs {name}"
+                    ratios[key] = {"median": statistics.median(each), "min": min(each), "max": max(each),
+                                   "n": len(each)}
     return {"medians": medians, "ratios": ratios}
 
 

@@ -92,7 +92,8 @@ class Engine:
                                  SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0),
                                  use_tqdm=False)
         return [{"request_id": o.request_id, "tokens": list(o.outputs[0].token_ids),
-                 "logprobs": [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]} for o in outs]
+                 "logprobs": [next(iter(d.values())).logprob for d in o.outputs[0].logprobs],
+                 "cached": o.num_cached_tokens} for o in outs]
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()

@@ -247,6 +247,33 @@ def test_a_held_prompt_keeps_its_blocks_and_frees_those_between_it_and_the_windo
     assert held[False] <= sum(-(-p // BLOCK) + 2 for p in lengths) < held[True]
 
 
+def test_a_held_prompt_shares_its_whole_blocks_through_vllms_prefix_cache(tiny_folder, tmp_path):
+    """``prefill="keep-prompt"`` leaves vLLM's prefix caching on. Requests that begin with an earlier request's
+    prompt (a shared system prompt), or that continue its conversation (its prompt, its answer, then more), take
+    that prompt's whole blocks from the cache and compute only the rest, and keep the same positions and
+    log-probabilities as the transformers cache at the same settings. The answer's blocks, whose window the rounds
+    rearranged, are never offered to the cache: a hit on them would attend the wrong K/V."""
+    plugin = {"budget": 12, "prefill": "keep-prompt", "drop": 3}
+    engine = Engine(tiny_folder, plugin, enable_prefix_caching=True)
+    try:
+        first = prompts(100)[0]
+        answer = engine.generate([first], 60)[0]["tokens"]  # 160 tokens: blocks 3 and 4 filled by the answer
+        tails = prompts(20, 37, seed=2)
+        later = [first + tails[0], first[:70] + tails[1], first + answer + tails[0]]
+        got = engine.generate(later, NEW)
+        kept = kept_now(engine)
+        reused = plugin_state(engine.llm).planner.reused
+    finally:
+        engine.close()
+    # Whole blocks of the first prompt only: 100 tokens are 3 blocks of 32, its first 70 are 2.
+    assert [g["cached"] for g in got] == [96, 64, 96] and reused == 256
+    want = reference(tiny_folder, plugin, later, [g["tokens"] for g in got], tmp_path)
+    for g, w in zip(got, want):
+        assert g["tokens"] == w["greedy"]
+        assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])) < 1e-4
+        assert kept[g["request_id"]] == w["kept"]
+
+
 def test_a_preempted_request_keeps_the_prompt_it_first_had(tiny_folder):
     """``prefill="keep-prompt"``: vLLM recomputes a preempted request as one prefill of its prompt and what it had
     generated, and its block manager keeps the original prompt's blocks only (``num_prompt_tokens``). The plugin
@@ -258,7 +285,8 @@ def test_a_preempted_request_keeps_the_prompt_it_first_had(tiny_folder):
     from vllm.inputs import TokensPrompt
 
     budget, new = 12, 40
-    engine = Engine(tiny_folder, {"budget": budget, "prefill": "keep-prompt"})
+    # With vLLM's prefix caching (on with a held prompt): the recompute takes the prompt's whole blocks from it.
+    engine = Engine(tiny_folder, {"budget": budget, "prefill": "keep-prompt"}, enable_prefix_caching=True)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=0)
         for i, p in enumerate(prompts(*LENGTHS)):
@@ -283,7 +311,9 @@ def test_a_preempted_request_keeps_the_prompt_it_first_had(tiny_folder):
                         assert set(range(victim.num_prompt_tokens)) <= set(head)
                         assert len(head) == victim.num_prompt_tokens + budget
                 checked = True
-        assert plugin_state(engine.llm).planner.restarts == 1 and checked
+        planner = plugin_state(engine.llm).planner
+        assert planner.restarts == 1 and checked
+        assert planner.reused == victim.num_prompt_tokens // BLOCK * BLOCK  # the recompute's prompt blocks
     finally:
         engine.close()
 

@@ -173,6 +173,52 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["operator", "reference"])
+@pytest.mark.parametrize("cached", [16, 32])
+def test_a_held_prompt_begun_from_vllms_prefix_cache_serves_what_its_whole_prefill_serves(cached, compiled):
+    """``prefill="keep-prompt"`` with vLLM's prefix cache: a request whose first ``cached`` prompt tokens are in
+    cached blocks computes only the rest. Its outputs for those tokens, the positions its window holds and every
+    decode step after (through the rounds) equal those of the same request prefilled whole."""
+    gen = torch.Generator().manual_seed(3)
+    settings = parse({"budget": 12, "prefill": "keep-prompt", "drop": 3})
+    prompt, steps = 37, 24
+    runs = []
+    for hit in (0, cached):
+        torch.manual_seed(0)
+        blocks = Blocks(1, prompt + steps + 1, torch.Generator().manual_seed(1))
+        layer = PagedLayer(settings, 0, HQ, HKV, D, SCALE, None, compiled=compiled)
+        planner = Planner(settings)
+        g = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(prompt, h, D, generator=g) for h in (HQ, HKV, HKV))
+        blocks.write(blocks.slots(0, torch.arange(prompt)), k, v)  # the cached part by an earlier request
+        planner.begin(["a"])
+        slots = blocks.slots(0, torch.arange(hit, prompt))
+        plan = planner.for_step(0, ["a"], torch.tensor([0, prompt - hit], dtype=torch.int32),
+                                torch.tensor([prompt], dtype=torch.int32), blocks.table, slots, N)
+        assert plan.prefills == [(0, 0, prompt - hit, prompt, hit)] and planner.reused == hit
+        out = torch.full((prompt - hit, HQ, D), float("nan"))
+        layer.step(plan, q[hit:], k[hit:], v[hit:], blocks.cache, out)
+        outs, kept = [out[cached - hit:]], [layer.stored_positions(blocks.table[0], prompt, prompt).tolist()]
+        for step in range(1, steps + 1):
+            seen = prompt + step - 1
+            planner.begin([])
+            q1, k1, v1 = (torch.randn(1, h, D, generator=g) for h in (HQ, HKV, HKV))
+            slot = blocks.slots(0, torch.tensor([seen]))
+            blocks.write(slot, k1, v1)
+            plan = planner.for_step(step, ["a"], torch.tensor([0, 1], dtype=torch.int32),
+                                    torch.tensor([seen + 1], dtype=torch.int32), blocks.table, slot, N)
+            out = torch.full((1, HQ, D), float("nan"))
+            layer.step(plan, q1, k1, v1, blocks.cache, out)
+            outs.append(out)
+            kept.append(layer.stored_positions(blocks.table[0], seen + 1, prompt).tolist())
+        assert layer.rounds > 0  # the window after the held prompt has run its rounds
+        runs.append((outs, kept))
+    (want, want_kept), (got, got_kept) = runs
+    assert got_kept == want_kept
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["operator", "reference"])
 @pytest.mark.parametrize("name", list(PLUGINS))
 def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, compiled):
     """Each request's window output equals a one-row core layer in rounds fed that request alone, and equals what

@@ -170,8 +170,13 @@ class PagedLayer:
         assert self.pos is not None
         block = self.block = kv_cache.shape[2]
         self.kv_cache = kv_cache
-        for i, a, b, held in plan.prefills:
-            self._prefill(plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block, output[a:b], held)
+        for i, a, b, held, cached in plan.prefills:
+            if cached:
+                self._prefill_after(cached, plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block,
+                                    output[a:b], held)
+            else:
+                self._prefill(plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block, output[a:b],
+                              held)
         if plan.dec_tok is not None and plan.dec_last is not None:
             self.pos[plan.dec_slots] = plan.dec_last.to(torch.int32)[:, None]
             ctx = torch.empty(plan.dec_tok.shape[0], self.heads, self.head_size)  # (Dn, H_q, D) float32
@@ -232,6 +237,22 @@ class PagedLayer:
             state = one.state
             assert isinstance(state, ImportanceState)
             self.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
+
+    def _prefill_after(self, cached: int, table_row, q, k, v, kv_cache, block: int, out, held: int) -> None:
+        """A sequence whose first ``cached`` tokens vLLM's prefix cache gave (a held prompt's blocks, shared): the
+        step's tokens are the rest. The cached K/V are read where they lie and the sequence taken as
+        :meth:`_prefill` takes it, the cached positions' queries standing in as zeros: a held prompt is kept whole
+        and never judged, so only their outputs (not this step's) and the prompt's importance (never read: rounds
+        score the window after the prompt) depend on them; the step's own queries attend exactly as they would."""
+        if cached > held:
+            raise RuntimeError(f"scissorhands: vLLM's prefix cache gave {cached} tokens of a request whose held "
+                               f"prompt has {held}; only a held prompt's blocks are offered to it")
+        slots = self._phys(table_row, torch.arange(cached), block)[:, None]
+        kc, vc = read_kv(kv_cache, self.layout, slots // block, torch.arange(self.kv_heads)[None, :], slots % block)
+        whole = torch.empty(cached + q.shape[0], *out.shape[1:], dtype=out.dtype)
+        self._prefill(table_row, torch.cat([q.new_zeros(cached, *q.shape[1:]), q]),
+                      torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v]), kv_cache, block, whole, held)
+        out.copy_(whole[cached:])
 
     def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int) -> None:
         """Each rounding row picks ``drop`` victims per KV head and swaps them into its window's leaving slots."""

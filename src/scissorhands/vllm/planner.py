@@ -20,7 +20,9 @@ from .settings import PluginSettings
 class StepPlan:
     """What one engine step asks of every budgeted layer (index tensors, CPU)."""
 
-    prefills: list[tuple[int, int, int, int]]  # (batch row, first token, end token, held prompt) of each prompt
+    #: (batch row, first token, end token, held prompt, cached prefix) of each prompt: with a held prompt, vLLM's
+    #: prefix cache may hold the sequence's first ``cached`` tokens already, and the step computes only the rest.
+    prefills: list[tuple[int, int, int, int, int]]
     block_table: torch.Tensor  # (R, blocks) int32
     dec_tok: torch.Tensor | None = None  # (Dn,) each decode row's token index in the step
     dec_last: torch.Tensor | None = None  # (Dn,) its position p
@@ -59,8 +61,16 @@ class Planner:
         #: Each live request's block-table row and length at its last step (what its windows hold: tests, audits).
         self.where: dict[str, tuple[torch.Tensor, int]] = {}
         self.restarts = 0  # sequences begun again (a preempted request is recomputed from its first token)
+        self.reused = 0  # tokens of sequences begun that vLLM's prefix cache held (keep-prompt; tests, audits)
         self._cached: tuple | None = None
         self._stack: tuple | None = None  # (the layers, their positions stacked, their importance stacked)
+        #: The requests the scheduler starts in the coming step: new, or resumed after a preemption (:meth:`begin`).
+        self.begun: frozenset[str] = frozenset()
+
+    def begin(self, request_ids) -> None:
+        """The requests whose sequence the coming step starts (vLLM's new and resumed requests): with prefix
+        caching their first chunk may be shorter than the sequence, its start read from cached blocks."""
+        self.begun = frozenset(request_ids)
 
     def first_round(self, prompt: int, held: int = 0) -> int:
         """The sequence length at whose step a request of ``prompt`` tokens starts its first round after the
@@ -139,14 +149,19 @@ class Planner:
             if b == a:
                 continue
             self.where[rid] = (table[i], total)
-            if b - a == total:  # the sequence's first chunk: a new request, or a preempted one again
+            cached = total - (b - a)
+            if cached == 0 or rid in self.begun:  # the sequence's first chunk: a new request, or a preempted one again
+                if cached and not self.holds_prompt:
+                    raise RuntimeError("scissorhands: a prompt came in part from vLLM's prefix cache; the plugin "
+                                       "turns prefix caching off unless prefill='keep-prompt'")
                 if rid in self.start:
                     self.restarts += 1
                 if self.holds_prompt:  # a recomputed request holds the prompt it first had, as vLLM's manager does
-                    self.held.setdefault(rid, total)
+                    self.held.setdefault(rid, total)  # (a new one's sequence is its prompt)
                 held = self.held.get(rid, 0)
                 self.start[rid] = self.first_round(total, held)
-                prefills.append((i, a, b, held))
+                self.reused += cached
+                prefills.append((i, a, b, held, cached))
             elif b - a == 1 and rid in self.start:
                 decode.append((i, a, total - 1))
             else:

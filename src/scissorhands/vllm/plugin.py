@@ -288,10 +288,13 @@ def prepare_config(vllm_config) -> None:
         raise Refusal(f"worker_cls: the scissorhands plugin brings its own worker, got {parallel.worker_cls!r}")
     parallel.worker_cls = ours
     cache, scheduler, model = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.model_config
-    if cache.enable_prefix_caching or scheduler.enable_chunked_prefill:
-        logger.info("scissorhands: prefix caching and chunked prefill are off (each prompt is held whole, "
-                    "attended once and evicted to the budget)")
-    cache.enable_prefix_caching = False
+    shares = settings.config.prefill == "keep-prompt"  # a held prompt is never rewritten: its blocks can be shared
+    if (cache.enable_prefix_caching and not shares) or scheduler.enable_chunked_prefill:
+        logger.info("scissorhands: %s off (each prompt is held whole, attended once and evicted to the budget%s)",
+                    "chunked prefill is" if shares else "prefix caching and chunked prefill are",
+                    "" if shares else "; prefill='keep-prompt' keeps prefix caching")
+    if not shares:
+        cache.enable_prefix_caching = False
     scheduler.enable_chunked_prefill = False
     if scheduler.long_prefill_token_threshold:  # vLLM's scheduler cuts prompts at it even with chunked prefill off
         logger.info("scissorhands: long_prefill_token_threshold %d is reset to 0 (a prompt is held whole)",

@@ -14,6 +14,14 @@ depends on it: its prompt's blocks stay until it ends, and the blocks between
 them and the last ``budget`` positions are freed as they fall behind (the gap
 vLLM's own R-SWA manager frees, ``RSWAManager``), so a request holds its prompt
 plus the budget (``docs/vllm.md``, "A window per request").
+
+A held prompt is never rewritten (only the window after it is), so its full
+blocks can serve vLLM's prefix cache: a request whose prompt begins with another
+one's (a shared system prompt, the earlier turns of a chat) takes those blocks
+as they are and computes only the rest. The manager then finds hits as full
+attention does (whole blocks from the first), and caches a request's blocks only
+up to its prompt's last full block: the blocks after it hold the window, whose
+slots the rounds rearrange, so no later request may take them by their tokens.
 """
 
 from __future__ import annotations
@@ -80,6 +88,57 @@ class BudgetedWindowManager(SlidingWindowManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return 0 if self.held_prompt else super().get_num_skipped_tokens(num_computed_tokens)
+
+    # -- vLLM's prefix cache, with a held prompt --------------------------------------------------------------
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                               drop_eagle_block, alignment_tokens, dcp_world_size=1, pcp_world_size=1):
+        """With a held prompt, the longest run of cached whole blocks from the first (a request attends its prompt
+        from position 0, so a hit must hold it all, as full attention's does); else the sliding window's hit."""
+        if not getattr(kv_cache_spec, "held_prompt", False):
+            return super().find_longest_cache_hit(block_hashes, max_length, kv_cache_group_ids, block_pool,
+                                                  kv_cache_spec, drop_eagle_block, alignment_tokens,
+                                                  dcp_world_size, pcp_world_size)
+        block = kv_cache_spec.block_size
+        found: tuple[list, ...] = tuple([] for _ in kv_cache_group_ids)
+        # vLLM hashes at its hash block size; ``resolve_block_hashes`` gives one hash per block of this layer.
+        hashes = _resolve(block_hashes, block_pool.hash_block_size, block, alignment_tokens)
+        for i in range(min(max_length // block, len(hashes))):
+            cached = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            if not cached:
+                break
+            for blocks, one in zip(found, cached):
+                blocks.append(one)
+        if drop_eagle_block and found[0]:
+            for blocks in found:
+                blocks.pop()
+        return found, len(found[0]) * block
+
+    @classmethod
+    def reachable_block_mask(cls, start_block, end_block, alignment_tokens, kv_cache_spec, use_eagle,
+                             retention_interval=None, reachable_boundaries=(), dcp_world_size=1,
+                             final_segment_end_block=None):
+        """With a held prompt, every cached block can serve a hit (all are read from the first): no mask."""
+        if getattr(kv_cache_spec, "held_prompt", False):
+            return None
+        return super().reachable_block_mask(start_block, end_block, alignment_tokens, kv_cache_spec, use_eagle,
+                                            retention_interval, reachable_boundaries, dcp_world_size,
+                                            final_segment_end_block)
+
+    def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries=()):
+        """With a held prompt, only the prompt's whole blocks are offered to the prefix cache: the blocks after it
+        hold the window, whose slots the rounds rearrange."""
+        if self.held_prompt:
+            num_tokens = min(num_tokens, request.num_prompt_tokens // self.block_size * self.block_size)
+        super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries=replay_boundaries)
+
+
+def _resolve(block_hashes, hash_block_size: int, block: int, alignment_tokens: int):
+    """One hash per ``block`` tokens, as vLLM's managers read them (``resolve_block_hashes``)."""
+    from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+    return resolve_block_hashes(block_hashes, hash_block_size, block,
+                                supports_fine_grained_hash_lookup=False, alignment_tokens=alignment_tokens)
 
 
 def register() -> None:

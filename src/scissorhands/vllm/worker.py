@@ -158,6 +158,8 @@ class ScissorhandsWorker(CPUWorker):
         state.runner = self.model_runner
         state.step += 1
         state.planner.release(getattr(scheduler_output, "finished_req_ids", None) or ())
+        resumed = getattr(getattr(scheduler_output, "scheduled_cached_reqs", None), "resumed_req_ids", None) or ()
+        state.planner.begin([*(new.req_id for new in getattr(scheduler_output, "scheduled_new_reqs", ())), *resumed])
         try:
             output = super().execute_model(scheduler_output)
             state.planner.after_step(state.step, state.layers)  # the forward is done: every layer's rounds at once
