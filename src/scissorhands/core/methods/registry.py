@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..registry import Registry
 from .base import EvictionMethod
 
-METHODS: Registry[type[EvictionMethod]] = Registry("register", EvictionMethod)
+METHODS: Registry[type[EvictionMethod]] = Registry("register", EvictionMethod, axis="method", settings=False)
 
 
 def register(cls: type[EvictionMethod]) -> type[EvictionMethod]:

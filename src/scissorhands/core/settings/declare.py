@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -93,6 +92,18 @@ PLUGIN_SETTINGS: dict[tuple[str, str], type] = {}
 
 RESERVED: set[str] = set()
 """Names a plug-in's setting may not take (the shared settings'; filled by the settings' composition)."""
+
+NAMES: dict[str, list[str]] = {}
+"""The plug-ins registered on each axis ("method", "prefill", "decode", "kv_store"), in registration order, kept
+here by their registries (:class:`scissorhands.core.registry.Registry`): the settings and the help texts read the
+names without importing the plug-ins, which import torch. An axis is absent until its registry exists."""
+
+
+def named(axis: str, shipped: tuple[str, ...]) -> tuple[str, ...]:
+    """The plug-in names ``axis`` takes: those registered, or, until its registry is loaded, the ``shipped``
+    ones (which it registers as it loads)."""
+    names = NAMES.get(axis)
+    return shipped if names is None else tuple(names)
 
 
 def own(axis: str, owner: str, cls) -> None:
@@ -318,17 +329,13 @@ def one_of(choices: tuple, allow_none: bool = False) -> Check:
     return check
 
 
-def registered(module: str, registry: str, shipped: tuple[str, ...], what: str, allow_none: bool = False) -> Check:
-    """A name in the registry ``registry`` of ``module`` (prefill modes, decode modes, stores).
-
-    A plug-in registers by importing that module, which imports torch; so the registry is read where it already
-    is, in ``sys.modules``, and never imported from here: until it is, only the ``shipped`` names exist.
-    """
+def registered(axis: str, shipped: tuple[str, ...], what: str, allow_none: bool = False) -> Check:
+    """A name registered on ``axis`` (prefill modes, decode modes, stores): :func:`named`."""
 
     def check(name, value):
         if value is None and allow_none:
             return None
-        names = tuple(getattr(sys.modules.get(module), registry, shipped))
+        names = named(axis, shipped)
         if not isinstance(value, str) or value not in names:
             none = " or None" if allow_none else ""
             raise ValueError(f"{name}: must be a registered {what} ({', '.join(names)}){none}, got {value!r}")

@@ -9,11 +9,7 @@ BUILTIN_METHODS = ("full", "scissorhands", "scissorhands-count", "h2o", "local",
 
 
 def method_names() -> str:
-    """The methods for help texts: the built-in ones, and any registered since (if the registry is loaded)."""
-    import sys
+    """The methods for help texts: the built-in ones, and any registered since (once the registry is loaded)."""
+    from .declare import named
 
-    registry = sys.modules.get("scissorhands.core.methods.registry")
-    names = list(BUILTIN_METHODS)
-    if registry is not None:
-        names += [n for n in registry.METHODS if n not in names]
-    return ", ".join(names)
+    return ", ".join(dict.fromkeys((*BUILTIN_METHODS, *named("method", BUILTIN_METHODS))))

@@ -18,7 +18,7 @@ PREFILL_MODES = ("stream", "prompt-aware", "keep-prompt")
 GROUP = "prefill"
 
 
-_prefill_name = s.registered("scissorhands.core.attend.prefill", "PREFILLS", PREFILL_MODES, "prefill mode")
+_prefill_name = s.registered("prefill", PREFILL_MODES, "prefill mode")
 
 
 def _odd(name, value):

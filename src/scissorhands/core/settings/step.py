@@ -14,7 +14,7 @@ from .declare import setting
 DECODE_MODES = ("dynamic", "static", "compiled")  # the shipped modes; any registered one is taken (layer/decode.py)
 
 
-_decode_name = s.registered("scissorhands.core.layer.decode", "DECODES", DECODE_MODES, "decode mode")
+_decode_name = s.registered("decode", DECODE_MODES, "decode mode")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ cost +0.040 nats/token without it and +0.003 with the newest 32 tokens exact;
 128 tokens brought nothing more."""
 
 
-_store_name = s.registered("scissorhands.core.stores.registry", "STORES", STORE_NAMES, "store", allow_none=True)
+_store_name = s.registered("kv_store", STORE_NAMES, "store", allow_none=True)
 
 
 def _path(name, value):
