@@ -178,7 +178,6 @@ def test_a_held_prompt_begun_from_vllms_prefix_cache_serves_what_its_whole_prefi
     """``prefill="keep-prompt"`` with vLLM's prefix cache: a request whose first ``cached`` prompt tokens are in
     cached blocks computes only the rest. Its outputs for those tokens, the positions its window holds and every
     decode step after (through the rounds) equal those of the same request prefilled whole."""
-    gen = torch.Generator().manual_seed(3)
     settings = parse({"budget": 12, "prefill": "keep-prompt", "drop": 3})
     prompt, steps = 37, 24
     runs = []
