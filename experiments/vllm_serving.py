@@ -116,7 +116,7 @@ def run_variant(args: dict, requests) -> dict:
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids),
                            SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
         arrival[str(i)] = time.perf_counter()
-    first, done, running, held, generated = {}, {}, [], [], 0
+    first, done, running, held, generated, cached = {}, {}, [], [], 0, 0
     count: dict[str, int] = {}
     decode_tokens, decode_time = 0, 0.0
     before = time.perf_counter()
@@ -136,6 +136,7 @@ def run_variant(args: dict, requests) -> dict:
             if o.finished:
                 done[o.request_id] = now
                 generated += n
+                cached += o.num_cached_tokens or 0  # prompt tokens vLLM's prefix cache gave
         if made and not prefilled:  # a step of decode tokens only: no prompt was attended in it
             decode_tokens += made
             decode_time += now - before
@@ -159,7 +160,8 @@ def run_variant(args: dict, requests) -> dict:
               "kv_blocks": total_blocks, "block_size": block_size, "peak_blocks_held": max(held),
               "peak_kv_bytes_measured": max(held) * block_bytes,
               "decode_kv_bytes_per_request_measured": per_request_blocks * block_bytes,
-              "preemptions": preempted[0],
+              "preemptions": preempted[0], "prefix_cached_tokens": cached,
+              "prompt_tokens": sum(len(ids) for ids, _ in requests),
               "enforce_eager": args["enforce_eager"], "chunked_prefill": args.get("enable_chunked_prefill", True),
               "prefix_caching": args.get("enable_prefix_caching", True)}
     plugin = args.get("additional_config", {}).get("scissorhands")
