@@ -57,7 +57,7 @@ def test_every_entry_point_builds_the_same_cache(name):
 
     args = cli.build_parser().parse_args(["generate", "--budget", str(BUDGET), "--method", name, "--prompt", "x",
                                           *_cli_flags()])
-    from_cli = ScissorhandsCache(model, cli.generate_config(args), method())
+    from_cli = ScissorhandsCache(model, cli.job(args).config, method())
 
     settings = ScissorhandsConfig(budget=BUDGET, **FLAGS).settings
     scorer = ScoreSetup(method, BUDGET, settings).make_cache(model, LENGTH)
@@ -127,8 +127,8 @@ def test_every_entry_point_makes_the_same_memory_choice(name, memory):
                                               method())
     args = cli.build_parser().parse_args(["generate", "--memory", memory, "--method", name, "--prompt", "x",
                                           *_cli_flags()])
-    assert cli.generate_config(args) is None  # chosen once the model and the length are known, as run() does
-    from_cli = cli.generate_plan(args, model, length).memory_choice
+    assert cli.job(args).config is None  # chosen once the model and the length are known, as run() does
+    from_cli = cli.job(args).plan(model, length).memory_choice
     eval_args = cli.build_parser().parse_args(["eval", "--methods", name, "--memory", memory, *_cli_flags()])
     spec = MemorySpec(parse_memory(eval_args.memory))
     from_eval = _plan(model, spec, length, method, cli.cache_settings(eval_args)).memory_choice
@@ -162,7 +162,7 @@ def test_every_entry_point_turns_a_budget_into_the_same_tokens(name, budget, len
     assert python_api.config.budget == budget_tokens(budget, length, settings, method) == tokens
     args = cli.build_parser().parse_args(["generate", "--budget", str(budget), "--method", name, "--prompt", "x",
                                           *_cli_flags()])
-    from_cli = cli.generate_plan(args, model, length)
+    from_cli = cli.job(args).plan(model, length)
     eval_args = cli.build_parser().parse_args(["eval", "--methods", name, "--budgets", str(budget), *_cli_flags()])
     from_eval = _plan(model, budget, length, method, cli.cache_settings(eval_args))
     lm = ScissorhandsLM(model=(model, _Tokenizer()), method=name, budget=budget, **FLAGS)
@@ -196,7 +196,7 @@ def test_demotion_settings_are_the_same_through_every_entry_point_and_refused_by
     method = get_method("scissorhands")
     python_api = ScissorhandsCache(model, ScissorhandsConfig(budget=BUDGET, **FLAGS, **demote), method())
     args = cli.build_parser().parse_args(["generate", "--budget", str(BUDGET), "--prompt", "x", *flags])
-    from_cli = ScissorhandsCache(model, cli.generate_config(args), method())
+    from_cli = ScissorhandsCache(model, cli.job(args).config, method())
     scorer = ScoreSetup(method, BUDGET, python_api.config.settings).make_cache(model, LENGTH)
     eval_args = cli.build_parser().parse_args(["eval", "--methods", "scissorhands", "--budgets", str(BUDGET), *flags])
     from_eval = ScoreSetup(method, BUDGET, cli.cache_settings(eval_args)).make_cache(model, LENGTH)
@@ -224,7 +224,7 @@ def test_static_decode_is_the_same_through_every_entry_point(decode):
     flags = [*_cli_flags(), "--decode", decode]
     python_api = ScissorhandsCache(model, ScissorhandsConfig(budget=BUDGET, decode=decode, **FLAGS), method())
     args = cli.build_parser().parse_args(["generate", "--budget", str(BUDGET), "--prompt", "x", *flags])
-    from_cli = ScissorhandsCache(model, cli.generate_config(args), method())
+    from_cli = ScissorhandsCache(model, cli.job(args).config, method())
     scorer = ScoreSetup(method, BUDGET, python_api.config.settings).make_cache(model, LENGTH)
     eval_args = cli.build_parser().parse_args(["eval", "--methods", "scissorhands", "--budgets", str(BUDGET), *flags])
     from_eval = ScoreSetup(method, BUDGET, cli.cache_settings(eval_args)).make_cache(model, LENGTH)

@@ -93,14 +93,12 @@ def test_old_spellings_still_work_and_say_what_to_use(capsys, old, new, dest, va
 def test_budget_means_the_same_in_every_command():
     """A token count (> 1) or a fraction (<= 1) of the sequence: generate, eval, bench and analyze alike."""
     from scissorhands.tools.bench_cli import config_from_args
-    from scissorhands.tools.cli import build_parser, cache_settings, generate_config
+    from scissorhands.tools.cli import build_parser, cache_settings, job
 
     gen = build_parser().parse_args(["generate", "--budget", "0.25", "--prompt", "x", "--recent", "2"])
-    assert generate_config(gen) is None  # a fraction waits for the prompt's length
-    from scissorhands.tools.cli import generate_plan
-
-    assert generate_plan(gen, tiny_model("llama"), 400).config.budget == 100  # the plan makes it tokens
-    assert generate_config(build_parser().parse_args(["generate", "--budget", "100", "--prompt", "x"])).budget == 100
+    assert job(gen).config is None  # a fraction waits for the prompt's length
+    assert job(gen).plan(tiny_model("llama"), 400).config.budget == 100  # the plan makes it tokens
+    assert job(build_parser().parse_args(["generate", "--budget", "100", "--prompt", "x"])).config.budget == 100
     bench = build_parser().parse_args(["bench", "--budgets", "0.25,100", "--seq-len", "400"])
     cfg, _ = config_from_args(bench, cache_settings(bench))
     assert cfg.budgets == (0.25, 100.0)

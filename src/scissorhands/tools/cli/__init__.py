@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
-_LAZY = {"build_parser": "parser", "cache_settings": "parser", "generate_config": "generate",
-         "generate_plan": "generate", "memory_line": "generate", "compare_lines": "generate", "say": "app",
+_LAZY = {"build_parser": "parser", "cache_settings": "parser", "job": "generate",
+         "GenerateJob": "generate", "memory_line": "generate", "compare_lines": "generate", "say": "app",
          "first_line": "app", "in_flag_words": "app", "interrupt_in_finalizers": "app", "Terminated": "app"}
 
 __all__ = ["main", *_LAZY]

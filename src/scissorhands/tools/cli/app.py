@@ -129,7 +129,7 @@ def _run(parser, args) -> int:
             from .generate import read_prompt
             from .generate import run as run_generate
 
-            return run_generate(args, read_prompt(args), str(args.budget or args.budget_fallback))
+            return run_generate(args, read_prompt(args))
         if args.command == "eval":
             from .eval import run as run_eval
 
@@ -158,7 +158,7 @@ def _run(parser, args) -> int:
             from ..generation import demo_chat
             from .generate import run as run_generate
 
-            return run_generate(args, demo_chat, str(args.budget or args.budget_fallback))
+            return run_generate(args, demo_chat)
     except ValueError as e:  # includes ModelLoadError; messages start with the parameter's name
         return say(f"error: {in_flag_words(first_line(e))}", 2)
     except OSError as e:  # a file or folder that could not be read or written

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from scissorhands.core.settings.config import ScissorhandsConfig
+from scissorhands.core.settings.config import CacheSettings, ScissorhandsConfig
 
 from .checks import check_generation_args, check_model_args, check_schedule_file, check_trust_args
 from .parser import cache_settings
@@ -33,27 +36,27 @@ def read_prompt(args) -> str:
     return text
 
 
-def _chat(args, tokenizer, prompt: str) -> tuple[str, int | None]:
+def _chat(system: str | None, tokenizer, prompt: str) -> tuple[str, int | None]:
     """The prompt to run (chat-templated with --system) and the system prompt's tokens (None without one)."""
-    if args.system is None:
+    if system is None:
         return prompt, None
     from ..generation import chat_prompt
 
-    return chat_prompt(tokenizer, args.system, prompt)
+    return chat_prompt(tokenizer, system, prompt)
 
 
-def _protection(args, tokenizer, prompt: str, n_system: int | None) -> tuple[list, dict, str]:
+def _protection(todo: GenerateJob, tokenizer, prompt: str, n_system: int | None) -> tuple[list, dict, str]:
     """The spans to pin, the spans to audit, and the flags the pinned spans came from (for error messages)."""
     spans: list[tuple[int, int]] = []
     watched: dict[str, tuple[int, int]] = {}
     names = []
     if n_system is not None:
         watched["system"] = (0, n_system)
-        if args.protect_system:
+        if todo.protect_system:
             spans.append((0, n_system))
             names.append("protect-system")
-    if args.protect_prefix is not None:
-        spans.append((0, args.protect_prefix))
+    if todo.protect_prefix is not None:
+        spans.append((0, todo.protect_prefix))
         names.append("protect-prefix")
     n_prompt = len(tokenizer(prompt)["input_ids"])
     watched = {"prompt": (0, n_prompt), **watched}
@@ -62,11 +65,11 @@ def _protection(args, tokenizer, prompt: str, n_system: int | None) -> tuple[lis
     return spans, watched, "/".join(names)
 
 
-def _write_audit(args, audit, cache, watched: dict) -> None:
+def _write_audit(path: Path, audit, cache, watched: dict) -> None:
     from ..plots import plot_held_map
 
-    record = audit.to_json(args.audit, cache)
-    png = args.audit.with_suffix(".png")
+    record = audit.to_json(path, cache)
+    png = path.with_suffix(".png")
     plot_held_map(cache, png, spans=watched)
     parts = []
     for name, info in record["spans"].items():
@@ -76,7 +79,7 @@ def _write_audit(args, audit, cache, watched: dict) -> None:
         if held:
             parts.append(f"{name} {info['start']}-{info['end']}: {100 * sum(held) / len(held):.0f}% held "
                          f"(layer min {100 * min(held):.0f}%), {lost}")
-    print(f"[audit] {'; '.join(parts)}; wrote {args.audit} and {png}", file=sys.stderr)
+    print(f"[audit] {'; '.join(parts)}; wrote {path} and {png}", file=sys.stderr)
 
 
 def _mib(n: int) -> str:
@@ -138,118 +141,158 @@ def memory_line(mem: dict) -> str:
     return line
 
 
-def _method(args):
+def _method(name: str):
     try:
         from scissorhands.core.methods import get_method
 
-        return get_method(args.method)  # validate before the slow model load
+        return get_method(name)  # validate before the slow model load
     except ValueError as e:  # the registry names its 'methods'; this command's option is --method
         raise ValueError(f"method: {str(e).split(': ', 1)[-1]}") from None
 
 
-def generate_config(args) -> ScissorhandsConfig | None:
-    """The cache configuration ``generate`` and ``demo`` run with, where the flags alone fix it (a token
-    budget): the flags, then the method's own settings. Every flag is checked here, before the model loads;
-    None comes back for a fractional ``--budget`` or ``--memory``, which the plan turns into tokens once the
-    prompt's length is known (:func:`generate_plan`).
-    """
-    method = _method(args)
+@dataclass(frozen=True)
+class GenerateJob:
+    """One ``generate`` or ``demo`` run, its flags checked (:func:`job`): what loading, planning, generating and
+    reporting read, so that nothing after the checks reads the flags again.
+
+    ``budget`` is as given (a token count, a fraction of the prompt and the new tokens), :data:`NO_BUDGET` for
+    the quantised full cache, None with ``memory``; ``config`` is the configuration where the flags alone fix
+    it (a token budget), else None: the plan turns a fraction or a memory target into tokens once the prompt's
+    length is known (:meth:`plan`)."""
+
+    model: str
+    dtype: Any  # as given: a name, or None for the model's own
+    device: str
+    method: Any
+    settings: CacheSettings
+    config: ScissorhandsConfig | None
+    budget: int | float | None
+    memory: str | None
+    max_new_tokens: int
+    sampling: dict
+    system: str | None = None
+    protect_system: bool = False
+    protect_prefix: int | None = None
+    audit: Path | None = None
+    audit_events: bool = False
+    compare_full: bool = False
+    prompt_name: str = "prompt"
+
+    def plan(self, model, length: int, protect=None, protect_name: str = "protect"):
+        """The plan the cache is built from: the settings, the method's own, and the budget as given, turned
+        into tokens by the plan once (:func:`scissorhands.core.planning.assembly.plan`)."""
+        from scissorhands.core.tokens.protect import Protection
+        from scissorhands.hf.cache import cache_plan
+
+        return cache_plan(model, self.settings, self.method(seed=self.sampling["seed"]), budget=self.budget,
+                          memory=self.memory, length=length, protection=Protection.parse(protect),
+                          protect_name=protect_name)
+
+    def budget_label(self, made) -> str:
+        """The budget as the run reports it: as given, and the tokens it became where the plan chose them."""
+        if self.method.is_full:
+            return "none"
+        if isinstance(made.config.schedule, tuple):  # an explicit list fixes every layer's budget
+            return (f"{','.join(str(b) for b in made.config.schedule)} per layer (an explicit --schedule; "
+                    f"--budget {self.budget:g} is not used)")
+        if made.memory_choice is not None:  # a byte budget: the store and tokens chosen for this model
+            return f"{made.config.budget} tokens, chosen for --memory {self.memory}"
+        if self.config is None:  # a fractional budget: of this prompt and the new tokens
+            return f"{self.budget:g} ({made.config.budget} tokens)"
+        return f"{self.budget}"
+
+
+def job(args) -> GenerateJob:
+    """The run ``generate`` and ``demo`` make of their flags: every flag checked here, before the model loads
+    (the cache's settings, the method's own and the budget by the plan's own rules)."""
+    check_generation_args(args)
+    check_trust_args(args)
+    check_model_args(args)
+    method = _method(args.method)
     settings = cache_settings(args)
     check_schedule_file(settings)
     if method.is_full and not settings.quantized:
         raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method, "
                          "or --kv-bits for a quantised full cache")
+    memory = getattr(args, "memory", None)
+    budget = args.budget if args.budget is not None else getattr(args, "budget_fallback", None)
     if method.is_full:  # the quantised full cache: a budget no sequence reaches, so nothing is evicted
-        return method.configure(settings, NO_BUDGET)
-    if getattr(args, "memory", None) is not None:
+        budget, memory, config = NO_BUDGET, None, method.configure(settings, NO_BUDGET)
+    elif memory is not None:
         from scissorhands.core.planning.assembly import check_given
         from scissorhands.core.planning.memory_target import check_memory_settings
 
-        check_given(args.budget, args.memory)  # checked now; chosen once the model and the prompt's length are known
+        check_given(args.budget, memory)  # checked now; chosen once the model and the prompt's length are known
         check_memory_settings(settings)
-        return None
-    if args.budget is None:
-        if getattr(args, "budget_fallback", None) is None:
-            raise ValueError("budget: required: --budget B (tokens or a fraction), or --memory M (a byte budget)")
-        args.budget = args.budget_fallback
-    from scissorhands.core.planning.assembly import check_budget
+        budget, config = None, None
+    elif budget is None:
+        raise ValueError("budget: required: --budget B (tokens or a fraction), or --memory M (a byte budget)")
+    else:
+        from scissorhands.core.planning.assembly import check_budget
 
-    spec = check_budget(args.budget, settings, method)  # the plan's rule, before the model loads
-    return None if isinstance(spec, float) else method.configure(settings, spec)
-
-
-def generate_plan(args, model, length: int, protect=None, protect_name: str = "protect"):
-    """The plan ``generate`` and ``demo`` build their cache from: the flags' settings, the method's own, and the
-    budget as given (a token count, a fraction of ``length``: the prompt and the new tokens, or ``--memory``)
-    turned into tokens by the plan, once (see :func:`scissorhands.core.planning.assembly.plan`)."""
-    from scissorhands.core.tokens.protect import Protection
-    from scissorhands.hf.cache import cache_plan
-
-    method = _method(args)
-    memory = getattr(args, "memory", None)
-    budget = None if memory is not None else NO_BUDGET if method.is_full else args.budget
-    return cache_plan(model, cache_settings(args), method(seed=args.seed), budget=budget, memory=memory,
-                      length=length, protection=Protection.parse(protect), protect_name=protect_name)
+        budget = check_budget(budget, settings, method)  # the plan's rule, before the model loads
+        config = None if isinstance(budget, float) else method.configure(settings, budget)
+    sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                    ignore_eos=args.ignore_eos)
+    return GenerateJob(
+        model=args.model, dtype=args.dtype, device=args.device, method=method, settings=settings, config=config,
+        budget=budget, memory=memory, max_new_tokens=args.max_new_tokens, sampling=sampling, system=args.system,
+        protect_system=args.protect_system, protect_prefix=args.protect_prefix, audit=args.audit,
+        audit_events=args.audit_events, compare_full=args.compare_full,
+        prompt_name="prompt-file" if getattr(args, "prompt_file", None) is not None else "prompt")
 
 
-def run(args, prompt, label_budget: str) -> int:
-    check_generation_args(args)
-    check_trust_args(args)
-    check_model_args(args)
-    method = _method(args)
-    config = generate_config(args)
+def run(args, prompt) -> int:
+    """``generate`` or ``demo``: ``prompt`` is the text, or a function of the tokenizer (the demo's)."""
+    todo = job(args)
     from ..generation import generate  # imports transformers: after every check
     from ..models import load_model
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(todo.model, dtype=todo.dtype, device=todo.device)
     if callable(prompt):  # the demo's prompt needs the tokenizer (its chat template)
         prompt = prompt(tokenizer)
-    prompt, n_system = _chat(args, tokenizer, prompt)
-    length = len(tokenizer(prompt)["input_ids"]) + args.max_new_tokens
-    spans, watched, protect_name = _protection(args, tokenizer, prompt, n_system)
-    made = generate_plan(args, model, length, spans or None, protect_name)
-    if made.memory_choice is not None:  # a byte budget: the store and tokens chosen for this model
-        label_budget = f"{made.config.budget} tokens, chosen for --memory {args.memory}"
+    prompt, n_system = _chat(todo.system, tokenizer, prompt)
+    spans, watched, protect_name = _protection(todo, tokenizer, prompt, n_system)
+    length = watched["prompt"][1] + todo.max_new_tokens
+    made = todo.plan(model, length, spans or None, protect_name)
+    if made.memory_choice is not None:
         print(f"[scissorhands] {made.memory_choice.describe()}", file=sys.stderr)
-    elif config is None:  # a fractional budget: of this prompt and the new tokens
-        label_budget = f"{args.budget:g} ({made.config.budget} tokens)"
-    if isinstance(made.config.schedule, tuple):  # an explicit list fixes every layer's budget
-        label_budget = (f"{','.join(str(b) for b in made.config.schedule)} per layer (an explicit --schedule; "
-                        f"--budget {args.budget:g} is not used)")
-    spans, watched, protect_name = _protection(args, tokenizer, prompt, n_system)
     audit = None
-    if args.audit is not None:
+    if todo.audit is not None:
         from scissorhands.core.layer.audit import EvictionAudit
 
-        audit = EvictionAudit(events=args.audit_events, spans=watched)
-    prompt_name = "prompt-file" if getattr(args, "prompt_file", None) is not None else "prompt"
-    sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                    ignore_eos=args.ignore_eos)
-    result = generate(model, tokenizer, prompt, made, args.max_new_tokens, progress=True,
-                      prompt_name=prompt_name, audit=audit, protect_name=protect_name, **sampling)
-    budget_text = "none" if method.is_full else label_budget
+        audit = EvictionAudit(events=todo.audit_events, spans=watched)
+    result = generate(model, tokenizer, prompt, made, todo.max_new_tokens, progress=True,
+                      prompt_name=todo.prompt_name, audit=audit, protect_name=protect_name, **todo.sampling)
+    budget_text = todo.budget_label(made)
+    name = todo.method.name
     print(f"prompt: {result.prompt_tokens[0]} tokens; budget {budget_text}", file=sys.stderr)
-    if args.compare_full:
-        print(f"--- {method.name}, budget {budget_text} ---")
+    if todo.compare_full:
+        print(f"--- {name}, budget {budget_text} ---")
     print(result.texts[0])
-    _report(method.name, result)
-    if audit is not None:
-        _write_audit(args, audit, result.cache, watched)
-    if args.compare_full:
-        from ..generation import answer_cost
-
-        full = generate(model, tokenizer, prompt, None, args.max_new_tokens, progress=True, **sampling)
-        print(f"\n--- full cache ---\n{full.texts[0]}\n")
-        _report("full cache", full)
-        a, b = result.new_tokens[0], full.new_tokens[0]
-        n = min(len(a), len(b))
-        diverge = next((i for i in range(n) if a[i] != b[i]), n)
-        print(f"[compare] identical to the full cache for the first {diverge} of {n} new tokens; decode "
-              f"speed ratio {result.decode_tokens_per_second / full.decode_tokens_per_second:.2f}x", file=sys.stderr)
-        cost = answer_cost(model, tokenizer, prompt, full.new_tokens[0], made)
-        for line in compare_lines(result.memory, cost):
-            print(line)
+    _report(name, result)
+    if audit is not None and todo.audit is not None:
+        _write_audit(todo.audit, audit, result.cache, watched)
+    if todo.compare_full:
+        _compare_full(model, tokenizer, prompt, made, result, todo)
     return 0
+
+
+def _compare_full(model, tokenizer, prompt: str, made, result, todo: GenerateJob) -> None:
+    """``--compare-full``: the full cache's answer beside the budgeted one, and what the budget cost it."""
+    from ..generation import answer_cost, generate
+
+    full = generate(model, tokenizer, prompt, None, todo.max_new_tokens, progress=True, **todo.sampling)
+    print(f"\n--- full cache ---\n{full.texts[0]}\n")
+    _report("full cache", full)
+    a, b = result.new_tokens[0], full.new_tokens[0]
+    n = min(len(a), len(b))
+    diverge = next((i for i in range(n) if a[i] != b[i]), n)
+    print(f"[compare] identical to the full cache for the first {diverge} of {n} new tokens; decode "
+          f"speed ratio {result.decode_tokens_per_second / full.decode_tokens_per_second:.2f}x", file=sys.stderr)
+    cost = answer_cost(model, tokenizer, prompt, full.new_tokens[0], made)
+    for line in compare_lines(result.memory, cost):
+        print(line)
 
 
 def compare_lines(mem: dict | None, cost) -> list[str]:
