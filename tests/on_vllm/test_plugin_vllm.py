@@ -215,12 +215,16 @@ def test_blocks_go_back_to_the_pool_and_every_layer_holds_its_budget(tiny_folder
     assert held[False] <= 3 * (64 // BLOCK + 2)
 
 
-def test_a_held_prompt_keeps_its_blocks_and_frees_those_between_it_and_the_window(tiny_folder):
-    """``prefill="keep-prompt"``: the plugin's block manager keeps each request's prompt blocks and frees the blocks
-    wholly between them and the window of the budget, as the generation moves on (vLLM alone keeps them all)."""
+@pytest.mark.parametrize("holds", ["prompt", "prefix"])
+def test_what_a_request_holds_keeps_its_blocks_and_those_between_it_and_the_window_are_freed(tiny_folder, holds):
+    """``prefill="keep-prompt"`` (a request holds its prompt) or ``protect_prefix`` (its first 40 tokens): the
+    plugin's block manager keeps the held blocks and frees the blocks wholly between them and the window of 20
+    after them, as the generation moves on (vLLM alone keeps them all)."""
     held = {}
-    lengths, new, budget = (70, 45), 150, 20
-    for plugin in (None, {"budget": budget, "prefill": "keep-prompt"}):
+    lengths, new, window = (70, 45), 150, 20
+    plugin = ({"budget": window, "prefill": "keep-prompt"} if holds == "prompt" else
+              {"budget": 40 + window, "protect_prefix": 40, "recent": 4})
+    for plugin in (None, plugin):
         engine = Engine(tiny_folder, plugin, num_gpu_blocks_override=200)
         try:
             from vllm import SamplingParams
@@ -235,16 +239,17 @@ def test_a_held_prompt_keeps_its_blocks_and_frees_those_between_it_and_the_windo
             held[plugin is None] = total - engine.free_blocks()
             if plugin is not None:
                 for rid, layers in kept_now(engine).items():
-                    p = lengths[int(rid)]
+                    p = lengths[int(rid)] if holds == "prompt" else 40
                     for layer in layers:
                         for head in layer:
-                            assert set(range(p)) <= set(head) and len(head) == p + budget
+                            assert set(range(p)) <= set(head) and len(head) == p + window
         finally:
             engine.close()
     seen = [p + new - 6 for p in lengths]  # tokens each request has when the blocks are counted
     assert held[True] >= sum(-(-n // BLOCK) for n in seen)  # vLLM alone: every block
-    # The plugin: each prompt's blocks, and the window's (20 positions over at most 2 blocks) after them.
-    assert held[False] <= sum(-(-p // BLOCK) + 2 for p in lengths) < held[True]
+    # The plugin: the held blocks, and the window's (20 positions over at most 2 blocks) after them.
+    kept = lengths if holds == "prompt" else (40, 40)
+    assert held[False] <= sum(-(-p // BLOCK) + 2 for p in kept) < held[True]
 
 
 def test_a_held_prompt_shares_its_whole_blocks_through_vllms_prefix_cache(tiny_folder, tmp_path):
@@ -272,6 +277,34 @@ def test_a_held_prompt_shares_its_whole_blocks_through_vllms_prefix_cache(tiny_f
         assert g["tokens"] == w["greedy"]
         assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])) < 1e-4
         assert kept[g["request_id"]] == w["kept"]
+
+
+def test_a_protected_prefix_shares_its_whole_blocks_through_vllms_prefix_cache(tiny_folder, tmp_path):
+    """``protect_prefix`` keeps vLLM's prefix caching on: the prefix stays where vLLM wrote it, beside a window of
+    the rest of the budget, so requests behind the same system prompt take its whole blocks from the cache and
+    compute only the rest; the prompt-aware prefill's observed queries (the prompt's last 32) are never taken from
+    it. They keep the same positions and log-probabilities as the transformers cache with the prefix protected."""
+    plugin = {"budget": 96, "protect_prefix": 70, "recent": 4, "drop": 3}
+    engine = Engine(tiny_folder, plugin, enable_prefix_caching=True)
+    try:
+        first = prompts(100)[0]
+        engine.generate([first], NEW)
+        tails = prompts(20, 37, seed=2)
+        later = [first[:70] + tails[0], first[:70] + tails[1], first + tails[0]]  # 90, 107 and 120 tokens
+        got = engine.generate(later, 40)  # past the budget: rounds in the window after the prefix
+        kept = kept_now(engine)
+        state = plugin_state(engine.llm)
+    finally:
+        engine.close()
+    # The prefix's whole blocks (2 of 32), short of each prompt's last 32 tokens: 90 - 32 = 58 leaves 1 block.
+    assert [g["cached"] for g in got] == [32, 64, 64] and state.planner.reused == 160
+    assert state.layers[0].rounds > 0
+    want = reference(tiny_folder, plugin, later, [g["tokens"] for g in got], tmp_path)
+    for g, w in zip(got, want):
+        assert g["tokens"] == w["greedy"]
+        assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])) < 1e-4
+        assert kept[g["request_id"]] == w["kept"]
+        assert all(set(range(70)) <= set(head) and len(head) == 96 for layer in w["kept"] for head in layer)
 
 
 def test_a_preempted_request_keeps_the_prompt_it_first_had(tiny_folder):

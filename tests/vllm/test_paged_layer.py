@@ -50,8 +50,9 @@ class Blocks:
         write_kv(self.cache, self.layout, (slots // N)[:, None], heads, (slots % N)[:, None], k, v)  # (T, H_kv, D)
 
     def window(self, row: int, p: int, budget: int) -> torch.Tensor:
-        """The positions a decode query at ``p`` attends: its held prompt ``[0, P)``, then ``[max(P, p-B+1), p]``."""
-        held = self.held.get(row, 0)
+        """The positions a decode query at ``p`` attends: what it holds ``[0, P)`` (a prompt, or a prefix), then
+        ``[max(P, p-W+1), p]`` for a window of ``budget`` = W."""
+        held = min(self.held.get(row, 0), p + 1)
         return torch.cat([torch.arange(held), torch.arange(max(held, p - budget + 1), p + 1)])
 
     def window_output(self, row: int, q: torch.Tensor, p: int, budget: int) -> torch.Tensor:
@@ -65,8 +66,9 @@ class Blocks:
         return torch.einsum("hgl,lhd->hgd", probs, v).reshape(HQ, D)
 
     def free_behind(self, row: int, p: int, budget: int) -> None:
-        """What vLLM's sliding-window manager frees once position ``p`` is done: blocks wholly before ``p + 2 - B``
-        (with a held prompt of P, the plugin's manager: those wholly between the prompt's and that point)."""
+        """What vLLM's sliding-window manager frees once position ``p`` is done: blocks wholly before ``p + 2 - W``
+        for a window of ``budget`` = W (holding a prompt or a prefix of P, the plugin's manager: those wholly between
+        P's and that point)."""
         held = self.held.get(row, 0)
         for j in range(-(-held // N), max(0, p + 2 - budget) // N):
             self.cache[self.table[row, j]] = 0x7F if self.fp8 else float("nan")  # 0x7F: NaN in both fp8 formats
@@ -95,6 +97,9 @@ PLUGINS = {
     "stream-drop4-prefill5": {"budget": 12, "prefill": "stream", "drop": 4, "prefill_drop": 5},
     "stream-h2o": {"budget": 12, "prefill": "stream", "method": "h2o", "recent": 2, "drop": 3},
     "stream-protected": {"budget": 11, "prefill": "stream", "protect_prefix": 3, "recent": 2, "drop": 3},
+    # A held prefix past a whole block, longer than one prompt (9 tokens: its first generated tokens are held too).
+    "protected-blocks": {"budget": 24, "protect_prefix": 18, "recent": 2, "drop": 2},
+    "stream-protected-blocks": {"budget": 24, "prefill": "stream", "protect_prefix": 18, "recent": 2, "drop": 2},
     # The held prompt: each request's whole prompt stays beside a window of the budget that fills from its end.
     "keep-prompt": {"budget": 12, "prefill": "keep-prompt"},
     "keep-prompt-h2o": {"budget": 12, "prefill": "keep-prompt", "method": "h2o", "recent": 2, "drop": 3},
@@ -111,7 +116,7 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
     Returns the first layer, every step's outputs (of every layer, stacked when ``stack > 1``) and the layers."""
     gen = torch.Generator().manual_seed(0)
     settings = parse(plugin)
-    budget = settings.budget
+    budget = settings.window  # the slots after what a request holds
     prompts = {"a": 30, "b": 9, "c": 21, "d": 17}  # "b" is shorter than the budget; "d" arrives later
     arrive = {"a": 0, "b": 0, "c": 0, "d": 5}
     steps = 26
@@ -172,14 +177,25 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
     return layers[0], outputs, layers
 
 
+HELD = {  # (settings, prompt length): what a request holds where vLLM wrote it, and so may share
+    "keep-prompt": ({"budget": 12, "prefill": "keep-prompt", "drop": 3}, 37),
+    # A protected prefix of 33 beside a window of 11: the prompt of 57 is judged by its last 4 queries.
+    "prefix": ({"budget": 44, "protect_prefix": 33, "observe": 4, "recent": 2, "drop": 3}, 57),
+    "stream-prefix": ({"budget": 44, "prefill": "stream", "protect_prefix": 33, "recent": 2, "drop": 3}, 57),
+}
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["operator", "reference"])
 @pytest.mark.parametrize("cached", [16, 32])
-def test_a_held_prompt_begun_from_vllms_prefix_cache_serves_what_its_whole_prefill_serves(cached, compiled):
-    """``prefill="keep-prompt"`` with vLLM's prefix cache: a request whose first ``cached`` prompt tokens are in
-    cached blocks computes only the rest. Its outputs for those tokens, the positions its window holds and every
-    decode step after (through the rounds) equal those of the same request prefilled whole."""
-    settings = parse({"budget": 12, "prefill": "keep-prompt", "drop": 3})
-    prompt, steps = 37, 24
+@pytest.mark.parametrize("held", list(HELD))
+def test_a_sequence_begun_from_vllms_prefix_cache_serves_what_its_whole_prefill_serves(held, cached, compiled):
+    """A held prompt (``prefill="keep-prompt"``) or a held prefix (``protect_prefix``) with vLLM's prefix cache: a
+    request whose first ``cached`` tokens are in cached blocks computes only the rest. Its outputs for those
+    tokens, the positions its window holds and every decode step after (through the rounds) equal those of the
+    same request prefilled whole."""
+    given, prompt = HELD[held]
+    settings = parse(given)
+    steps = 24
     runs = []
     for hit in (0, cached):
         torch.manual_seed(0)
@@ -193,10 +209,12 @@ def test_a_held_prompt_begun_from_vllms_prefix_cache_serves_what_its_whole_prefi
         slots = blocks.slots(0, torch.arange(hit, prompt))
         plan = planner.for_step(0, ["a"], torch.tensor([0, prompt - hit], dtype=torch.int32),
                                 torch.tensor([prompt], dtype=torch.int32), blocks.table, slots, N)
-        assert plan.prefills == [(0, 0, prompt - hit, prompt, hit)] and planner.reused == hit
+        kept = planner.held["a"]
+        assert kept == (prompt if held == "keep-prompt" else given["protect_prefix"]) >= cached
+        assert plan.prefills == [(0, 0, prompt - hit, kept, hit)] and planner.reused == hit
         out = torch.full((prompt - hit, HQ, D), float("nan"))
         layer.step(plan, q[hit:], k[hit:], v[hit:], blocks.cache, out)
-        outs, kept = [out[cached - hit:]], [layer.stored_positions(blocks.table[0], prompt, prompt).tolist()]
+        outs, stored = [out[cached - hit:]], [layer.stored_positions(blocks.table[0], prompt, kept).tolist()]
         for step in range(1, steps + 1):
             seen = prompt + step - 1
             planner.begin([])
@@ -208,9 +226,9 @@ def test_a_held_prompt_begun_from_vllms_prefix_cache_serves_what_its_whole_prefi
             out = torch.full((1, HQ, D), float("nan"))
             layer.step(plan, q1, k1, v1, blocks.cache, out)
             outs.append(out)
-            kept.append(layer.stored_positions(blocks.table[0], seen + 1, prompt).tolist())
-        assert layer.rounds > 0  # the window after the held prompt has run its rounds
-        runs.append((outs, kept))
+            stored.append(layer.stored_positions(blocks.table[0], seen + 1, kept).tolist())
+        assert layer.rounds > 0  # the window after what the request holds has run its rounds
+        runs.append((outs, stored))
     (want, want_kept), (got, got_kept) = runs
     assert got_kept == want_kept
     for a, b in zip(got, want):
@@ -236,7 +254,7 @@ def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, 
                       settings.config.query_tile)  # (1, H_q, T, D)
         torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
         if q.shape[0] == 1:  # a decode row: vLLM's own kernel over the window would give the same
-            torch.testing.assert_close(got[0], blocks.window_output(row, q[0], seen, settings.budget), atol=2e-6,
+            torch.testing.assert_close(got[0], blocks.window_output(row, q[0], seen, settings.window), atol=2e-6,
                                        rtol=1e-5)
         # The window holds what the core stores: the kept tokens and the victims still waiting to leave.
         mine = layer.stored_positions(blocks.table[row], seen + q.shape[0], blocks.held.get(row, 0)).tolist()

@@ -113,6 +113,8 @@ class PagedLayer:
         self.fp8, self.k_scale, self.v_scale = fp8, float(k_scale), float(v_scale)
         config, part = settings.config, settings.plan.layers[0]  # every layer the plan's one
         self.budget, self.recent, self.drop = part.budget, part.recent, part.drop
+        #: A request's window: the slots after what it holds (the budget, less a held prefix: ``settings.window``).
+        self.window = self.budget - settings.held_prefix
         self.layer_idx, self.scale, self.softcap = layer_idx, scale, softcap
         self.heads, self.kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.group = num_heads // num_kv_heads
@@ -182,7 +184,7 @@ class PagedLayer:
             ctx = torch.empty(plan.dec_tok.shape[0], self.heads, self.head_size)  # (Dn, H_q, D) float32
             count = self.importance is not None and self.importance.form == "count"
             self.decode(query, kv_cache, plan.dec_tok, plan.dec_last, plan.dec_tables, plan.dec_bucket,
-                        plan.dec_restart, self.acc, ctx, self.budget, self.scale, self.softcap, count, self.layout,
+                        plan.dec_restart, self.acc, ctx, self.window, self.scale, self.softcap, count, self.layout,
                         self.fp8, self.k_scale, self.v_scale, plan.dec_held)
             output.index_copy_(0, plan.dec_tok, ctx.to(output.dtype))
         if plan.round_window is not None and plan.round_seen is not None and not self.defer_rounds:
@@ -191,8 +193,9 @@ class PagedLayer:
     def _prefill(self, table_row, q, k, v, kv_cache, block: int, out, held: int = 0) -> None:
         """Attend a prompt exactly, evict it to the budget, and move the kept tokens into the window.
 
-        ``held``: the request's held prompt (keep-prompt), kept whole where it lies; a longer first chunk is a
-        preempted request recomputed, whose tokens after the held prompt stream into the window as generated ones.
+        ``held``: the positions the request keeps where they lie: its held prompt (keep-prompt; a longer first
+        chunk is a preempted request recomputed, whose tokens after the held prompt stream into the window as
+        generated ones), or its held prefix (protected: the core keeps it, and it stays in its slots).
         """
         assert self.pos is not None
         t = q.shape[0]
@@ -212,7 +215,8 @@ class PagedLayer:
             self.prompts_fused += 1
             self.head_queries_fused += fused
         else:
-            cuts = [0, held, t] if 0 < held < t else [0, t]  # a held prompt first, then what was generated after it
+            cuts = [0, held, t] if 0 < held < t and isinstance(prefill, KeepPrompt) else [0, t]  # a held prompt first,
+            # then what was generated after it
             for a, b in zip(cuts, cuts[1:]):
                 ctx = attend(one, q[a:b].transpose(0, 1)[None], k4[:, :, a:b], v4[:, :, a:b], None, self.scale,
                              self.softcap, self.settings.config.query_tile)  # (1, H_q, b - a, D)
@@ -222,7 +226,7 @@ class PagedLayer:
         where = self._phys(table_row, kept, block)
         heads = torch.arange(self.kv_heads)[:, None].expand_as(where)
         if length < t:  # pending victims into the slots that leave first, other tokens before the window into holes
-            h0 = min(held, length)  # a held prompt stays where it is; the window is what follows it
+            h0 = min(held, length)  # a held prompt or prefix stays where it is; the window is what follows it
             rank = None if one.rounds is None else one.rounds.rank[0, :, h0:length]
             target = kept.clone()
             target[:, h0:] = window_slots(kept[:, h0:], rank, t)
@@ -239,14 +243,16 @@ class PagedLayer:
             self.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
 
     def _prefill_after(self, cached: int, table_row, q, k, v, kv_cache, block: int, out, held: int) -> None:
-        """A sequence whose first ``cached`` tokens vLLM's prefix cache gave (a held prompt's blocks, shared): the
-        step's tokens are the rest. The cached K/V are read where they lie and the sequence taken as
-        :meth:`_prefill` takes it, the cached positions' queries standing in as zeros: a held prompt is kept whole
-        and never judged, so only their outputs (not this step's) and the prompt's importance (never read: rounds
-        score the window after the prompt) depend on them; the step's own queries attend exactly as they would."""
+        """A sequence whose first ``cached`` tokens vLLM's prefix cache gave (a held prompt's or prefix's blocks,
+        shared): the step's tokens are the rest. The cached K/V are read where they lie and the sequence taken as
+        :meth:`_prefill` takes it, the cached positions' queries standing in as zeros: held positions are kept
+        and never judged, so only their outputs (not this step's) and their own importance (never read: rounds
+        score the window after them) depend on them. The step's own queries attend exactly as they would, and they
+        alone score the tokens after the held ones (a query attends no later key; the plugin's block manager never
+        gives the prompt-aware prefill's observed queries from the cache)."""
         if cached > held:
-            raise RuntimeError(f"scissorhands: vLLM's prefix cache gave {cached} tokens of a request whose held "
-                               f"prompt has {held}; only a held prompt's blocks are offered to it")
+            raise RuntimeError(f"scissorhands: vLLM's prefix cache gave {cached} tokens of a request that holds "
+                               f"{held}; only held blocks are offered to it")
         slots = self._phys(table_row, torch.arange(cached), block)[:, None]
         kc, vc = read_kv(kv_cache, self.layout, slots // block, torch.arange(self.kv_heads)[None, :], slots % block)
         whole = torch.empty(cached + q.shape[0], *out.shape[1:], dtype=out.dtype)
@@ -271,7 +277,8 @@ class PagedLayer:
         """The positions a request's window (and its ``held`` prompt) holds per KV head, ascending (H_kv, L): tests
         and audits."""
         assert self.pos is not None
-        positions = torch.cat([torch.arange(held), torch.arange(max(held, seen - self.budget), seen)])
+        held = min(held, seen)
+        positions = torch.cat([torch.arange(held), torch.arange(max(held, seen - self.window), seen)])
         return self.pos[self._phys(table_row, positions, self.block)].T.long().sort(dim=-1).values
 
     @staticmethod

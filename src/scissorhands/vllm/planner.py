@@ -20,8 +20,9 @@ from .settings import PluginSettings
 class StepPlan:
     """What one engine step asks of every budgeted layer (index tensors, CPU)."""
 
-    #: (batch row, first token, end token, held prompt, cached prefix) of each prompt: with a held prompt, vLLM's
-    #: prefix cache may hold the sequence's first ``cached`` tokens already, and the step computes only the rest.
+    #: (batch row, first token, end token, held positions, cached prefix) of each prompt: with a held prompt or
+    #: prefix, vLLM's prefix cache may hold the sequence's first ``cached`` tokens already, and the step computes
+    #: only the rest.
     prefills: list[tuple[int, int, int, int, int]]
     block_table: torch.Tensor  # (R, blocks) int32
     dec_tok: torch.Tensor | None = None  # (Dn,) each decode row's token index in the step
@@ -30,7 +31,7 @@ class StepPlan:
     dec_slots: torch.Tensor | None = None  # (Dn,) physical slot of its new token
     dec_bucket: torch.Tensor | None = None  # (Dn,) ring slot its step adds to
     dec_restart: torch.Tensor | None = None  # (Dn,) bool: that ring slot starts a new bucket
-    dec_held: torch.Tensor | None = None  # (Dn,) int64 each decode row's held prompt (keep-prompt), else None
+    dec_held: torch.Tensor | None = None  # (Dn,) int64 each decode row's held positions [0, P), else None
     round_window: torch.Tensor | None = None  # (Rr, B) physical slots of each rounding row's window, oldest first
     round_seen: torch.Tensor | None = None  # (Rr,) tokens each rounding row has seen
 
@@ -43,18 +44,23 @@ class Planner:
     ``L >= start`` and ``(L - start) % drop == 0``. A streamed prompt longer than the budget ran its own rounds
     (every ``prefill_drop`` tokens, or ``drop``, from the token ``B`` on): the next comes when the victims it left
     pending have left (:meth:`first_round`). A held prompt (``prefill="keep-prompt"``) stays beside the window, which
-    then fills from the prompt's end: the first round comes at ``P + B``.
+    then fills from the prompt's end: the first round comes at ``P + B``. A held prefix (the protected prefix of
+    ``N`` tokens, :attr:`~.settings.PluginSettings.held_prefix`) stays beside a window of ``B - N``: the rounds
+    come when the core's would, the window never holding the prefix.
     """
 
     def __init__(self, settings: PluginSettings):
         config = settings.config
-        self.budget = config.budget
-        self.drop = config.drop_for(self.budget)
+        self.drop = config.drop_for(config.budget)
         self.streamed = config.prefill == "stream"
         self.holds_prompt = config.prefill == "keep-prompt"
-        #: Each live request's held prompt (keep-prompt): the positions ``[0, P)`` its layers keep beside the window.
+        self.held_prefix = settings.held_prefix
+        #: A request's window: the slots after what it holds (the budget, less a held prefix).
+        self.budget = settings.window
+        #: Each live request's held positions ``[0, P)``, which its layers keep beside the window: its prompt
+        #: (keep-prompt), or the held prefix.
         self.held: dict[str, int] = {}
-        self.prompt_drop = config.prefill_drop_for(self.budget) or self.drop
+        self.prompt_drop = config.prefill_drop_for(config.budget) or self.drop
         self.bucket_steps = config.bucket_steps()
         self.n_buckets = config.n_buckets()
         self.start: dict[str, int] = {}
@@ -81,7 +87,7 @@ class Planner:
         b_, d = self.budget, self.prompt_drop
         streamed = prompt - held  # the tokens the window takes (after a held prompt, the recomputed generation)
         if not (self.streamed or self.holds_prompt) or streamed <= b_:
-            return held + max(streamed, b_)
+            return held + max(streamed, b_)  # (a prompt within a held prefix: the window fills after the prefix)
         return held + b_ + (streamed - 1 - b_) // d * d + d
 
     def release(self, request_ids) -> None:
@@ -151,13 +157,15 @@ class Planner:
             self.where[rid] = (table[i], total)
             cached = total - (b - a)
             if cached == 0 or rid in self.begun:  # the sequence's first chunk: a new request, or a preempted one again
-                if cached and not self.holds_prompt:
+                if cached and not (self.holds_prompt or self.held_prefix):
                     raise RuntimeError("scissorhands: a prompt came in part from vLLM's prefix cache; the plugin "
-                                       "turns prefix caching off unless prefill='keep-prompt'")
+                                       "turns prefix caching off unless prefill='keep-prompt' or protect_prefix")
                 if rid in self.start:
                     self.restarts += 1
                 if self.holds_prompt:  # a recomputed request holds the prompt it first had, as vLLM's manager does
                     self.held.setdefault(rid, total)  # (a new one's sequence is its prompt)
+                elif self.held_prefix:
+                    self.held[rid] = self.held_prefix
                 held = self.held.get(rid, 0)
                 self.start[rid] = self.first_round(total, held)
                 self.reused += cached
@@ -175,8 +183,9 @@ class Planner:
             last = plan.dec_last = torch.tensor([d[2] for d in decode])
             plan.dec_tables = block_table[rows].to(torch.int32).contiguous()
             plan.dec_slots = slot_mapping[plan.dec_tok].long()
-            if self.holds_prompt:
-                plan.dec_held = torch.tensor([self.held[request_ids[d[0]]] for d in decode], dtype=torch.int64)
+            if self.held:  # what each row holds, up to its own position (a held prefix longer than the sequence)
+                holds = torch.tensor([self.held.get(request_ids[d[0]], 0) for d in decode], dtype=torch.int64)
+                plan.dec_held = torch.minimum(holds, last + 1)
             if self.bucket_steps is None:
                 plan.dec_bucket = torch.zeros_like(last)
                 plan.dec_restart = torch.zeros(len(decode), dtype=torch.bool)

@@ -280,7 +280,7 @@ def prepare_config(vllm_config) -> None:
     if settings is None:
         return
     refuse_unservable(vllm_config)
-    refuse_declared(vllm_config, settings.budget)
+    refuse_declared(vllm_config, settings.window)
     check_layout(vllm_config)
     parallel = vllm_config.parallel_config
     ours = "scissorhands.vllm.worker.ScissorhandsWorker"  # the config is prepared again in the engine's process
@@ -288,11 +288,12 @@ def prepare_config(vllm_config) -> None:
         raise Refusal(f"worker_cls: the scissorhands plugin brings its own worker, got {parallel.worker_cls!r}")
     parallel.worker_cls = ours
     cache, scheduler, model = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.model_config
-    shares = settings.config.prefill == "keep-prompt"  # a held prompt is never rewritten: its blocks can be shared
+    # A held prompt or prefix is never rewritten: its whole blocks can be shared.
+    shares = settings.config.prefill == "keep-prompt" or settings.held_prefix > 0
     if (cache.enable_prefix_caching and not shares) or scheduler.enable_chunked_prefill:
         logger.info("scissorhands: %s off (each prompt is held whole, attended once and evicted to the budget%s)",
                     "chunked prefill is" if shares else "prefix caching and chunked prefill are",
-                    "" if shares else "; prefill='keep-prompt' keeps prefix caching")
+                    "" if shares else "; prefill='keep-prompt' or protect_prefix keeps prefix caching")
     if not shares:
         cache.enable_prefix_caching = False
     scheduler.enable_chunked_prefill = False

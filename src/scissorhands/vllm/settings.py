@@ -7,7 +7,9 @@ They are read from vLLM's ``additional_config`` under the key ``"scissorhands"``
 is installed but off, and vLLM runs exactly as without it.
 
 The keys are ``method``, ``budget`` (tokens per layer and KV head),
-``protect_prefix`` (the first N tokens of every prompt are never evicted) and
+``protect_prefix`` (the first N tokens of every prompt are never evicted: they
+stay where vLLM wrote them, beside a window of the rest of the budget, so with
+vLLM's prefix caching a shared system prompt's whole blocks are shared) and
 every setting of :class:`~scissorhands.core.settings.config.CacheSettings` (a registered plug-in's own too), parsed and
 checked by its declaration, as the CLI and the lm-eval backend do. The same
 method and settings give the same configuration here as through
@@ -89,6 +91,19 @@ class PluginSettings:
     @property
     def budget(self) -> int:
         return self.config.budget
+
+    @property
+    def held_prefix(self) -> int:
+        """The first tokens each request keeps where vLLM wrote them, beside its window: the protected prefix
+        (with ``prefill="keep-prompt"`` the held prompt holds it instead). It is never rewritten, so its whole
+        blocks can serve vLLM's prefix cache (a shared system prompt is computed and stored once)."""
+        return 0 if self.config.prefill == "keep-prompt" else self.protect_prefix
+
+    @property
+    def window(self) -> int:
+        """A request's window: the slots after what it holds. The budget, less a held prefix, which counts
+        against the budget as a protected span does in the transformers cache."""
+        return self.budget - self.held_prefix
 
     def protection(self) -> Protection | None:
         return Protection.prefix(self.protect_prefix) if self.protect_prefix else None

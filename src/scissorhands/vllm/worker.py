@@ -147,8 +147,10 @@ class ScissorhandsWorker(CPUWorker):
             spec = specs.get(name)
             if type(spec) is FullAttentionSpec:
                 settings = self.scissorhands.settings
-                specs[name] = BudgetedWindowSpec.of(spec, settings.budget,
-                                                    held_prompt=settings.config.prefill == "keep-prompt")
+                specs[name] = BudgetedWindowSpec.of(spec, settings.window,
+                                                    held_prompt=settings.config.prefill == "keep-prompt",
+                                                    held_prefix=settings.held_prefix,
+                                                    observed=_observed(settings))
         return specs
 
     def execute_model(self, scheduler_output):
@@ -177,3 +179,9 @@ class ScissorhandsWorker(CPUWorker):
         held = state.planner.held
         return {rid: [layer.stored_positions(row, seen, held.get(rid, 0)).tolist() for layer in state.layers]
                 for rid, (row, seen) in state.planner.where.items()}
+
+
+def _observed(settings) -> int:
+    """The prompt's last queries whose attention chooses what a prompt-aware prefill keeps (0 for another mode):
+    vLLM's prefix cache must not give them (:class:`~.spec.BudgetedWindowSpec`)."""
+    return settings.config.observe if settings.config.prefill == "prompt-aware" else 0
