@@ -67,18 +67,21 @@ def make_requests(tokenizer, text: str, n: int, prompt: tuple[int, int], new: tu
 #: one of those three turned back on, to tell what each is worth to vLLM alone; "scissorhands-compiled" is the plugin
 #: in vLLM's compiled mode, to set beside "vllm-compiled"; "scissorhands-keep-prompt" is the plugin holding each
 #: prompt whole (``prefill="keep-prompt"``) with vLLM's prefix caching on, so a shared system prompt is computed
-#: and stored once.
+#: and stored once; "scissorhands-shared-prefix" protects the shared system prompt (``protect_prefix``, held where
+#: vLLM wrote it and shared through the prefix cache) and evicts the rest of each prompt into a window of the
+#: budget after it, with the window's recent tokens and drop at the defaults' shares of that window.
 VARIANTS = ("vllm", "scissorhands", "vllm-defaults", "vllm-chunked", "vllm-prefix", "vllm-compiled",
-            "scissorhands-compiled", "scissorhands-keep-prompt")
+            "scissorhands-compiled", "scissorhands-keep-prompt", "scissorhands-shared-prefix")
+SHARES = ("vllm-prefix", "scissorhands-keep-prompt", "scissorhands-shared-prefix")
 COMPILED = ("vllm-defaults", "vllm-compiled", "scissorhands-compiled")
 
 
 def engine_args(name: str, folder: str, kv_blocks: int | None, max_seqs: int, max_len: int, eager: bool,
-                block_size: int | None, plugin: dict | None, dtype: str = "float32") -> dict:
+                block_size: int | None, plugin: dict | None, dtype: str = "float32", system: int = 0) -> dict:
     args = dict(model=folder, dtype=dtype, enforce_eager=eager and name not in COMPILED,
                 max_model_len=max_len, max_num_seqs=max_seqs, seed=0)
     if name != "vllm-defaults":
-        args.update(enable_prefix_caching=name in ("vllm-prefix", "scissorhands-keep-prompt"),
+        args.update(enable_prefix_caching=name in SHARES,
                     enable_chunked_prefill=name == "vllm-chunked")
         if name != "vllm-chunked":  # a whole prompt in one step, as the plugin takes it
             args["max_num_batched_tokens"] = max(max_len, 8192)
@@ -88,6 +91,12 @@ def engine_args(name: str, folder: str, kv_blocks: int | None, max_seqs: int, ma
         args["block_size"] = block_size
     if name.startswith("scissorhands"):
         held = {"prefill": "keep-prompt"} if name == "scissorhands-keep-prompt" else {}
+        if name == "scissorhands-shared-prefix":
+            if not system:
+                raise SystemExit("--variants: scissorhands-shared-prefix needs --system N (the prefix it protects)")
+            window = plugin["budget"]
+            held = {"protect_prefix": system, "budget": system + window, "recent": max(1, round(0.25 * window)),
+                    "drop": max(1, round(0.05 * window))}
         args["additional_config"] = {"scissorhands": plugin | held}
     return args
 
@@ -198,6 +207,7 @@ def plot(record_path: str) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(3.1 * len(panels), 3.4))
     colors = {"vllm": "tab:gray", "scissorhands": "tab:blue", "vllm-defaults": "tab:olive", "vllm-chunked": "tab:cyan",
               "scissorhands-compiled": "tab:red", "scissorhands-keep-prompt": "tab:green",
+              "scissorhands-shared-prefix": "tab:purple",
               "vllm-prefix": "tab:purple", "vllm-compiled": "tab:brown"}
     for ax, (key, title, unit) in zip(axes, panels):
         mids, lo, hi = [], [], []
@@ -300,7 +310,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name in variants:
             eargs = engine_args(name, args.model, kv_blocks, args.max_seqs, max_len, args.eager, args.block_size,
-                                plugin, args.dtype)
+                                plugin, args.dtype, args.system)
             load = _load()
             row = run_variant(eargs, requests) | {"round": r, "load_before": load}
             runs[name].append(row)
