@@ -201,7 +201,8 @@ def test_blocks_go_back_to_the_pool_and_every_layer_holds_its_budget(tiny_folder
                 managers = engine.core.scheduler.kv_cache_manager.coordinator.single_type_managers
                 assert [type(m) for m in managers] == [BudgetedWindowManager]
                 assert managers[0].kv_cache_spec == BudgetedWindowSpec(
-                    block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+                    block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64,
+                    observed=32)  # the prompt-aware prefill's observed queries, never taken from a prefix cache
                 state = plugin_state(engine.llm)
                 planner = state.planner
                 assert len(planner.where) == 3
