@@ -4,7 +4,7 @@ A bounded property test: hypothesis draws mixed traffic and sends it, all at onc
 engine with the plugin per configuration (scissorhands and h2o, budgets and a protected prefix, on conftest's tiny
 random Llama with 4 query heads over 2 KV heads): prompts of every length (1 token, shorter than the budget, equal
 to it, one over, far over), repeats of one prompt (prefix caching asked for: the plugin turns it off, but with a
-held prompt, whose blocks the repeats then share), requests
+held prompt or prefix, whose blocks the repeats then share), requests
 aborted midway, small and larger ``max_tokens``, and a KV space small enough that vLLM preempts requests and
 recomputes them. Every step must run, every request not aborted must finish with its tokens, and each must give
 the tokens it gives when run alone on the same engine, where vLLM guarantees that for the full cache: every
@@ -32,6 +32,7 @@ CONFIGS = [
     {"budget": 32, "method": "h2o", "recent": 4, "protect_prefix": 8},  # a protected prefix
     {"budget": MAX_LEN, "method": "tova"},                              # covers every sequence
     {"budget": 24, "prefill": "keep-prompt", "drop": 3},                # held prompts, shared through the cache
+    {"budget": 72, "recent": 4, "protect_prefix": 40},                  # a held prefix past a block, shared too
 ]
 
 
@@ -93,7 +94,8 @@ def _serve(engine: Engine, requests: list[Request]) -> tuple[dict[str, list[int]
     return done, preempted, aborted
 
 
-@pytest.mark.parametrize("plugin", CONFIGS, ids=["scissorhands_drop10", "h2o_protected", "covers", "keep_prompt"])
+@pytest.mark.parametrize("plugin", CONFIGS, ids=["scissorhands_drop10", "h2o_protected", "covers", "keep_prompt",
+                                                  "held_prefix"])
 def test_mixed_traffic_never_fails_a_step_and_matches_each_request_alone(tiny_folder, plugin):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -146,8 +148,8 @@ def test_mixed_traffic_never_fails_a_step_and_matches_each_request_alone(tiny_fo
                             SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
         planner = plugin_state(engine.llm).planner
         assert len(planner.start) <= 1 and len(planner.where) <= 1, (planner.start, list(planner.where))
-        if plugin.get("prefill") == "keep-prompt":  # a prompt run again began from its cached blocks
-            assert planner.reused > 0 and len(planner.held) <= 1
+        if plugin.get("prefill") == "keep-prompt" or plugin.get("protect_prefix", 0) > 32:  # a prompt run again
+            assert planner.reused > 0 and len(planner.held) <= 1  # began from its cached blocks
     finally:
         engine.close()
     # The traffic did what it is for: preemption and aborts happened, and outputs were compared.

@@ -223,9 +223,9 @@ def test_what_a_request_holds_keeps_its_blocks_and_those_between_it_and_the_wind
     after them, as the generation moves on (vLLM alone keeps them all)."""
     held = {}
     lengths, new, window = (70, 45), 150, 20
-    plugin = ({"budget": window, "prefill": "keep-prompt"} if holds == "prompt" else
-              {"budget": 40 + window, "protect_prefix": 40, "recent": 4})
-    for plugin in (None, plugin):
+    ours = ({"budget": window, "prefill": "keep-prompt"} if holds == "prompt" else
+            {"budget": 40 + window, "protect_prefix": 40, "recent": 4})
+    for plugin in (None, ours):
         engine = Engine(tiny_folder, plugin, num_gpu_blocks_override=200)
         try:
             from vllm import SamplingParams
