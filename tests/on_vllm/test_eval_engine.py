@@ -184,3 +184,17 @@ def test_passkey_through_the_engine_is_the_transformers_paths_verdict(setup):
     ours = retrieval_scores(engine, task, items, get_method("scissorhands"), 64, base)
     assert [(s["length"], s["depth"]) for s in ours] == [(i.data["length"], i.data["depth"]) for i in items]
     assert [s["correct"] for s in ours] == reference["verdicts"]
+
+
+def test_the_engine_ends_a_generation_at_any_of_the_models_end_tokens(setup):
+    """``VLLMEngine(ends=)``: the model's end tokens (its generation config's, several for a known Qwen model) end a
+    generation on vLLM as they end transformers' ``generate``, the end token kept as the last one."""
+    from scissorhands.tools.eval.engine import VLLMEngine
+
+    _, folder, _ = setup
+    prompt = list(range(3, 40))
+    free = VLLMEngine(str(folder), "float32", max_num_seqs=2, enforce_eager=True).greedy([prompt], 12, [], None)[0]
+    end = free[3]
+    ended = VLLMEngine(str(folder), "float32", max_num_seqs=2, enforce_eager=True,
+                       ends=[end]).greedy([prompt], 12, [], None)[0]
+    assert len(free) == 12 and ended == free[:free.index(end) + 1]

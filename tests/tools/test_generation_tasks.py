@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 
-from conftest import run_cli, save_tiny_model
+from conftest import run_cli, save_tiny_model, tiny_model
 from scissorhands.tools.eval import TASKS, make_task
 from scissorhands.tools.eval.execution import run_program
 from scissorhands.tools.eval.gsm8k import GSM8K, extract_answer, normalise
@@ -115,6 +115,10 @@ def test_gsm8k_answers_are_read_from_every_real_gold_solution():
     (" 16-3-4=9", "9"),  # a minus between numbers is not a sign
     (" The lists are 1,2,3", "3"),  # commas not grouping thousands are punctuation
     (" So the answer is eighteen, or 17 at most", "17"),
+    # "The answer is N" without "So" (lm-eval's strict match), before whatever the model writes after it
+    (" 9 * 60 = 540 meters. The answer is 540. Let's confirm:\n```python\nd = 60\n```", "540"),
+    (" Therefore, the answer is: $18 a day, for 2 days.", "18"),
+    (" Whatever the answer is, it is 4 or 5", "5"),  # no number after it: the last number
     (" I do not know.", None),
     ("", None),
 ])
@@ -291,3 +295,22 @@ def test_the_vllm_engine_refuses_in_one_line_before_the_model_loads(tmp_path, ca
         code, _, err = run_cli(capsys, *base, *extra)
         assert code == 2 and said in err and len(err.strip().splitlines()) == 1, (extra, err)
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_a_results_key_names_how_answers_are_read_and_where_generations_end():
+    """A cell's key changes with what changes its answers: GSM8K's reading of them ("the answer is" with or without
+    "So", since the records in docs/results/gsm8k were made), and a model's end tokens where it has several (a
+    single one leaves the key as it was)."""
+    from pathlib import Path
+
+    from scissorhands.tools.eval.records import generation_ends, model_identity, task_identity
+
+    old = Path(__file__).resolve().parents[2] / "docs" / "results" / "gsm8k" / "q05_vllm" / "results.jsonl"
+    record = json.loads(old.read_text().splitlines()[0])
+    now = task_identity(GSM8K())
+    assert now != record["key"]["task"] and {k: v for k, v in now.items() if k != "answer"} == record["key"]["task"]
+    model = tiny_model("qwen2")
+    one = model_identity(model, "tiny")
+    assert "ends" not in one and generation_ends(model) == [model.generation_config.eos_token_id]
+    model.generation_config.eos_token_id = [5, 7]
+    assert model_identity(model, "tiny") == {**one, "ends": [5, 7]}

@@ -145,3 +145,55 @@ def test_a_misspelt_model_fails_fast_offline_in_a_real_process(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and expect in lines[0], proc.stderr
         assert took < 60, took  # a generous bound for a loaded machine; the hub's own retries took ~74 s
+
+
+def test_a_known_model_ends_where_its_release_ends_and_an_older_copy_is_brought_up_to_date(fake, tmp_path,
+                                                                                          monkeypatch):
+    """A GGUF keeps one end token; a known model's ``ends`` (Qwen's ``<|im_end|>`` and ``<|endoftext|>``) become
+    its generation config's, in memory and in its converted copy (which vLLM reads), and a copy converted before
+    is updated in place, its manifest with it: no second conversion."""
+    import dataclasses
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tiny = save_tiny_model(tmp_path / "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    ends = ("<eos>", "!")
+    want = [tokenizer.convert_tokens_to_ids(t) for t in ends]
+    assert len(set(want)) == 2 and tokenizer.unk_token_id not in want
+    known = dataclasses.replace(fake, ends=ends)
+    monkeypatch.setitem(km.KNOWN, known.name, known)
+    monkeypatch.setenv("SCISSORHANDS_CACHE", str(tmp_path / "model-cache"))
+    converted = []
+
+    def convert(folder, filename):
+        converted.append(filename)
+        return AutoModelForCausalLM.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)
+
+    monkeypatch.setattr(model_cache, "_convert_gguf", convert)
+    copy = tmp_path / "model-cache" / known.cache_name
+    model, _ = models_module.load_model(known.name)
+    assert model.generation_config.eos_token_id == want
+    assert json.loads((copy / "generation_config.json").read_text())["eos_token_id"] == want
+    # A copy converted before the ends were known: one end token, its manifest matching.
+    config = json.loads((copy / "generation_config.json").read_text())
+    config["eos_token_id"] = want[0]
+    (copy / "generation_config.json").write_text(json.dumps(config))
+    model_cache._write_manifest(copy)
+    model, _ = models_module.load_model(known.name)
+    assert model.generation_config.eos_token_id == want and len(converted) == 1
+    assert json.loads((copy / "generation_config.json").read_text())["eos_token_id"] == want
+    assert model_cache._cache_problem(copy) is None  # the manifest follows the update
+    models_module.load_model(known.name)
+    assert len(converted) == 1
+
+
+def test_an_end_token_the_tokenizer_lacks_is_one_line(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tiny = save_tiny_model(tmp_path / "tiny")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)
+    with pytest.raises(model_cache.ModelLoadError, match=r"^model: its tokenizer has no '<\|im_end\|>', which its "
+                                                         r"release ends a generation with$"):
+        model_cache.with_ends(model, tokenizer, ("<eos>", "<|im_end|>"))

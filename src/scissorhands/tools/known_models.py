@@ -60,6 +60,10 @@ class KnownModel:
     size: int  # of the whole GGUF
     sha256: str
     cache_name: str  # folder of its converted copy in the model cache
+    #: The tokens that end a generation, as the model's own release lists them (its ``generation_config.json``):
+    #: a GGUF keeps only the first, its tokenizer's end of sequence, so a converted copy would run on past the
+    #: others (Qwen's instruct models end a turn with ``<|im_end|>`` and plain text with ``<|endoftext|>``).
+    ends: tuple[str, ...] = ()
 
     @property
     def install(self) -> str:
@@ -72,6 +76,9 @@ def _split(package: str, version: str, module: str, sizes_and_digests: list[tupl
     return tuple(Part(package.format(n=i), version, module.format(n=i), f"data/part{i:02d}.bin", size, digest)
                  for i, (size, digest) in enumerate(sizes_and_digests, start=1))
 
+
+#: Qwen2.5's instruct releases end a generation at either token (their ``generation_config.json``).
+QWEN_ENDS = ("<|im_end|>", "<|endoftext|>")
 
 QWEN_05B = KnownModel(
     name="qwen2.5-coder-0.5b",
@@ -88,6 +95,7 @@ QWEN_05B = KnownModel(
     size=491400064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     cache_name="qwen2.5-coder-0.5b-instruct",
+    ends=QWEN_ENDS,
 )
 
 QWEN_15B = KnownModel(
@@ -121,6 +129,7 @@ QWEN_15B = KnownModel(
     size=1117320768,
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     cache_name="qwen2.5-coder-1.5b-instruct",
+    ends=QWEN_ENDS,
 )
 
 #: Every model known by name (the default, SmolLM2-135M, is loaded by :mod:`.models` itself).

@@ -282,15 +282,48 @@ def load_converted(gguf_path: str, cache_folder: pathlib.Path, label: str):
     return model, tokenizer
 
 
+def end_ids(tokenizer, ends: tuple[str, ...]) -> list[int]:
+    """The ids of the tokens in ``ends`` (a known model's end tokens), in order; a one-line ModelLoadError if the
+    tokenizer lacks one."""
+    ids = []
+    for token in ends:
+        i = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(i, int) or i < 0 or i == tokenizer.unk_token_id:
+            raise ModelLoadError(f"model: its tokenizer has no {token!r}, which its release ends a generation with")
+        ids.append(i)
+    return ids
+
+
+def with_ends(model, tokenizer, ends: tuple[str, ...], folder: pathlib.Path | None = None):
+    """``model`` ending its generations at every token of ``ends`` (its generation config's ``eos_token_id``), as
+    its release does; ``folder``, its converted copy, is brought up to date too (its ``generation_config.json``
+    and manifest), so that vLLM, which reads the folder, ends where transformers does."""
+    if not ends:
+        return model, tokenizer
+    ids = end_ids(tokenizer, ends)
+    if model.generation_config.eos_token_id != ids:
+        model.generation_config.eos_token_id = ids
+        if folder is not None and folder.is_dir():
+            try:
+                model.generation_config.save_pretrained(folder)
+                _write_manifest(folder)
+            except OSError as exc:  # a read-only cache: this process ends right, the copy stays as it was
+                logger.warning("could not update %s (%s)", folder / "generation_config.json", _one_line(exc))
+    return model, tokenizer
+
+
 def load_known(known: known_models.KnownModel):
-    """A model known by name: its verified converted copy, or its installed parts assembled and converted once."""
+    """A model known by name: its verified converted copy, or its installed parts assembled and converted once;
+    ending its generations where its release does (:func:`with_ends`)."""
     folder = cache_dir() / known.cache_name
     problem = _cache_problem(folder)
     if problem is None and folder.exists():
         try:
-            return from_pretrained(str(folder), dtype=torch.float32)
+            model, tokenizer = from_pretrained(str(folder), dtype=torch.float32)
         except Exception as exc:
             problem = f"is unreadable ({_one_line(exc)})"
+        else:
+            return with_ends(model, tokenizer, known.ends, folder)
     if problem is not None:
         logger.warning("cached model in %s %s; converting again", folder, problem)
     logger.info("assembling %s from %d installed parts (one-off)", known.name, len(known.parts))
@@ -299,6 +332,7 @@ def load_known(known: known_models.KnownModel):
         model, tokenizer = guarded(known.name, lambda: _convert_gguf(str(gguf.parent), gguf.name))
     finally:
         gguf.unlink(missing_ok=True)  # the converted copy is what is kept
+    with_ends(model, tokenizer, known.ends)
     _write_cache(model, tokenizer, folder, replace=problem is not None)
     return model, tokenizer
 

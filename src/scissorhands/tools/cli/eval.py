@@ -104,6 +104,7 @@ def run(args) -> int:
         import dataclasses
 
         from ..eval.engine import VLLMEngine, check_engine_grid
+        from ..eval.records import generation_ends
 
         base = dataclasses.replace(base, rounds=True)  # the plugin's eviction, which the transformers rows name
         check_engine_grid(args.engine, tasks, methods, budgets, base)
@@ -117,7 +118,7 @@ def run(args) -> int:
     check_results_file(out / RESULTS_FILE)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.engine != "transformers":
-        engine = VLLMEngine(str(model.name_or_path), args.dtype)
+        engine = VLLMEngine(str(model.name_or_path), args.dtype, ends=generation_ends(model))
     results = run_grid(model, tokenizer, model_name=args.model, tasks=tasks, methods=methods, budgets=budgets,
                        base=base, out_dir=out, limit=args.limit, seed=args.seed, resume=not args.no_resume,
                        engine=engine)

@@ -84,8 +84,10 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, folder: str, dtype: str, max_num_seqs: int = 32, **llm_args):
+    def __init__(self, folder: str, dtype: str, max_num_seqs: int = 32, ends: list[int] | None = None, **llm_args):
         self.folder, self.dtype, self.max_num_seqs = folder, dtype, max_num_seqs
+        #: The tokens that end a generation (the model's generation config's, as transformers' ``generate`` ends).
+        self.ends = list(ends or [])
         self.llm_args = llm_args  # more of ``LLM(...)``'s arguments (the tests run vLLM eager)
 
     def identity(self) -> dict:
@@ -122,7 +124,7 @@ class VLLMEngine:
         llm = LLM(**kw)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop=stops or None,
-                                    include_stop_str_in_output=True)
+                                    stop_token_ids=self.ends or None, include_stop_str_in_output=True)
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         finally:
             llm.llm_engine.engine_core.shutdown()

