@@ -215,8 +215,8 @@ class PagedLayer:
             self.prompts_fused += 1
             self.head_queries_fused += fused
         else:
-            cuts = [0, held, t] if 0 < held < t and isinstance(prefill, KeepPrompt) else [0, t]  # a held prompt first,
-            # then what was generated after it
+            # A held prompt first, then what was generated after it (a preempted request recomputed).
+            cuts = [0, held, t] if 0 < held < t and isinstance(prefill, KeepPrompt) else [0, t]
             for a, b in zip(cuts, cuts[1:]):
                 ctx = attend(one, q[a:b].transpose(0, 1)[None], k4[:, :, a:b], v4[:, :, a:b], None, self.scale,
                              self.softcap, self.settings.config.query_tile)  # (1, H_q, b - a, D)
