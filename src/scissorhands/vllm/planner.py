@@ -56,7 +56,7 @@ class Planner:
         self.holds_prompt = config.prefill == "keep-prompt"
         self.held_prefix = settings.held_prefix
         #: A request's window: the slots after what it holds (the budget, less a held prefix).
-        self.budget = settings.window
+        self.window = settings.window
         #: Each live request's held positions ``[0, P)``, which its layers keep beside the window: its prompt
         #: (keep-prompt), or the held prefix.
         self.held: dict[str, int] = {}
@@ -84,7 +84,7 @@ class Planner:
         the prompt chose (at the token ``c``, ``prompt_drop`` of them, one leaving per token) have all left.
         With a held prompt of ``held`` tokens the window starts after it, and what follows it in ``prompt`` (a
         preempted request's generated tokens, recomputed) streams into the window."""
-        b_, d = self.budget, self.prompt_drop
+        b_, d = self.window, self.prompt_drop
         streamed = prompt - held  # the tokens the window takes (after a held prompt, the recomputed generation)
         if not (self.streamed or self.holds_prompt) or streamed <= b_:
             return held + max(streamed, b_)  # (a prompt within a held prefix: the window fills after the prefix)
@@ -148,7 +148,7 @@ class Planner:
     def plan(self, request_ids, query_start, seq_lens, block_table, slot_mapping, block: int) -> StepPlan:
         starts, lengths = query_start.tolist(), seq_lens.tolist()
         prefills, decode, rounds = [], [], []
-        b_, m = self.budget, self.drop
+        b_, m = self.window, self.drop
         table = block_table.clone()  # vLLM reuses its tensor; ``where`` keeps this step's rows
         for i, rid in enumerate(request_ids):
             a, b, total = starts[i], starts[i + 1], lengths[i]

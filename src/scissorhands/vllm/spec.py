@@ -91,10 +91,11 @@ class BudgetedWindowManager(SlidingWindowManager):
         super().__init__(kv_cache_spec, **kwargs)
         self.held_prompt = kv_cache_spec.held_prompt
         self.held_prefix = kv_cache_spec.held_prefix
+        self.holds = kv_cache_spec.holds
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        if not (self.held_prompt or self.held_prefix):
+        if not self.holds:
             super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
             return
         held = self.held_prefix
@@ -108,9 +109,7 @@ class BudgetedWindowManager(SlidingWindowManager):
             self._remove_blocks_in_range(request_id, first, last)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        if self.held_prompt or self.held_prefix:
-            return 0
-        return super().get_num_skipped_tokens(num_computed_tokens)
+        return 0 if self.holds else super().get_num_skipped_tokens(num_computed_tokens)
 
     # -- vLLM's prefix cache, with a held prompt --------------------------------------------------------------
     @classmethod
@@ -155,7 +154,7 @@ class BudgetedWindowManager(SlidingWindowManager):
     def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries=()):
         """With a held prompt or prefix, only its whole blocks are offered to the prefix cache: the blocks after it
         hold the window, whose slots the rounds rearrange."""
-        if self.held_prompt or self.held_prefix:
+        if self.holds:
             held = request.num_prompt_tokens if self.held_prompt else self.held_prefix
             num_tokens = min(num_tokens, held // self.block_size * self.block_size)
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries=replay_boundaries)
