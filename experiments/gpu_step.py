@@ -375,7 +375,7 @@ class DeviceLayer:
     def _prefill(self, table_row: torch.Tensor, q, k, v, out) -> None:
         """A prompt within the budget: attended exactly by a one-row core layer, all of it kept in place."""
         config = self.settings.config
-        one = self.core._budgeted(DenseKVStore(), make_prefill(config))
+        one = self.core.budgeted(DenseKVStore(), make_prefill(config))
         k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
         one.allocate(k4, v4)
         ctx = attend(one, q.transpose(0, 1)[None], k4, v4, None, self.scale, None, config.query_tile)
@@ -493,7 +493,7 @@ def serve(plugin: dict, device: torch.device, dims: tuple[int, int, int, int], s
             a, b = int(starts[i]), int(starts[i + 1])
             k4, v4 = k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None]  # (1, H_kv, T, D)
             if seen[rid] == 0:
-                alone[rid] = layer.core._budgeted(DenseKVStore(), make_prefill(settings.config), rounds=True)
+                alone[rid] = layer.core.budgeted(DenseKVStore(), make_prefill(settings.config), rounds=True)
                 alone[rid].allocate(k4, v4)
             want = attend(alone[rid], q[a:b].transpose(0, 1)[None], k4, v4, None, scale, None,
                           settings.config.query_tile)[0].transpose(0, 1)  # (T, H_q, D)

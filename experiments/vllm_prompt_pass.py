@@ -1,6 +1,6 @@
 """Time the vLLM adapter's attention over one long prompt, per layer: the compiled prompt operator over every
 query (how a held prompt was attended before), the operator over the last ``observe`` queries with torch's fused
-attention for the rest (how ``_hold_fused`` attends it when nothing reads the first queries' probabilities), and
+attention for the rest (how ``prompt.hold_fused`` attends it when nothing reads the first queries' probabilities), and
 torch's fused attention alone (what a full cache's prefill pays for the same product, without probabilities).
 
 Random queries, keys and values in a model's attention shape (default Qwen2.5-Coder-0.5B's: 14 query heads, 2

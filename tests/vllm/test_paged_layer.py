@@ -76,7 +76,7 @@ class Blocks:
 
 def _alone(layer: PagedLayer):
     """A one-row core layer at the plugin's settings, as ``ScissorhandsCache`` builds it (rounds on)."""
-    return layer._budgeted(DenseKVStore(), make_prefill(layer.settings.config, layer.budget), rounds=True)
+    return layer.budgeted(DenseKVStore(), make_prefill(layer.settings.config, layer.budget), rounds=True)
 
 
 PLUGINS = {

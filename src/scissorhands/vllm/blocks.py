@@ -55,3 +55,8 @@ def copy_slots(kv_cache: torch.Tensor, layout: str, src: torch.Tensor, dst: torc
     """Copy K/V of KV head ``heads[i]`` from physical slot ``src[i]`` to ``dst[i]`` (all (M,)); reads come first."""
     k, v = read_kv(kv_cache, layout, src // block, heads, src % block)
     write_kv(kv_cache, layout, dst // block, heads, dst % block, k, v)
+
+
+def phys(table_row: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
+    """Physical slots of logical ``positions`` (any shape) through one request's block table."""
+    return table_row.long()[positions // block] * block + positions % block

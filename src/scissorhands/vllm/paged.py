@@ -27,7 +27,7 @@ the layer's attention itself, which replaces vLLM's kernel call:
   every request (:mod:`.kernels`), which reads each window's K and V once,
   where they lie. It records the new token's position. Nothing else runs
   unless a request starts a round.
-* **A prompt** (a request's first chunk) is taken by the core's prefill in a
+* **A prompt** (a request's first chunk; :mod:`.prompt`) is taken by the core's prefill in a
   one-row layer: the same code and numbers as the transformers cache. The
   prompt-aware prefill attends it exactly and evicts it to ``B`` once; the
   streamed one gives each token past the budget the kept set, in rounds (a
@@ -55,15 +55,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from scissorhands.core.attend.prefill import KeepPrompt, PromptAware, causal_attention, make_prefill
-from scissorhands.core.attend.streaming import attend
 from scissorhands.core.layer.budgeted import BudgetedKV
-from scissorhands.core.stores.base import DenseKVStore
 from scissorhands.core.tokens.importance import ImportanceState
 from scissorhands.core.tokens.protect import Protection
 
-from . import kernels
-from .blocks import copy_slots, read_kv
+from . import kernels, prompt
+from .blocks import phys, read_kv
 from .rounds import round_layers
 from .settings import PluginSettings
 
@@ -127,7 +124,7 @@ class PagedLayer:
         self.compiled = compiled
         self.decode = kernels.decode if compiled else kernels.decode_reference
         #: Prompts longer than the budget attended by the compiled prompt operator and, for the queries whose
-        #: probabilities nothing reads, torch's fused attention (:func:`_hold_fused`); False: by the
+        #: probabilities nothing reads, torch's fused attention (:func:`.prompt.hold_fused`); False: by the
         #: core's tiled pass, as the transformers cache attends them.
         self.fused_prompt = compiled
         self.prompts_fused = 0  # prompts attended that way (tests)
@@ -140,7 +137,7 @@ class PagedLayer:
         #: The engine's path: a step's rounds wait for :meth:`Planner.after_step`, which runs every layer's at once.
         self.defer_rounds = False
 
-    def _budgeted(self, store, prefill=None, rounds: bool = False) -> BudgetedKV:
+    def budgeted(self, store, prefill=None, rounds: bool = False) -> BudgetedKV:
         """A one-row core layer at these settings (a prompt's, or the transformers cache's in tests): the plan's,
         over the given store, prefill mode and eviction in rounds."""
         made = self.settings.plan.layer(0, self.layer_idx, store=store, prefill=prefill, rounds=rounds,
@@ -174,11 +171,11 @@ class PagedLayer:
         self.kv_cache = kv_cache
         for i, a, b, held, cached in plan.prefills:
             if cached:
-                self._prefill_after(cached, plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block,
-                                    output[a:b], held)
+                prompt.prefill_after(self, cached, plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache,
+                                     block, output[a:b], held)
             else:
-                self._prefill(plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block, output[a:b],
-                              held)
+                prompt.prefill(self, plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block,
+                               output[a:b], held)
         if plan.dec_tok is not None and plan.dec_last is not None:
             self.pos[plan.dec_slots] = plan.dec_last.to(torch.int32)[:, None]
             ctx = torch.empty(plan.dec_tok.shape[0], self.heads, self.head_size)  # (Dn, H_q, D) float32
@@ -190,83 +187,13 @@ class PagedLayer:
         if plan.round_window is not None and plan.round_seen is not None and not self.defer_rounds:
             self._round(plan.round_window, plan.round_seen, kv_cache, block)
 
-    def _prefill(self, table_row, q, k, v, kv_cache, block: int, out, held: int = 0) -> None:
-        """Attend a prompt exactly, evict it to the budget, and move the kept tokens into the window.
-
-        ``held``: the positions the request keeps where they lie: its held prompt (keep-prompt; a longer first
-        chunk is a preempted request recomputed, whose tokens after the held prompt stream into the window as
-        generated ones), or its held prefix (protected: the core keeps it, and it stays in its slots).
-        """
-        assert self.pos is not None
-        t = q.shape[0]
-        if self.fp8:  # attend and keep what the cache holds: the prompt's K/V as vLLM stored them, in 8 bits
-            slots = self._phys(table_row, torch.arange(t), block)[:, None]
-            k, v = self._read(kv_cache, slots // block, torch.arange(self.kv_heads)[None, :], slots % block)
-        prefill = make_prefill(self.settings.config, self.budget)
-        # A streamed prompt runs the decode's rounds (its last round's victims stay pending into the decode), as do
-        # the tokens after a held prompt.
-        rounds = not isinstance(prefill, PromptAware) or isinstance(prefill, KeepPrompt)
-        one = self._budgeted(DenseKVStore(), prefill, rounds=rounds)
-        k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
-        one.allocate(k4, v4)
-        fused = _hold_fused(one, q, k4, v4, out, self.scale, self.softcap,
-                            self.settings.config.query_tile) if self.fused_prompt else None
-        if fused is not None:
-            self.prompts_fused += 1
-            self.head_queries_fused += fused
-        else:
-            # A held prompt first, then what was generated after it (a preempted request recomputed).
-            cuts = [0, held, t] if 0 < held < t and isinstance(prefill, KeepPrompt) else [0, t]
-            for a, b in zip(cuts, cuts[1:]):
-                ctx = attend(one, q[a:b].transpose(0, 1)[None], k4[:, :, a:b], v4[:, :, a:b], None, self.scale,
-                             self.softcap, self.settings.config.query_tile)  # (1, H_q, b - a, D)
-                out[a:b].copy_(ctx[0].transpose(0, 1).reshape(out[a:b].shape).to(out.dtype))
-        length = int(one.slots.lengths[0])
-        kept = one.slots.positions[0, :, :length].long()  # (H_kv, L), ascending
-        where = self._phys(table_row, kept, block)
-        heads = torch.arange(self.kv_heads)[:, None].expand_as(where)
-        if length < t:  # pending victims into the slots that leave first, other tokens before the window into holes
-            h0 = min(held, length)  # a held prompt or prefix stays where it is; the window is what follows it
-            rank = None if one.rounds is None else one.rounds.rank[0, :, h0:length]
-            target = kept.clone()
-            target[:, h0:] = window_slots(kept[:, h0:], rank, t)
-            moved = target != kept
-            if bool(moved.any()):
-                dst = self._phys(table_row, target[moved], block)
-                copy_slots(kv_cache, self.layout, where[moved], dst, heads[moved], block)
-                where = where.clone()
-                where[moved] = dst
-        self.pos[where, heads] = kept.to(torch.int32)
-        if self.acc is not None:
-            state = one.state
-            assert isinstance(state, ImportanceState)
-            self.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
-
-    def _prefill_after(self, cached: int, table_row, q, k, v, kv_cache, block: int, out, held: int) -> None:
-        """A sequence whose first ``cached`` tokens vLLM's prefix cache gave (a held prompt's or prefix's blocks,
-        shared): the step's tokens are the rest. The cached K/V are read where they lie and the sequence taken as
-        :meth:`_prefill` takes it, the cached positions' queries standing in as zeros: held positions are kept
-        and never judged, so only their outputs (not this step's) and their own importance (never read: rounds
-        score the window after them) depend on them. The step's own queries attend exactly as they would, and they
-        alone score the tokens after the held ones (a query attends no later key; the plugin's block manager never
-        gives the prompt-aware prefill's observed queries from the cache)."""
-        if cached > held:
-            raise RuntimeError(f"scissorhands: vLLM's prefix cache gave {cached} tokens of a request that holds "
-                               f"{held}; only held blocks are offered to it")
-        slots = self._phys(table_row, torch.arange(cached), block)[:, None]
-        kc, vc = read_kv(kv_cache, self.layout, slots // block, torch.arange(self.kv_heads)[None, :], slots % block)
-        whole = torch.empty(cached + q.shape[0], *out.shape[1:], dtype=out.dtype)
-        self._prefill(table_row, torch.cat([q.new_zeros(cached, *q.shape[1:]), q]),
-                      torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v]), kv_cache, block, whole, held)
-        out.copy_(whole[cached:])
-
     def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int) -> None:
         """Each rounding row picks ``drop`` victims per KV head and swaps them into its window's leaving slots."""
         assert self.pos is not None
         round_layers([self], self.pos[None], None if self.acc is None else self.acc[None], [kv_cache], window, seen,
                      block)
 
-    def _read(self, kv_cache, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, kv_cache, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the slots as the model sees them: float32 from fp8 bytes, else in the cache's dtype."""
         k, v = read_kv(kv_cache, self.layout, blocks, heads, offs)
         if not self.fp8:
@@ -279,89 +206,5 @@ class PagedLayer:
         assert self.pos is not None
         held = min(held, seen)
         positions = torch.cat([torch.arange(held), torch.arange(max(held, seen - self.window), seen)])
-        return self.pos[self._phys(table_row, positions, self.block)].T.long().sort(dim=-1).values
+        return self.pos[phys(table_row, positions, self.block)].T.long().sort(dim=-1).values
 
-    @staticmethod
-    def _phys(table_row: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
-        """Physical slots of logical ``positions`` (any shape) through one request's block table."""
-        return table_row.long()[positions // block] * block + positions % block
-
-
-def window_slots(kept: torch.Tensor, rank: torch.Tensor | None, seen: int) -> torch.Tensor:
-    """Where a prompt's kept tokens go in its window: the logical position each takes (H_kv, L).
-
-    ``kept`` (H_kv, L) are the positions a one-row layer keeps of a ``seen``-token prompt, ascending per head;
-    ``rank`` (H_kv, L) their rank among the pending victims of a round (-1: none), or None. The window holds the
-    positions ``[seen - L, seen)``; the ``p`` pending victims take its first ``p`` slots in rank order (they leave
-    the window one per new token, as the core's victims leave its layer), a token already in the rest of the window
-    stays where it is, and the others fill the rest's free slots in position order.
-    """
-    heads, length = kept.shape
-    first = seen - length
-    target = kept.clone()
-    for h in range(heads):
-        victim = torch.zeros(length, dtype=torch.bool) if rank is None else rank[h] >= 0
-        order = torch.nonzero(victim).flatten()
-        if rank is not None and order.numel():
-            order = order[torch.argsort(rank[h, order], stable=True)]
-        p = order.numel()
-        target[h, order] = first + torch.arange(p)
-        stays = ~victim & (kept[h] >= first + p)
-        movers = ~victim & ~stays
-        if bool(movers.any()):
-            free = torch.arange(first + p, seen)
-            free = free[~torch.isin(free, kept[h, stays])]
-            target[h, movers] = free
-    return target
-
-
-def _hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, out: torch.Tensor,
-                scale: float, softcap: float | None, query_tile: int) -> int | None:
-    """A prompt longer than the budget, held whole in the one-row layer ``one`` as the core's prompt-aware prefill
-    holds it, attended once by the compiled prompt operator (:func:`.kernels.prompt`): its output and the snapshot
-    the core's selection scores (and a count state's counts) in one pass, the queries before the last ``observe``
-    by torch's fused attention where nothing reads their probabilities (no count state, no soft cap); then the
-    core's own selection (``PromptAware.evict_held``), which also sets the state by its judgement. Returns how
-    many queries the fused attention took; None (nothing done) where the core's path is needed: a short prompt,
-    a chunked one.
-
-    ``q`` (T, H_q, D) is the prompt's queries, ``k4``/``v4`` (1, H_kv, T, D) its keys and values, ``out``
-    (T, H_q, D) receives its attention.
-    """
-    prefill = one.prefill
-    t, h, d = q.shape[0], k4.shape[1], q.shape[-1]
-    g = q.shape[1] // h
-    if not isinstance(prefill, PromptAware) or isinstance(prefill, KeepPrompt) or prefill.chunk is not None \
-            or t <= one.budget:  # a held prompt is kept whole: nothing to select
-        return None
-    qf = q.float().view(t, h, g, d).permute(1, 2, 0, 3).contiguous()  # (H, g, T, D)
-    kf, vf = k4[0].float().contiguous(), v4[0].float().contiguous()  # (H, T, D)
-    for each in one.states:  # allocated as the core's attend allocates them, then held as its prefill holds
-        each.allocate(1, h, one.capacity, group=g, device=q.device, dtype=torch.float32)
-    one.states_ready = True
-    one.reserve(t, limit=t)
-    one.append(k4, v4, None, torch.arange(1, t + 1)[None])
-    # What the prompt's queries leave in the importance state: only a count keeps it past the selection's judgement
-    # (``ImportanceState.judged``), so only a count needs the operator to record it.
-    counts = one.state if isinstance(one.state, ImportanceState) and not one.state.judged_replaces else None
-    acc = None if counts is None else torch.empty(counts.n_buckets, h, t)
-    # Without counts, only the last ``observe`` queries' probabilities are read: the queries before them are
-    # attended by torch's fused attention (as the core's ``PromptAware._fused_head`` attends them), which has
-    # no soft cap.
-    head = max(0, t - prefill.observe) if counts is None and softcap is None else 0
-    if head:
-        ctx = causal_attention(qf[None, :, :, :head], kf[None, :, :head], vf[None, :, :head], scale)  # (1,H,g,head,D)
-        out[:head] = ctx[0].reshape(h * g, head, d).transpose(0, 1).to(out.dtype)
-    snap = torch.empty(h, t)
-    ctx = torch.empty(t - head, h * g, d)
-    kernels.prompt(qf[:, :, head:].contiguous(), kf, vf, ctx, acc, snap, scale, softcap, counts is not None,
-                   None if counts is None else counts.bucket_steps, max(0, t - prefill.observe), query_tile)
-    out[head:] = ctx.to(out.dtype)
-    if counts is not None and acc is not None:
-        counts.acc[:, 0, :, :t] = acc.round().to(counts.acc.dtype)
-    snapshot = torch.zeros(1, h, one.capacity)
-    snapshot[0, :, :t] = snap
-    prefill.evict_held(one, snapshot, min(prefill.observe, t))
-    one.resize(one.budget)
-    one.store.settle()
-    return head

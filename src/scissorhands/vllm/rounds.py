@@ -43,7 +43,7 @@ class Rounded(Protocol):
     kv_cache: torch.Tensor | None
     defer_rounds: bool
 
-    def _read(self, kv_cache, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def read(self, kv_cache, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int) -> None: ...
 
@@ -99,7 +99,7 @@ def round_layers(layers: list[Rounded], pos: torch.Tensor, acc: torch.Tensor | N
             ks, vs = [], []
             for i in group:
                 mine = slots.gather(-1, order[i * rr:(i + 1) * rr])
-                k, v = layers[i]._read(kv_caches[i], mine // block, heads, mine % block)
+                k, v = layers[i].read(kv_caches[i], mine // block, heads, mine % block)
                 ks.append(k)
                 vs.append(v)
             return torch.cat(ks), torch.cat(vs)
