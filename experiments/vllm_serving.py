@@ -272,7 +272,8 @@ def main() -> None:
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--ample", action="store_true", help="KV space for every request whole: the per-step overhead")
     p.add_argument("--variants", default="vllm,scissorhands", help=f"comma-separated, alternated: {VARIANTS}")
-    p.add_argument("--rounds", type=int, default=1, help="each variant this many times, alternated A/B/A/B")
+    p.add_argument("--rounds", type=int, default=1, help="each variant this many times, alternated A/B/B/A (each "
+                   "round after the first in the order opposite to the one before, so no variant always runs first)")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                    help="enforce_eager for every variant (--no-eager: vLLM's default compiled mode)")
     p.add_argument("--text", default=str(HAMLET))
@@ -308,11 +309,11 @@ def main() -> None:
         plugin["drop"] = float(args.drop) if "." in args.drop else int(args.drop)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        for name in variants:
+        for place, name in enumerate(variants if r % 2 == 0 else variants[::-1]):
             eargs = engine_args(name, args.model, kv_blocks, args.max_seqs, max_len, args.eager, args.block_size,
                                 plugin, args.dtype, args.system)
             load = _load()
-            row = run_variant(eargs, requests) | {"round": r, "load_before": load}
+            row = run_variant(eargs, requests) | {"round": r, "place": place, "load_before": load}
             runs[name].append(row)
             print(name, json.dumps(row), flush=True)
     summary = summarize(runs)
