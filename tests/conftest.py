@@ -16,6 +16,9 @@ from transformers import (
 )
 
 import profiles  # noqa: F401  (the hypothesis profiles, shared with tests/core/conftest.py)
+from workers import share_cores
+
+share_cores()  # under xdist, each worker its share of the cores (tests/workers.py)
 
 VOCAB = 256
 _HELPERS = sys.modules[__name__]

@@ -41,9 +41,9 @@ sys.exit(pytest.main(sys.argv[1:]))
 
 
 # Test modules elsewhere, which tests/core may not import from: they import transformers (``profiles`` is the
-# hypothesis profiles, shared by every folder).
+# hypothesis profiles and ``workers`` each xdist worker's share of the cores, both shared by every folder).
 OUTSIDE = {p.stem for folder in ("tests", "tests/hf", "tests/tools") for p in (ROOT / folder).glob("*.py")}
-OUTSIDE -= {"profiles"}
+OUTSIDE -= {"profiles", "workers"}
 
 
 def forbidden_imports(path: Path) -> list[str]:

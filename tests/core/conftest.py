@@ -5,3 +5,6 @@ by name: the naive reference (``reference.py``) and one budgeted layer driven wi
 """
 
 import profiles  # noqa: F401  (the hypothesis profiles, shared with tests/conftest.py)
+from workers import share_cores
+
+share_cores()  # under xdist, each worker its share of the cores (tests/workers.py)

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from workers import share_cores
+
+share_cores()  # under xdist, each worker its share of the cores and its own cores for vLLM (tests/workers.py)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
