@@ -473,7 +473,7 @@ def test_installed_but_off_is_vllm_as_it_is(tiny_folder, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(f"""
 import json, sys
-sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+sys.path[:0] = [{str(os.path.dirname(__file__))!r}, {str(os.path.dirname(os.path.dirname(__file__)))!r}]
 from conftest import Engine, prompts
 if __name__ == "__main__":
     e = Engine({tiny_folder!r}, None)
