@@ -13,11 +13,11 @@ bitwise only on the platform and thread count that made them (``test_pinned_numb
 import os
 
 
-def share_cores() -> int | None:
-    """Threads for this worker, set for torch and for the processes it starts; None outside xdist."""
+def share_cores() -> None:
+    """Set this worker's threads for torch and for the processes it starts; nothing outside xdist."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
     if workers < 2:
-        return None
+        return
     cores = sorted(os.sched_getaffinity(0))
     threads = max(1, len(cores) // workers)
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -27,4 +27,3 @@ def share_cores() -> int | None:
     import torch
 
     torch.set_num_threads(threads)
-    return threads

@@ -39,21 +39,21 @@ def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, block: int, out, he
     if layer.fp8:  # attend and keep what the cache holds: the prompt's K/V as vLLM stored them, in 8 bits
         slots = phys(table_row, torch.arange(t), block)[:, None]
         k, v = layer.read(kv_cache, slots // block, torch.arange(layer.kv_heads)[None, :], slots % block)
-    prefill = make_prefill(layer.settings.config, layer.budget)
+    mode = make_prefill(layer.settings.config, layer.budget)
     # A streamed prompt runs the decode's rounds (its last round's victims stay pending into the decode), as do
     # the tokens after a held prompt.
-    rounds = not isinstance(prefill, PromptAware) or isinstance(prefill, KeepPrompt)
-    one = layer.budgeted(DenseKVStore(), prefill, rounds=rounds)
+    rounds = not isinstance(mode, PromptAware) or isinstance(mode, KeepPrompt)
+    one = layer.budgeted(DenseKVStore(), mode, rounds=rounds)
     k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
     one.allocate(k4, v4)
     fused = hold_fused(one, q, k4, v4, out, layer.scale, layer.softcap,
-                        layer.settings.config.query_tile) if layer.fused_prompt else None
+                       layer.settings.config.query_tile) if layer.fused_prompt else None
     if fused is not None:
         layer.prompts_fused += 1
         layer.head_queries_fused += fused
     else:
         # A held prompt first, then what was generated after it (a preempted request recomputed).
-        cuts = [0, held, t] if 0 < held < t and isinstance(prefill, KeepPrompt) else [0, t]
+        cuts = [0, held, t] if 0 < held < t and isinstance(mode, KeepPrompt) else [0, t]
         for a, b in zip(cuts, cuts[1:]):
             ctx = attend(one, q[a:b].transpose(0, 1)[None], k4[:, :, a:b], v4[:, :, a:b], None, layer.scale,
                          layer.softcap, layer.settings.config.query_tile)  # (1, H_q, b - a, D)
@@ -79,6 +79,7 @@ def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, block: int, out, he
         assert isinstance(state, ImportanceState)
         layer.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
 
+
 def prefill_after(layer: PagedLayer, cached: int, table_row, q, k, v, kv_cache, block: int, out, held: int) -> None:
     """A sequence whose first ``cached`` tokens vLLM's prefix cache gave (a held prompt's or prefix's blocks,
     shared): the step's tokens are the rest. The cached K/V are read where they lie and the sequence taken as
@@ -94,7 +95,7 @@ def prefill_after(layer: PagedLayer, cached: int, table_row, q, k, v, kv_cache, 
     kc, vc = read_kv(kv_cache, layer.layout, slots // block, torch.arange(layer.kv_heads)[None, :], slots % block)
     whole = torch.empty(cached + q.shape[0], *out.shape[1:], dtype=out.dtype)
     prefill(layer, table_row, torch.cat([q.new_zeros(cached, *q.shape[1:]), q]),
-                  torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v]), kv_cache, block, whole, held)
+            torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v]), kv_cache, block, whole, held)
     out.copy_(whole[cached:])
 
 
@@ -139,10 +140,10 @@ def hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Ten
     ``q`` (T, H_q, D) is the prompt's queries, ``k4``/``v4`` (1, H_kv, T, D) its keys and values, ``out``
     (T, H_q, D) receives its attention.
     """
-    prefill = one.prefill
+    mode = one.prefill
     t, h, d = q.shape[0], k4.shape[1], q.shape[-1]
     g = q.shape[1] // h
-    if not isinstance(prefill, PromptAware) or isinstance(prefill, KeepPrompt) or prefill.chunk is not None \
+    if not isinstance(mode, PromptAware) or isinstance(mode, KeepPrompt) or mode.chunk is not None \
             or t <= one.budget:  # a held prompt is kept whole: nothing to select
         return None
     qf = q.float().view(t, h, g, d).permute(1, 2, 0, 3).contiguous()  # (H, g, T, D)
@@ -159,20 +160,20 @@ def hold_fused(one: BudgetedKV, q: torch.Tensor, k4: torch.Tensor, v4: torch.Ten
     # Without counts, only the last ``observe`` queries' probabilities are read: the queries before them are
     # attended by torch's fused attention (as the core's ``PromptAware._fused_head`` attends them), which has
     # no soft cap.
-    head = max(0, t - prefill.observe) if counts is None and softcap is None else 0
+    head = max(0, t - mode.observe) if counts is None and softcap is None else 0
     if head:
         ctx = causal_attention(qf[None, :, :, :head], kf[None, :, :head], vf[None, :, :head], scale)  # (1,H,g,head,D)
         out[:head] = ctx[0].reshape(h * g, head, d).transpose(0, 1).to(out.dtype)
     snap = torch.empty(h, t)
     ctx = torch.empty(t - head, h * g, d)
     kernels.prompt(qf[:, :, head:].contiguous(), kf, vf, ctx, acc, snap, scale, softcap, counts is not None,
-                   None if counts is None else counts.bucket_steps, max(0, t - prefill.observe), query_tile)
+                   None if counts is None else counts.bucket_steps, max(0, t - mode.observe), query_tile)
     out[head:] = ctx.to(out.dtype)
     if counts is not None and acc is not None:
         counts.acc[:, 0, :, :t] = acc.round().to(counts.acc.dtype)
     snapshot = torch.zeros(1, h, one.capacity)
     snapshot[0, :, :t] = snap
-    prefill.evict_held(one, snapshot, min(prefill.observe, t))
+    mode.evict_held(one, snapshot, min(mode.observe, t))
     one.resize(one.budget)
     one.store.settle()
     return head
