@@ -117,3 +117,23 @@ def test_a_task_file_with_a_byte_order_mark_reads_as_without(tmp_path):
     tok = ByteTokenizer()
     a, b = make_task(str(plain)).items(tok, None), make_task(str(marked)).items(tok, None)
     assert [(i.key, i.data) for i in a] == [(i.key, i.data) for i in b] and len(a) == 1
+
+
+def test_the_plugin_settings_of_a_cell_carry_a_modes_own_settings():
+    """``--engine vllm`` hands the plugin every setting that differs from the default, a prefill mode's own
+    (``observe``, ``pool``, kept apart from the fields) included, and the plugin builds the cell's settings from
+    them; one it cannot run (a kept fraction of the prompt) is refused naming that setting."""
+    from scissorhands.core.settings.config import CacheSettings
+    from scissorhands.tools.eval.engine import plugin_settings
+    from scissorhands.vllm.settings import parse
+
+    method = get_method("scissorhands")
+    base = CacheSettings(recent=0.5, rounds=True, prefill="prompt-aware", observe=16, pool=3)
+    given = plugin_settings(method, 96, base)
+    assert given["observe"] == 16 and given["pool"] == 3 and given["recent"] == 0.5
+    made = parse(given).config
+    for name in ("recent", "rounds", "prefill", "observe", "pool", "drop"):
+        assert getattr(made, name) == getattr(base, name), name
+    assert made.budget == 96
+    with pytest.raises(ValueError, match=r"^prompt_keep: "):
+        plugin_settings(method, 96, CacheSettings(rounds=True, prefill="keep-prompt", prompt_keep=80))

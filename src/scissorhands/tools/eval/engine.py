@@ -35,6 +35,9 @@ def plugin_settings(method: type[EvictionMethod], budget: int, base: CacheSettin
     given: dict[str, Any] = {"method": method.name, "budget": int(budget)}
     default = CacheSettings()
     for f in dataclasses.fields(CacheSettings):
+        if f.name == "owned":  # a plug-in's own settings (prompt_keep, observe, ...): only those not at default
+            given.update(base.owned)
+            continue
         value = getattr(base, f.name)
         if value != getattr(default, f.name) or f.name == "prefill":
             given[f.name] = list(value) if isinstance(value, tuple) else value
