@@ -172,10 +172,10 @@ class PagedLayer:
         for i, a, b, held, cached in plan.prefills:
             if cached:
                 prompt.prefill_after(self, cached, plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache,
-                                     block, output[a:b], held)
+                                     output[a:b], held)
             else:
-                prompt.prefill(self, plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, block,
-                               output[a:b], held)
+                prompt.prefill(self, plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, output[a:b],
+                               held)
         if plan.dec_tok is not None and plan.dec_last is not None:
             self.pos[plan.dec_slots] = plan.dec_last.to(torch.int32)[:, None]
             ctx = torch.empty(plan.dec_tok.shape[0], self.heads, self.head_size)  # (Dn, H_q, D) float32

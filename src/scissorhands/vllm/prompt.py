@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .paged import PagedLayer
 
 
-def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, block: int, out, held: int = 0) -> None:
+def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, out, held: int = 0) -> None:
     """Attend a prompt exactly, evict it to the budget, and move the kept tokens into the window.
 
     ``held``: the positions the request keeps where they lie: its held prompt (keep-prompt; a longer first
@@ -35,7 +35,7 @@ def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, block: int, out, he
     generated ones), or its held prefix (protected: the core keeps it, and it stays in its slots).
     """
     assert layer.pos is not None
-    t = q.shape[0]
+    t, block = q.shape[0], layer.block
     if layer.fp8:  # attend and keep what the cache holds: the prompt's K/V as vLLM stored them, in 8 bits
         slots = phys(table_row, torch.arange(t), block)[:, None]
         k, v = layer.read(kv_cache, slots // block, torch.arange(layer.kv_heads)[None, :], slots % block)
@@ -80,7 +80,7 @@ def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, block: int, out, he
         layer.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
 
 
-def prefill_after(layer: PagedLayer, cached: int, table_row, q, k, v, kv_cache, block: int, out, held: int) -> None:
+def prefill_after(layer: PagedLayer, cached: int, table_row, q, k, v, kv_cache, out, held: int) -> None:
     """A sequence whose first ``cached`` tokens vLLM's prefix cache gave (a held prompt's or prefix's blocks,
     shared): the step's tokens are the rest. The cached K/V are read where they lie and the sequence taken as
     :func:`prefill` takes it, the cached positions' queries standing in as zeros: held positions are kept
@@ -91,11 +91,12 @@ def prefill_after(layer: PagedLayer, cached: int, table_row, q, k, v, kv_cache, 
     if cached > held:
         raise RuntimeError(f"scissorhands: vLLM's prefix cache gave {cached} tokens of a request that holds "
                            f"{held}; only held blocks are offered to it")
+    block = layer.block
     slots = phys(table_row, torch.arange(cached), block)[:, None]
     kc, vc = read_kv(kv_cache, layer.layout, slots // block, torch.arange(layer.kv_heads)[None, :], slots % block)
     whole = torch.empty(cached + q.shape[0], *out.shape[1:], dtype=out.dtype)
     prefill(layer, table_row, torch.cat([q.new_zeros(cached, *q.shape[1:]), q]),
-            torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v]), kv_cache, block, whole, held)
+            torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v]), kv_cache, whole, held)
     out.copy_(whole[cached:])
 
 
