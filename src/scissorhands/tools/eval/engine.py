@@ -16,7 +16,6 @@ is refused), K/V in the model's dtype. The plugin keeps exactly ``min(seen, budg
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -33,14 +32,10 @@ def plugin_settings(method: type[EvictionMethod], budget: int, base: CacheSettin
     from scissorhands.vllm.settings import parse
 
     given: dict[str, Any] = {"method": method.name, "budget": int(budget)}
-    default = CacheSettings()
-    for f in dataclasses.fields(CacheSettings):
-        if f.name == "owned":  # a plug-in's own settings (prompt_keep, observe, ...): only those not at default
-            given.update(base.owned)
-            continue
-        value = getattr(base, f.name)
-        if value != getattr(default, f.name) or f.name == "prefill":
-            given[f.name] = list(value) if isinstance(value, tuple) else value
+    default = CacheSettings().as_dict()
+    for name, value in base.as_dict().items():  # every setting by name, a plug-in's own (observe, ...) included
+        if value != default[name] or name == "prefill":
+            given[name] = list(value) if isinstance(value, tuple) else value
     parse(given)
     return given
 
