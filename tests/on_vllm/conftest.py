@@ -87,13 +87,15 @@ class Engine:
     def free_blocks(self) -> int:
         return self.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def generate(self, token_prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    def generate(self, token_prompts: list[list[int]], new_tokens: int, spans: list | None = None) -> list[dict]:
+        """Greedy answers; ``spans``: each prompt's own protected spans (``extra_args``), or None for none."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts],
-                                 SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0),
-                                 use_tqdm=False)
+        params = [SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0,
+                                 extra_args=None if not s else {"scissorhands_protect": s})
+                  for s in (spans or [None] * len(token_prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], params, use_tqdm=False)
         return [{"request_id": o.request_id, "tokens": list(o.outputs[0].token_ids),
                  "logprobs": [next(iter(d.values())).logprob for d in o.outputs[0].logprobs],
                  "cached": o.num_cached_tokens} for o in outs]
@@ -125,11 +127,12 @@ def kept_now(engine: Engine) -> dict[str, list]:
 
 
 def reference(folder: str, plugin: dict, token_prompts: list[list[int]], generated: list[list[int]],
-              tmp_path: Path) -> list[dict]:
-    """The transformers ScissorhandsCache on the same prompts and tokens (see reference.py)."""
+              tmp_path: Path, spans: list | None = None) -> list[dict]:
+    """The transformers ScissorhandsCache on the same prompts and tokens (see reference.py); ``spans``: each
+    prompt's own protected spans, beside the protected prefix."""
     request, answer = tmp_path / "request.json", tmp_path / "answer.json"
     request.write_text(json.dumps({"folder": folder, "plugin": plugin, "prompts": token_prompts,
-                                   "tokens": generated}))
+                                   "tokens": generated, "spans": spans or [[] for _ in token_prompts]}))
     server = _reference_server()
     assert server.stdin is not None and server.stdout is not None
     server.stdin.write(json.dumps([str(request), str(answer)]) + "\n")

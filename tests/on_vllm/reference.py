@@ -27,9 +27,9 @@ def main(request_path: str, answer_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(req["folder"], dtype=torch.float32)
     settings = parse(req["plugin"])  # the plugin's own resolution: the same config the engine ran with
     answers = []
-    for prompt, tokens in zip(req["prompts"], req["tokens"]):
-        cache = ScissorhandsCache(model, settings.config, get_method(settings.method.name)(),
-                                  protect=[(0, settings.protect_prefix)] if settings.protect_prefix else None)
+    for prompt, tokens, spans in zip(req["prompts"], req["tokens"], req.get("spans") or [[]] * len(req["prompts"])):
+        protect = ([(0, settings.protect_prefix)] if settings.protect_prefix else []) + [tuple(s) for s in spans]
+        cache = ScissorhandsCache(model, settings.config, get_method(settings.method.name)(), protect=protect or None)
         ids = torch.tensor([prompt + tokens])
         with torch.no_grad():
             logits = [model(ids[:, : len(prompt)], cache=cache).logits[0, -1]]

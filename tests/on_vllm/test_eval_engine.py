@@ -128,13 +128,32 @@ def test_the_engine_refuses_what_the_plugin_cannot_run(setup):
     with pytest.raises(ValueError, match=r"^kv_bits: not supported by the vLLM adapter"):
         check_engine_grid("vllm", [task], ours, [24], CacheSettings(rounds=True, kv_bits=4))
     structured = make_task("humaneval", 0, 0, str(problems), structure=True)
-    with pytest.raises(ValueError, match=r"^protect-structure: the vLLM plugin protects a prompt prefix only"):
-        check_engine_grid("vllm", [structured], ours, [24], base)
+    check_engine_grid("vllm", [structured], ours, [24], base)  # each request's own spans: the plugin protects them
     with pytest.raises(ValueError, match=r"^engine: vllm runs the generated tasks"):
         check_engine_grid("vllm", [make_task("ppl", 64, 1, None)], ours, [24], base)
     with pytest.raises(ValueError, match=r"^engine: the vLLM plugin protects a prompt prefix only, not passkey's"):
         check_engine_grid("vllm", [Passkey(protect_facts=True)], ours, [24], base)
     check_engine_grid("vllm", [task, make_task("multikey", 0, 0, None)], ours, [24], base)  # what it runs passes
+
+
+def test_protected_structure_is_checked_for_every_problem_before_the_cell_runs(setup):
+    """``--protect-structure`` through vLLM: each problem's spans go to its request, checked first as the plugin
+    checks them; a problem whose spans leave no room to evict is named in one line, before any engine starts."""
+    from scissorhands.core.methods import get_method
+    from scissorhands.core.settings.config import CacheSettings
+    from scissorhands.tools.eval import make_task
+    from scissorhands.tools.eval.engine import check_spans, plugin_settings
+    from scissorhands.tools.models import load_model
+
+    _, folder, problems = setup
+    _, tokenizer = load_model(str(folder), dtype="float32", device="cpu")
+    task = make_task("humaneval", 0, 0, str(problems), structure=True)  # the asked function: its whole prompt
+    items = task.items(tokenizer, None)
+    assert all(item.data["spans"] for item in items)
+    method, base = get_method("scissorhands"), CacheSettings(rounds=True, recent=4)
+    with pytest.raises(ValueError, match=r"^protect-structure: problem Test/0: \d+ protected tokens do not fit"):
+        check_spans(items, plugin_settings(method, 24, base))
+    check_spans(items, plugin_settings(method, 24, CacheSettings(rounds=True, recent=4, prefill="keep-prompt")))
 
 
 PASSKEY_SIDE = """

@@ -63,6 +63,55 @@ def test_same_kept_positions_and_logprobs_as_the_transformers_cache(tiny_folder,
                 assert set(range(plugin["protect_prefix"])) <= set(head)
 
 
+SPANS = [[[20, 30], [70, 75]], [], [[100, 120]]]  # each prompt's own (LENGTHS): a request may protect none
+
+
+@pytest.mark.parametrize("plugin", [
+    {"budget": 48},                                          # prompt-aware: the selection keeps them
+    {"budget": 48, "prefill": "stream", "drop": 0.25},       # streamed in rounds of 12, victims pending
+    {"budget": 40, "protect_prefix": 12, "recent": 6},       # beside a held prefix, at the edge of the room
+], ids=["prompt-aware", "stream", "held-prefix"])
+def test_a_requests_own_protected_spans_are_kept_as_the_transformers_cache_keeps_protect(tiny_folder, tmp_path,
+                                                                                          plugin):
+    """``extra_args={"scissorhands_protect": [[s, e], ...]}``: the request's spans stay in every layer through the
+    prompt's eviction and the rounds after it, the same tokens, log-probabilities and kept positions as the
+    transformers cache given the same spans as ``protect=``."""
+    engine = Engine(tiny_folder, plugin)
+    try:
+        token_prompts = prompts(*LENGTHS)
+        got = engine.generate(token_prompts, NEW, SPANS)
+        kept = kept_now(engine)
+    finally:
+        engine.close()
+    want = reference(tiny_folder, plugin, token_prompts, [g["tokens"] for g in got], tmp_path, SPANS)
+    for g, w, spans in zip(got, want, SPANS):
+        assert g["tokens"] == w["greedy"]
+        assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])) < 1e-4
+        assert kept[g["request_id"]] == w["kept"]
+        for layer in kept[g["request_id"]]:
+            for head in layer:
+                assert all(set(range(a, b)) <= set(head) for a, b in spans)
+
+
+def test_a_bad_protected_span_is_that_requests_one_line_error_and_the_engine_serves_on(tiny_folder):
+    engine = Engine(tiny_folder, {"budget": 48})
+    try:
+        for bad, why in [([[90, 140]], "prompt's own tokens"), ([[0, 40]], "do not fit"), ("x", "list"),
+                         ([[5, 5]], "start < end"), ([0, 8, 9], "in pairs")]:
+            with pytest.raises(ValueError, match=f"^scissorhands_protect: .*{why}") as e:
+                engine.generate(prompts(100), 4, [bad])
+            assert "\n" not in str(e.value)
+        assert len(engine.generate(prompts(100), 4, [[[0, 8]]])[0]["tokens"]) == 4  # the next good request
+    finally:
+        engine.close()
+    off = Engine(tiny_folder)  # the plugin off: a request that asks for it is told so
+    try:
+        with pytest.raises(ValueError, match="^scissorhands_protect: the scissorhands plugin is off"):
+            off.generate(prompts(100), 4, [[[0, 8]]])
+    finally:
+        off.close()
+
+
 def test_vllms_default_compiled_mode_keeps_the_same_positions(tiny_folder, tmp_path):
     """vLLM's default CPU mode (``enforce_eager=False``: the model compiled by torch.compile, attention left as
     vLLM's custom operator, where the plugin runs): the same comparison as the eager engine's."""
@@ -570,6 +619,7 @@ def test_the_openai_server_serves_completions_and_chat_with_the_plugin(tmp_path)
     """The real default model (SmolLM2-135M, converted by the project) behind vLLM's OpenAI-compatible server."""
     import socket
     import time
+    import urllib.error
     import urllib.request
 
     from conftest import reference_python
@@ -612,6 +662,17 @@ def test_the_openai_server_serves_completions_and_chat_with_the_plugin(tmp_path)
         chat = post("/v1/chat/completions", {"model": "smollm2", "max_tokens": 8, "temperature": 0,
                                              "messages": [{"role": "user", "content": prompt}]})
         assert chat["choices"][0]["message"]["content"].strip()
+        # A request's own protected spans (vllm_xargs): a bad list is that request's one-line error (400), and the
+        # server serves the next request, with spans that fit.
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            post("/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                     "vllm_xargs": {"scissorhands_protect": [0, 9999]}})
+        assert bad.value.code == 400
+        said = json.loads(bad.value.read())["error"]["message"]
+        assert said.startswith("scissorhands_protect: spans protect the prompt's own tokens") and "\n" not in said
+        kept = post("/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                        "vllm_xargs": {"scissorhands_protect": [0, 8, 20, 30]}})  # flat
+        assert kept["choices"][0]["text"]
         text = (tmp_path / "server.log").read_text()
         assert "scissorhands: method scissorhands, budget 64" in text
         # The operator was loaded while the engine started, before the server said it was up.

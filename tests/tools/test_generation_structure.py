@@ -54,6 +54,30 @@ def test_structure_spans_are_the_tokens_of_the_asked_problem_and_the_turn_marker
     assert tok.decode(enc["input_ids"][spans[0][0]:spans[0][1]]) == "<|im_start|>system\n"
 
 
+def test_the_forms_are_the_worked_answers_closing_sentences_and_the_parts_are_named_or_refused():
+    """``--protect-structure forms``: each worked example's "So the answer is N." (the form the answer should end
+    in), not the asked question; parts are checked by name, and a task without worked answers refuses forms."""
+    tok = byte_tokenizer_fast()
+    task = make_task("gsm8k", structure="forms")
+    assert task.structure == "forms"
+    text = task.prompt_text(tok, SUM)
+    asked = task.asked_from(text, SUM)
+    forms = task.answer_forms(text, asked)
+    assert [text[s:e] for s, e in forms] == ["So the answer is 10."]
+    spans = structure_spans(tok, text, asked, ("forms",), forms)
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert [tok.decode(ids[s:e]) for s, e in spans] == ["So the answer is 10."]  # one byte a token here
+    both = structure_spans(tok, text, asked, ("asked", "forms"), forms)
+    assert both[-1] == (len(tok(text[:asked], add_special_tokens=False).input_ids), len(ids)) and both[0] == spans[0]
+    assert make_task("gsm8k", structure="turns,asked").structure is True  # the default parts: the key as before
+    assert make_task("gsm8k", structure="forms,asked").structure == "asked,forms"
+    for bad in ("shape", "", "asked,,"):
+        with pytest.raises(ValueError, match="^protect-structure: parts from asked, turns, forms"):
+            make_task("gsm8k", structure=bad)
+    with pytest.raises(ValueError, match="^protect-structure: forms: mbpp's prompts have no worked answers"):
+        make_task("mbpp", structure="forms")
+
+
 def test_structure_applies_to_the_tasks_that_generate_only():
     with pytest.raises(ValueError, match="^protect-structure: ppl does not generate"):
         make_task("ppl", structure=True)

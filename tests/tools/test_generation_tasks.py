@@ -270,7 +270,8 @@ def test_a_later_run_pairs_with_the_full_answers_on_file(tmp_path, capsys, short
 
 def test_the_vllm_engine_refuses_in_one_line_before_the_model_loads(tmp_path, capsys):
     """``--engine vllm`` runs what the plugin runs: a fraction, a setting the plugin cannot hold, a task that does
-    not generate or protected structure are refused first; without vLLM in the environment, that is said."""
+    not generate or a structure part it does not have are refused first; without vLLM in the environment, that is
+    said."""
     problems = tmp_path / "problems.jsonl"
     problems.write_text(json.dumps({"task_id": "T/0", "entry_point": "f", "prompt": "def f():\n",
                                     "canonical_solution": "    return 1\n", "test": "def check(c):\n    pass\n"})
@@ -282,8 +283,10 @@ def test_the_vllm_engine_refuses_in_one_line_before_the_model_loads(tmp_path, ca
          "budgets: the vLLM plugin takes a token count per layer"),
         (["--tasks", "humaneval", "--text", str(problems), "--budgets", "24", "--kv-bits", "4"],
          "kv-bits: not supported by the vLLM adapter"),
-        (["--tasks", "humaneval", "--text", str(problems), "--budgets", "24", "--protect-structure"],
-         "protect-structure: the vLLM plugin protects a prompt prefix only"),
+        (["--tasks", "humaneval", "--text", str(problems), "--budgets", "24", "--protect-structure", "shape"],
+         "protect-structure: parts from asked, turns, forms"),
+        (["--tasks", "humaneval", "--text", str(problems), "--budgets", "24", "--protect-structure", "forms"],
+         "protect-structure: forms: humaneval's prompts have no worked answers"),
         (["--tasks", "lambada", "--budgets", "24"], "engine: vllm runs the generated tasks"),
         (["--tasks", "humaneval", "--text", str(problems), "--budgets", "24", "--head-budgets",
           str(tmp_path / "heads.json")], "head-budgets: the vLLM plugin cannot give KV heads budgets of their own"),

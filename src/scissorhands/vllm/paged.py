@@ -170,12 +170,13 @@ class PagedLayer:
         block = self.block = kv_cache.shape[2]
         self.kv_cache = kv_cache
         for i, a, b, held, cached in plan.prefills:
+            spans = None if plan.protect is None else plan.protect.get(i)
             if cached:
                 prompt.prefill_after(self, cached, plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache,
-                                     output[a:b], held)
+                                     output[a:b], held, spans)
             else:
                 prompt.prefill(self, plan.block_table[i], query[a:b], key[a:b], value[a:b], kv_cache, output[a:b],
-                               held)
+                               held, spans)
         if plan.dec_tok is not None and plan.dec_last is not None:
             self.pos[plan.dec_slots] = plan.dec_last.to(torch.int32)[:, None]
             ctx = torch.empty(plan.dec_tok.shape[0], self.heads, self.head_size)  # (Dn, H_q, D) float32
@@ -185,13 +186,15 @@ class PagedLayer:
                         self.fp8, self.k_scale, self.v_scale, plan.dec_held)
             output.index_copy_(0, plan.dec_tok, ctx.to(output.dtype))
         if plan.round_window is not None and plan.round_seen is not None and not self.defer_rounds:
-            self._round(plan.round_window, plan.round_seen, kv_cache, block)
+            self._round(plan.round_window, plan.round_seen, kv_cache, block, plan.round_spans)
 
-    def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int) -> None:
-        """Each rounding row picks ``drop`` victims per KV head and swaps them into its window's leaving slots."""
+    def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int,
+               spans: torch.Tensor | None = None) -> None:
+        """Each rounding row picks ``drop`` victims per KV head and swaps them into its window's leaving slots;
+        ``spans`` (Rr, S, 2): the rows' own protected spans, or None."""
         assert self.pos is not None
         round_layers([self], self.pos[None], None if self.acc is None else self.acc[None], [kv_cache], window, seen,
-                     block)
+                     block, spans)
 
     def read(self, kv_cache, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the slots as the model sees them: float32 from fp8 bytes, else in the cache's dtype."""

@@ -32,8 +32,11 @@ class StepPlan:
     dec_bucket: torch.Tensor | None = None  # (Dn,) ring slot its step adds to
     dec_restart: torch.Tensor | None = None  # (Dn,) bool: that ring slot starts a new bucket
     dec_held: torch.Tensor | None = None  # (Dn,) int64 each decode row's held positions [0, P), else None
+    #: Each prompt row's own protected spans (batch row -> [(start, end)]), where its request has some.
+    protect: dict[int, list[tuple[int, int]]] | None = None
     round_window: torch.Tensor | None = None  # (Rr, B) physical slots of each rounding row's window, oldest first
     round_seen: torch.Tensor | None = None  # (Rr,) tokens each rounding row has seen
+    round_spans: torch.Tensor | None = None  # (Rr, S, 2) int32 each rounding row's protected spans, else None
 
 
 class Planner:
@@ -72,11 +75,15 @@ class Planner:
         self._stack: tuple | None = None  # (the layers, their positions stacked, their importance stacked)
         #: The requests the scheduler starts in the coming step: new, or resumed after a preemption (:meth:`begin`).
         self.begun: frozenset[str] = frozenset()
+        #: Each live request's own protected spans of its prompt (those it has), kept until it finishes.
+        self.spans: dict[str, list[tuple[int, int]]] = {}
 
-    def begin(self, request_ids) -> None:
+    def begin(self, request_ids, spans: dict[str, list[tuple[int, int]]] | None = None) -> None:
         """The requests whose sequence the coming step starts (vLLM's new and resumed requests): with prefix
-        caching their first chunk may be shorter than the sequence, its start read from cached blocks."""
+        caching their first chunk may be shorter than the sequence, its start read from cached blocks. ``spans``:
+        the new requests' own protected spans (a resumed request keeps those it came with)."""
         self.begun = frozenset(request_ids)
+        self.spans.update(spans or {})
 
     def first_round(self, prompt: int, held: int = 0) -> int:
         """The sequence length at whose step a request of ``prompt`` tokens starts its first round after the
@@ -96,6 +103,7 @@ class Planner:
             self.start.pop(rid, None)
             self.where.pop(rid, None)
             self.held.pop(rid, None)
+            self.spans.pop(rid, None)
 
     def after_step(self, step_id, layers: list[Rounded]) -> None:
         """Step ``step_id``'s rounds for every layer that deferred them, as one batch (the engine calls this once its
@@ -109,10 +117,10 @@ class Planner:
         stacked = self._stacked(waiting)
         if stacked is None:  # layers of unlike shapes: each alone
             for layer in waiting:
-                layer._round(plan.round_window, plan.round_seen, layer.kv_cache, layer.block)
+                layer._round(plan.round_window, plan.round_seen, layer.kv_cache, layer.block, plan.round_spans)
             return
         round_layers(waiting, stacked[0], stacked[1], [layer.kv_cache for layer in waiting], plan.round_window,
-                     plan.round_seen, waiting[0].block)
+                     plan.round_seen, waiting[0].block, plan.round_spans)
 
     def _stacked(self, layers: list[Rounded]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The layers' positions (L, slots, H_kv) and importance (L, NB, num_blocks, H_kv, N) as one tensor each,
@@ -148,6 +156,7 @@ class Planner:
     def plan(self, request_ids, query_start, seq_lens, block_table, slot_mapping, block: int) -> StepPlan:
         starts, lengths = query_start.tolist(), seq_lens.tolist()
         prefills, decode, rounds = [], [], []
+        protect: dict[int, list[tuple[int, int]]] = {}
         b_, m = self.window, self.drop
         table = block_table.clone()  # vLLM reuses its tensor; ``where`` keeps this step's rows
         for i, rid in enumerate(request_ids):
@@ -170,13 +179,15 @@ class Planner:
                 self.start[rid] = self.first_round(total, held)
                 self.reused += cached
                 prefills.append((i, a, b, held, cached))
+                if rid in self.spans:
+                    protect[i] = self.spans[rid]
             elif b - a == 1 and rid in self.start:
                 decode.append((i, a, total - 1))
             else:
                 raise RuntimeError("scissorhands: a prompt came in chunks; the plugin turns chunked prefill off")
             if total >= self.start[rid] and (total - self.start[rid]) % m == 0:
                 rounds.append((i, total))
-        plan = StepPlan(prefills, block_table)
+        plan = StepPlan(prefills, block_table, protect=protect or None)
         if decode:
             rows = torch.tensor([d[0] for d in decode])
             plan.dec_tok = torch.tensor([d[1] for d in decode])
@@ -198,4 +209,11 @@ class Planner:
             positions = seen[:, None] - b_ + torch.arange(b_)[None, :]  # (Rr, B), oldest first
             tables = block_table[rows].long()
             plan.round_window = tables.gather(1, positions // block) * block + positions % block
+            spans = [self.spans.get(request_ids[r[0]], []) for r in rounds]
+            if any(spans):  # padded with empty (0, 0) spans
+                table_of = torch.zeros(len(spans), max(len(s) for s in spans), 2, dtype=torch.int32)
+                for j, row in enumerate(spans):
+                    if row:
+                        table_of[j, :len(row)] = torch.tensor(row, dtype=torch.int32)
+                plan.round_spans = table_of
         return plan

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import functools
 import logging
 import os
 import sys
@@ -75,6 +76,7 @@ def register() -> None:
     spec.register()  # the budgeted layers' KV-cache spec and its block manager, in vLLM's registry
     original = CpuPlatform.check_and_update_config.__func__
     create = EngineArgs.create_engine_config
+    validate = CpuPlatform.validate_request.__func__
 
     def check_and_update_config(cls, vllm_config) -> None:
         original(cls, vllm_config)
@@ -91,6 +93,7 @@ def register() -> None:
                 check_platform(current_platform())
         except ValueError as e:
             refuse(e, server)
+        _FRONT[:] = [settings]  # what this process's requests are checked against (validate_request)
         try:
             config = create(self, *args, **kwargs)
         except ValueError as e:  # pydantic's ValidationError is a ValueError
@@ -122,11 +125,52 @@ def register() -> None:
             _forget(_record_path())
             raise Refusal(line) from None
 
+    def validate_request(cls, processed_inputs, params) -> None:
+        # A request's own protected spans, checked in the front end: a bad list is that request's error, never the
+        # engine's.
+        validate(cls, processed_inputs, params)
+        check_request(processed_inputs, params)
+
     check_and_update_config.scissorhands = True  # type: ignore[attr-defined]
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    CpuPlatform.validate_request = classmethod(validate_request)
     EngineArgs.create_engine_config = create_engine_config
     LLMEngine.from_engine_args = classmethod(engine_from_args)
     quiet_failed_start()
+
+
+#: The settings of the engine this process made last (None: the plugin off), which its requests are checked against.
+_FRONT: list = [None]
+
+
+def check_request(processed_inputs, params) -> None:
+    """A request's protected spans (``extra_args["scissorhands_protect"]``) against its prompt and the engine's
+    settings: a one-line ``ValueError`` naming the key, which vLLM returns as that request's error."""
+    from .settings import PROTECT
+
+    extra = getattr(params, "extra_args", None)
+    if not isinstance(extra, dict) or PROTECT not in extra:
+        return
+    settings = _FRONT[0]
+    tokens = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
+    try:
+        if settings is None:
+            raise ValueError(f"{PROTECT}: the scissorhands plugin is off in this engine (no 'scissorhands' settings)")
+        if tokens is None:
+            raise ValueError(f"{PROTECT}: protects the token positions of a text prompt (this request has none)")
+        settings.request_protection(extra, len(tokens))
+    except ValueError as e:
+        raise _request_refusal()(str(e)) from None
+
+
+@functools.lru_cache(maxsize=1)
+def _request_refusal() -> type:
+    """The error of a request's bad setting: a ``ValueError`` for ``LLM(...)``, and vLLM's client error for its
+    server, which answers that request 400 and serves on (a plain ``ValueError`` raised while a request is added
+    reaches the client as a 500)."""
+    from vllm.exceptions import VLLMValidationError
+
+    return type("RequestRefusal", (VLLMValidationError, ValueError), {"__module__": __name__})
 
 
 def current_platform():

@@ -19,6 +19,7 @@ from scissorhands.core.attend.streaming import attend
 from scissorhands.core.layer.budgeted import BudgetedKV
 from scissorhands.core.stores.base import DenseKVStore
 from scissorhands.core.tokens.importance import ImportanceState
+from scissorhands.core.tokens.protect import Protection
 
 from . import kernels
 from .blocks import copy_slots, phys, read_kv
@@ -27,12 +28,14 @@ if TYPE_CHECKING:
     from .paged import PagedLayer
 
 
-def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, out, held: int = 0) -> None:
+def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, out, held: int = 0,
+            spans: list[tuple[int, int]] | None = None) -> None:
     """Attend a prompt exactly, evict it to the budget, and move the kept tokens into the window.
 
     ``held``: the positions the request keeps where they lie: its held prompt (keep-prompt; a longer first
     chunk is a preempted request recomputed, whose tokens after the held prompt stream into the window as
-    generated ones), or its held prefix (protected: the core keeps it, and it stays in its slots).
+    generated ones), or its held prefix (protected: the core keeps it, and it stays in its slots). ``spans``: the
+    request's own protected spans, which the one-row layer keeps as the transformers cache keeps ``protect=``.
     """
     assert layer.pos is not None
     t, block = q.shape[0], layer.block
@@ -44,6 +47,8 @@ def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, out, held: int = 0)
     # the tokens after a held prompt.
     rounds = not isinstance(mode, PromptAware) or isinstance(mode, KeepPrompt)
     one = layer.budgeted(DenseKVStore(), mode, rounds=rounds)
+    if spans:
+        one.given_shields.append(Protection([list(spans)]))
     k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
     one.allocate(k4, v4)
     fused = hold_fused(one, q, k4, v4, out, layer.scale, layer.softcap,
@@ -80,7 +85,8 @@ def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, out, held: int = 0)
         layer.acc[:, where // block, heads, where % block] = state.acc[:, 0, :, :length].float()
 
 
-def prefill_after(layer: PagedLayer, cached: int, table_row, q, k, v, kv_cache, out, held: int) -> None:
+def prefill_after(layer: PagedLayer, cached: int, table_row, q, k, v, kv_cache, out, held: int,
+                  spans: list[tuple[int, int]] | None = None) -> None:
     """A sequence whose first ``cached`` tokens vLLM's prefix cache gave (a held prompt's or prefix's blocks,
     shared): the step's tokens are the rest. The cached K/V are read where they lie and the sequence taken as
     :func:`prefill` takes it, the cached positions' queries standing in as zeros: held positions are kept
@@ -96,7 +102,7 @@ def prefill_after(layer: PagedLayer, cached: int, table_row, q, k, v, kv_cache, 
     kc, vc = read_kv(kv_cache, layer.layout, slots // block, torch.arange(layer.kv_heads)[None, :], slots % block)
     whole = torch.empty(cached + q.shape[0], *out.shape[1:], dtype=out.dtype)
     prefill(layer, table_row, torch.cat([q.new_zeros(cached, *q.shape[1:]), q]),
-            torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v]), kv_cache, whole, held)
+            torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v]), kv_cache, whole, held, spans)
     out.copy_(whole[cached:])
 
 

@@ -16,7 +16,7 @@ import torch
 
 from scissorhands.core.methods.base import EvictionMethod, LayerView
 from scissorhands.core.tokens.importance import ImportanceState
-from scissorhands.core.tokens.protect import Protection
+from scissorhands.core.tokens.protect import Protection, in_spans
 from scissorhands.core.tokens.selection import lowest
 
 from . import kernels
@@ -45,7 +45,8 @@ class Rounded(Protocol):
 
     def read(self, kv_cache, blocks, heads, offs) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int) -> None: ...
+    def _round(self, window: torch.Tensor, seen: torch.Tensor, kv_cache, block: int,
+               spans: torch.Tensor | None = None) -> None: ...
 
 
 class _Slots:
@@ -57,13 +58,14 @@ class _Slots:
 
 
 def round_layers(layers: list[Rounded], pos: torch.Tensor, acc: torch.Tensor | None, kv_caches: list,
-                 window: torch.Tensor, seen: torch.Tensor, block: int) -> None:
+                 window: torch.Tensor, seen: torch.Tensor, block: int, spans: torch.Tensor | None = None) -> None:
     """One step's rounds for several layers at once: each rounding row of each layer picks ``drop`` victims per KV
     head and swaps them into its window's leaving slots.
 
     ``pos`` (L, slots, H_kv) and ``acc`` (L, NB, num_blocks, H_kv, N) hold the layers' positions and importance
     stacked (each layer's own tensors are views of them), ``kv_caches`` their caches, ``window`` (Rr, B) the
-    rounding rows' physical slots oldest first (one block table serves every layer), ``seen`` (Rr,) their lengths.
+    rounding rows' physical slots oldest first (one block table serves every layer), ``seen`` (Rr,) their lengths,
+    ``spans`` (Rr, S, 2) the rows' own protected spans (a request's, beside the layers' shields), or None.
     The layers' rows are scored, selected and moved as one batch of ``L * Rr`` rows: what a layer's round gives
     alone, for a method whose scores read no layer index (``EvictionMethod.stackable``); other methods score each
     layer on its own view, and only the selection and the moves are batched. The selection and the moves of every
@@ -115,6 +117,9 @@ def round_layers(layers: list[Rounded], pos: torch.Tensor, acc: torch.Tensor | N
     shield = None
     for part in first.shields:
         mask = part.mask(positions)
+        shield = mask if shield is None else shield | mask
+    if spans is not None:  # every layer's rows of a request share its spans
+        mask = in_spans(positions, spans.repeat(nl, 1, 1))
         shield = mask if shield is None else shield | mask
     if first.compiled and len({layer.layout for layer in layers}) == 1:
         kernels.rounds(kv_caches, first.layout, pos, acc, window, scores, order, shield, first.recent, m)

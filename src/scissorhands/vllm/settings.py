@@ -42,6 +42,12 @@ What the adapter fixes, and why (each given otherwise is a one-line error):
 * no ``prompt_chunk``: vLLM's scheduler chunks prompts itself;
 * ``decode`` stays ``"dynamic"``: vLLM runs its own step over its blocks
   (the static step is the transformers adapter's).
+
+A request may protect spans of its own prompt: ``SamplingParams(extra_args={"scissorhands_protect": [[s, e],
+...]})``, or the bounds flat, ``[s0, e0, s1, e1, ...]`` (how the OpenAI server's ``vllm_xargs`` carries them: it
+takes no nested lists), token positions ``[s, e)`` of the prompt that no layer evicts, as ``protect=`` does in the
+transformers cache (:meth:`PluginSettings.request_protection` checks them; a bad list is
+that request's one-line error, and the server stays up).
 """
 
 from __future__ import annotations
@@ -56,10 +62,12 @@ from scissorhands.core.planning.assembly import CachePlan, plan
 from scissorhands.core.settings.config import CacheSettings, ScissorhandsConfig
 from scissorhands.core.settings.declare import OWNED, from_strings
 from scissorhands.core.tokens.importance import ImportanceState
-from scissorhands.core.tokens.protect import Protection
+from scissorhands.core.tokens.protect import Protection, check_room
 
 KEY = "scissorhands"
 ENV = "SCISSORHANDS_VLLM"
+#: A request's own protected spans: the key of its ``SamplingParams.extra_args``.
+PROTECT = "scissorhands_protect"
 #: What the adapter needs, whatever the library defaults are (see the module docstring).
 FIXED: dict[str, object] = {"rounds": True}
 #: The prefill modes the adapter runs, the first its default (see the module docstring).
@@ -107,6 +115,39 @@ class PluginSettings:
 
     def protection(self) -> Protection | None:
         return Protection.prefix(self.protect_prefix) if self.protect_prefix else None
+
+    def request_protection(self, extra_args, prompt: int) -> list[tuple[int, int]]:
+        """The spans a request of ``prompt`` tokens protects (``extra_args[PROTECT]``), checked as the transformers
+        cache checks ``protect=``: ``(start, end)`` token positions of the prompt, end exclusive, which with the
+        protected prefix and the sinks leave each layer room to evict (:func:`check_room`). A one-line
+        ``ValueError`` naming ``scissorhands_protect`` otherwise. Spans the request holds anyway (a held prompt,
+        a held prefix) are left out of what is returned."""
+        given = None if not isinstance(extra_args, dict) else extra_args.get(PROTECT)
+        if given is None:
+            return []
+        if isinstance(given, (list, tuple)) and given and all(isinstance(v, int) for v in given):
+            # flat bounds [s0, e0, s1, e1, ...]: what the OpenAI server's vllm_xargs can carry (no nested lists)
+            if len(given) % 2:
+                raise ValueError(f"{PROTECT}: flat bounds come in pairs [s0, e0, s1, e1, ...], got {len(given)} "
+                                 "numbers")
+            given = [list(given[i:i + 2]) for i in range(0, len(given), 2)]
+        made = Protection.parse(given, PROTECT)
+        if made is None:
+            return []
+        if len(made.rows) != 1 or (given and isinstance(given[0], (list, tuple)) and given[0]
+                                   and isinstance(given[0][0], (list, tuple))):
+            raise ValueError(f"{PROTECT}: one list of [start, end] spans for the request, got {given!r}")
+        spans = sorted(made.rows[0])
+        past = [s for s in spans if s[1] > prompt]
+        if past:
+            raise ValueError(f"{PROTECT}: spans protect the prompt's own tokens (it has {prompt}), got {past[0]!r}")
+        if self.config.prefill == "keep-prompt":  # the whole prompt is held: nothing of it is ever evicted
+            return []
+        part = self.plan.layers[0]
+        held = max(self.config.sinks, self.protect_prefix)
+        check_room(Protection([([(0, held)] if held else []) + spans]), [(part.budget, part.recent, part.drop)],
+                   PROTECT)
+        return [(max(s, self.held_prefix), e) for s, e in spans if e > self.held_prefix]
 
 
 def parse(given: dict) -> PluginSettings:

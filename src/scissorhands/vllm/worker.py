@@ -161,7 +161,9 @@ class ScissorhandsWorker(CPUWorker):
         state.step += 1
         state.planner.release(getattr(scheduler_output, "finished_req_ids", None) or ())
         resumed = getattr(getattr(scheduler_output, "scheduled_cached_reqs", None), "resumed_req_ids", None) or ()
-        state.planner.begin([*(new.req_id for new in getattr(scheduler_output, "scheduled_new_reqs", ())), *resumed])
+        new = list(getattr(scheduler_output, "scheduled_new_reqs", ()))
+        state.planner.begin([*(r.req_id for r in new), *resumed],
+                            {r.req_id: spans for r in new if (spans := _protected(state.settings, r))})
         try:
             output = super().execute_model(scheduler_output)
             state.planner.after_step(state.step, state.layers)  # the forward is done: every layer's rounds at once
@@ -179,6 +181,17 @@ class ScissorhandsWorker(CPUWorker):
         held = state.planner.held
         return {rid: [layer.stored_positions(row, seen, held.get(rid, 0)).tolist() for layer in state.layers]
                 for rid, (row, seen) in state.planner.where.items()}
+
+
+def _protected(settings: PluginSettings, request) -> list[tuple[int, int]]:
+    """A new request's own protected spans (checked in the front end already: a list that fails here is logged
+    and the request runs unprotected, never the engine stopped)."""
+    params = getattr(request, "sampling_params", None)
+    try:
+        return settings.request_protection(getattr(params, "extra_args", None), len(request.prompt_token_ids or ()))
+    except ValueError as e:
+        logger.warning("scissorhands: request %s: %s; it runs without them", request.req_id, e)
+        return []
 
 
 def _observed(settings) -> int:

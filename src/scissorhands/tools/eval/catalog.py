@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import Task
-from .generated import Generated
+from .generated import Generated, structure_parts
 from .gsm8k import GSM8K
 from .humaneval import HumanEval
 from .mbpp import MBPP
@@ -17,15 +17,16 @@ TASKS = ("ppl", "lambada", "agreement", "passkey", "multikey") + GENERATED + MC_
 
 
 def make_task(name: str, seq_len: int = 2048, n_windows: int = 16, data: str | None = None,
-              structure: bool = False) -> Task:
+              structure: bool | str = False) -> Task:
     """The task ``name``; ``structure``: protect each prompt's structure (:meth:`Generated.protect_structure`),
-    for the tasks that generate."""
+    for the tasks that generate: True for the asked problem and the turn markers, or the parts by name
+    (``"asked,forms"``, :data:`.generated.STRUCTURE`)."""
     task = _make_task(name, seq_len, n_windows, data)
-    if structure:
+    if structure is not None and structure is not False:  # (an empty list of parts is refused by name)
         if not isinstance(task, Generated):
             raise ValueError(f"protect-structure: {task.name} does not generate; it applies to "
                              f"{', '.join(GENERATED)}")
-        task.protect_structure()
+        task.protect_structure(structure_parts(structure))
     return task
 
 

@@ -8,8 +8,9 @@ recorded exactly as the transformers path records them (the same item scores, pa
 row), and keyed apart by the engine, so the two paths' rows pair problem by problem.
 
 What the plugin fixes is fixed here too, in one line each before anything runs: rounds (set), one budget for every
-layer, a token budget (no fraction, no ``--memory``), no protected spans other than a prefix (``--protect-structure``
-is refused), K/V in the model's dtype. The plugin keeps exactly ``min(seen, budget)`` tokens per layer and KV head
+layer, a token budget (no fraction, no ``--memory``), K/V in the model's dtype. ``--protect-structure`` gives each
+request its own protected spans (``extra_args``, the plugin's ``scissorhands_protect``), checked for every problem
+before the cell runs. The plugin keeps exactly ``min(seen, budget)`` tokens per layer and KV head
 (with ``--prefill keep-prompt``, the prompt's ``P`` beside ``min(seen - P, budget)``), so what an answer held
 (``kv_held``) is that.
 """
@@ -23,6 +24,8 @@ from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.settings.config import CacheSettings
 
 ENGINES = ("transformers", "vllm")
+#: A request's own protected spans: the plugin's key (``scissorhands.vllm.settings.PROTECT``).
+PROTECT = "scissorhands_protect"
 
 
 def plugin_settings(method: type[EvictionMethod], budget: int, base: CacheSettings) -> dict:
@@ -60,8 +63,6 @@ def check_engine_grid(engine: str, tasks, methods, budgets, base: CacheSettings)
     if base.head_budgets is not None:
         raise ValueError("head_budgets: the vLLM plugin cannot give KV heads budgets of their own (a vLLM layer's "
                          "blocks hold every KV head); run head-level budgets with --engine transformers")
-    if any(getattr(t, "structure", False) for t in tasks):
-        raise ValueError("protect-structure: the vLLM plugin protects a prompt prefix only, not the structure's spans")
     for b in budgets:
         if not isinstance(b, int):
             raise ValueError(f"budgets: the vLLM plugin takes a token count per layer (one window for every "
@@ -98,7 +99,9 @@ class VLLMEngine:
         first stop string, as the transformers path cuts it)."""
         from .generated import cut_at_stop
 
-        outs = self.greedy([item.data["prompt"] for item in items], task.max_new_tokens, list(task._stops), plugin)
+        spans = [item.data.get("spans") for item in items] if plugin is not None else None
+        outs = self.greedy([item.data["prompt"] for item in items], task.max_new_tokens, list(task._stops), plugin,
+                           spans)
         answers = []
         for tokens in outs:  # the text decoded as the transformers path decodes it, then cut at the first stop
             text = task._tokenizer.decode(tokens, skip_special_tokens=True)
@@ -106,9 +109,9 @@ class VLLMEngine:
         return answers
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int, stops: list[str],
-               plugin: dict | None) -> list[list[int]]:
+               plugin: dict | None, spans: list | None = None) -> list[list[int]]:
         """Each prompt's greedy continuation (token ids, up to ``max_new_tokens``, a stop string included), all of
-        them in one batch of one ``LLM(...)``."""
+        them in one batch of one ``LLM(...)``; ``spans``: each prompt's own protected spans (or None)."""
         import torch
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -121,8 +124,10 @@ class VLLMEngine:
             kw["additional_config"] = {"scissorhands": plugin}
         llm = LLM(**kw)
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop=stops or None,
-                                    stop_token_ids=self.ends or None, include_stop_str_in_output=True)
+            params = [SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop=stops or None,
+                                     stop_token_ids=self.ends or None, include_stop_str_in_output=True,
+                                     extra_args={PROTECT: [list(x) for x in s]} if s else None)
+                      for s in (spans or [None] * len(prompts))]
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         finally:
             llm.llm_engine.engine_core.shutdown()
@@ -151,6 +156,8 @@ def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod],
     covered = [method.is_full or budget is None
                or budget >= (0 if held else len(item.data["prompt"])) + task.max_new_tokens for item in items]
     asked = [item for item, c in zip(items, covered) if not c]
+    if asked and budget:
+        check_spans(asked, plugin_settings(method, budget, base))
     answers = iter(engine.generate(task, asked, plugin_settings(method, budget, base)) if asked and budget else [])
     scores = []
     for item, c in zip(items, covered):
@@ -161,6 +168,20 @@ def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod],
         mine = task.judged(item, a["tokens"], a["completion"], _held(item, a, budget, held))
         scores.append(task.paired(mine, item.data["full"], False))
     return scores
+
+def check_spans(items, plugin: dict) -> None:
+    """Each problem's protected spans (``--protect-structure``) as the plugin will check them, before the cell
+    runs: one line naming the first problem whose spans do not fit."""
+    from scissorhands.vllm.settings import parse
+
+    settings = parse(plugin)
+    for item in items:
+        if item.data.get("spans"):
+            try:
+                settings.request_protection({PROTECT: [list(x) for x in item.data["spans"]]}, len(item.data["prompt"]))
+            except ValueError as e:
+                raise ValueError(f"protect-structure: problem {item.key}: {str(e).split(': ', 1)[-1]}") from None
+
 
 def _held(item, answer: dict, budget: int | None, keeps_prompt: bool = False) -> dict:
     """What a layer held at the answer's end: every token fed (the prompt and the answer but its last token, which

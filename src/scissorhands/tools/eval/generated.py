@@ -40,15 +40,38 @@ class StopAtText:
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
-def structure_spans(tokenizer, text: str, asked: int) -> tuple[tuple[int, int], ...]:
-    """The token spans (end exclusive) of ``text``'s structure: from character ``asked`` to the end (the asked
-    problem), and each special token of the tokenizer that occurs in it (a chat template's turn markers), a turn's
-    opening marker with its role line. Mapped to tokens by the tokenizer's offsets, as ``text`` is encoded for
-    the model (no special tokens added)."""
+#: The parts of a prompt's structure ``--protect-structure`` can protect, and those it protects when none are named.
+STRUCTURE = ("asked", "turns", "forms")
+DEFAULT_STRUCTURE = ("asked", "turns")
+
+
+def structure_parts(given: bool | str | tuple[str, ...]) -> tuple[str, ...]:
+    """The parts named by ``--protect-structure`` (True: the default ones), in :data:`STRUCTURE`'s order; a
+    one-line ``ValueError`` naming the flag for an unknown or empty list."""
+    if given is True:
+        return DEFAULT_STRUCTURE
+    names = [n.strip() for n in given.split(",")] if isinstance(given, str) else list(given or ())
+    unknown = [n for n in names if n not in STRUCTURE]
+    if unknown or not names:
+        raise ValueError(f"protect-structure: parts from {', '.join(STRUCTURE)} (comma-separated), got {given!r}")
+    return tuple(n for n in STRUCTURE if n in names)
+
+
+def structure_spans(tokenizer, text: str, asked: int, parts: tuple[str, ...] = DEFAULT_STRUCTURE,
+                    forms: tuple[tuple[int, int], ...] = ()) -> tuple[tuple[int, int], ...]:
+    """The token spans (end exclusive) of ``text``'s structure, the ``parts`` of it named: ``asked``, from
+    character ``asked`` to the end (the asked problem); ``turns``, each special token of the tokenizer that occurs
+    in it (a chat template's turn markers), a turn's opening marker with its role line; ``forms``, the character
+    spans ``forms`` (the worked examples' answer sentences). Mapped to tokens by the tokenizer's offsets, as
+    ``text`` is encoded for the model (no special tokens added)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    chars = [(asked, len(text))]
-    specials = set(getattr(tokenizer, "all_special_tokens", ()) or ())
-    specials |= {a.content for a in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values() if a.special}
+    chars = [(asked, len(text))] if "asked" in parts else []
+    if "forms" in parts:
+        chars += list(forms)
+    specials = set(getattr(tokenizer, "all_special_tokens", ()) or ()) if "turns" in parts else set()
+    if "turns" in parts:
+        specials |= {a.content for a in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+                     if a.special}
     for special in specials:
         if not special:
             continue
@@ -123,11 +146,20 @@ class Generated(Task):
         what :meth:`protect_structure` protects, to the prompt's end."""
         return 0
 
-    def protect_structure(self) -> None:
-        """Protect each prompt's structure in every cell: the asked problem (:meth:`asked_from` to the prompt's
-        end) and the chat template's turn markers with their role lines. Its cells are keyed apart (``structure``
-        is a public attribute, set only here, so the keys of cells without it stay as they were)."""
-        self.structure = True
+    def answer_forms(self, text: str, asked: int) -> tuple[tuple[int, int], ...] | None:
+        """The character spans of the worked examples' closing answer sentences in the prompt ``text`` (before
+        the asked problem at ``asked``): the form an answer should end in. None: the task's prompts have none."""
+        return None
+
+    def protect_structure(self, parts: tuple[str, ...] = DEFAULT_STRUCTURE) -> None:
+        """Protect each prompt's structure in every cell, the ``parts`` named (:func:`structure_spans`): by
+        default the asked problem (:meth:`asked_from` to the prompt's end) and the chat template's turn markers
+        with their role lines. Its cells are keyed apart (``structure`` is a public attribute, set only here: True
+        for the default parts, else their names, so the keys of cells without it stay as they were)."""
+        if "forms" in parts and type(self).answer_forms is Generated.answer_forms:
+            raise ValueError(f"protect-structure: forms: {self.name}'s prompts have no worked answers to protect "
+                             "(gsm8k's have)")
+        self.structure = True if parts == DEFAULT_STRUCTURE else ",".join(parts)
 
     def check(self) -> None:
         """Read the problems before the model loads: a missing package or a bad file is refused first."""
@@ -144,8 +176,11 @@ class Generated(Task):
             text = self.prompt_text(tokenizer, p)
             prompt = encode(text)
             data = {"problem": p, "prompt": prompt}
-            if getattr(self, "structure", False):
-                data["spans"] = structure_spans(tokenizer, text, self.asked_from(text, p))
+            structure = getattr(self, "structure", False)
+            if structure:
+                parts = structure_parts(structure)
+                asked = self.asked_from(text, p)
+                data["spans"] = structure_spans(tokenizer, text, asked, parts, self.answer_forms(text, asked) or ())
             items.append(Item(self.key_of(p), len(prompt) + len(encode(self.answer_text(p))), data))
         return items
 

@@ -29,6 +29,7 @@ FIELDS: dict[str, type | tuple[type, ...]] = {"id": (int, str), "short_answer": 
 STOPS = ("Question:", "\n\n")
 ANSWER = "the number after the first 'the answer is', else the last number"
 _NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # 1,450,000 or 18.5; another comma is punctuation
+_FORM = re.compile(r"So the answer is [^\n]*?\.(?=\s|$)")  # a worked example's closing sentence
 _SAID = re.compile(rf"\bthe answer is\s*:?\s*(-?)\s*\$?\s*({_NUMBER})", re.IGNORECASE)
 _ANY = re.compile(rf"(?<![\w.])(-?)\$?({_NUMBER})")  # not a minus between two numbers (16-3), nor inside a word
 
@@ -94,6 +95,10 @@ class GSM8K(Generated):
 
     def asked_from(self, text: str, problem: dict) -> int:
         return max(0, text.rfind("Question:"))  # the asked question, after the worked ones
+
+    def answer_forms(self, text: str, asked: int) -> tuple[tuple[int, int], ...]:
+        """Each worked example's closing "So the answer is N." (before the asked question)."""
+        return tuple((m.start(), m.end()) for m in _FORM.finditer(text, 0, asked))
 
     def answer_text(self, problem: dict) -> str:
         """The worked solution, or where a problem has none, the sentence that would end it."""
