@@ -263,6 +263,9 @@ def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, 
     layer, _, _ = _serve(PLUGINS[name], compiled, check=check)
     # The operator's run attends long prompts the fused way (the prompt-aware prefill's; a streamed one the core's).
     assert (layer.prompts_fused > 0) == (compiled and settings.config.prefill == "prompt-aware")
+    # A held prompt is attended in one fused call on both paths (nothing of it is evicted or judged): the core's
+    # outputs and positions all the same.
+    assert layer.prompts_held_whole == (4 if settings.config.prefill == "keep-prompt" else 0)
     # With 8 observed queries, the first queries of the prompts of 30, 21 and 17 go through torch's fused attention
     # (of the states here, only a count reads their probabilities).
     counted = settings.config.importance == "count"

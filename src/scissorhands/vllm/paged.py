@@ -129,6 +129,7 @@ class PagedLayer:
         self.fused_prompt = compiled
         self.prompts_fused = 0  # prompts attended that way (tests)
         self.head_queries_fused = 0  # of their queries, those attended by torch's fused attention (tests)
+        self.prompts_held_whole = 0  # held prompts attended in one fused call (:func:`.prompt.held_whole`; tests)
         self.acc: torch.Tensor | None = None  # (NB, num_blocks, H_kv, N) float32
         self.pos: torch.Tensor | None = None  # (num_blocks * N, H_kv) int32: each slot's token position
         self.rounds = 0

@@ -39,6 +39,8 @@ def prefill(layer: PagedLayer, table_row, q, k, v, kv_cache, out, held: int = 0,
     """
     assert layer.pos is not None
     t, block = q.shape[0], layer.block
+    if held_whole(layer, table_row, q, k, v, kv_cache, out, 0, held):
+        return
     if layer.fp8:  # attend and keep what the cache holds: the prompt's K/V as vLLM stored them, in 8 bits
         slots = phys(table_row, torch.arange(t), block)[:, None]
         k, v = layer.read(kv_cache, slots // block, torch.arange(layer.kv_heads)[None, :], slots % block)
@@ -97,6 +99,8 @@ def prefill_after(layer: PagedLayer, cached: int, table_row, q, k, v, kv_cache, 
     if cached > held:
         raise RuntimeError(f"scissorhands: vLLM's prefix cache gave {cached} tokens of a request that holds "
                            f"{held}; only held blocks are offered to it")
+    if held_whole(layer, table_row, q, k, v, kv_cache, out, cached, held):
+        return
     block = layer.block
     slots = phys(table_row, torch.arange(cached), block)[:, None]
     kc, vc = read_kv(kv_cache, layer.layout, slots // block, torch.arange(layer.kv_heads)[None, :], slots % block)
@@ -104,6 +108,39 @@ def prefill_after(layer: PagedLayer, cached: int, table_row, q, k, v, kv_cache, 
     prefill(layer, table_row, torch.cat([q.new_zeros(cached, *q.shape[1:]), q]),
             torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v]), kv_cache, whole, held, spans)
     out.copy_(whole[cached:])
+
+
+def held_whole(layer: PagedLayer, table_row, q, k, v, kv_cache, out, cached: int, held: int) -> bool:
+    """A prompt the request holds whole (``prefill="keep-prompt"``, a new request: its sequence is its prompt),
+    of which the step computes the tokens after vLLM's ``cached`` ones: nothing of it is evicted and its tokens are
+    never judged (the rounds score the window after it), so it is attended exactly as vLLM attends a prompt, in one
+    call of torch's fused attention over the cached K/V read back and the step's own, and its positions recorded
+    where vLLM wrote them. The core's one-row layer gives the same outputs and positions at several times the cost
+    (it attends every position, the cached ones as zero queries, in tiles). Returns False, doing nothing, where that
+    path is needed: a recomputed request (tokens after its held prompt stream into the window), a soft cap (the
+    fused attention has none)."""
+    n = q.shape[0]
+    t = cached + n
+    if not (layer.settings.config.prefill == "keep-prompt" and held >= t and layer.softcap is None):
+        return False
+    block, heads = layer.block, torch.arange(layer.kv_heads)[None, :]
+    where = phys(table_row, torch.arange(t), block)  # (t,)
+    keys, values = k, v
+    if layer.fp8 or cached:  # what the cache holds: the cached blocks (with fp8, every token's 8-bit values)
+        read = (where if layer.fp8 else where[:cached])[:, None]
+        kr, vr = layer.read(kv_cache, read // block, heads, read % block)  # (t or cached, H_kv, D)
+        keys, values = (kr, vr) if layer.fp8 else (torch.cat([kr.to(k.dtype), k]), torch.cat([vr.to(v.dtype), v]))
+    causal = torch.arange(t)[None, :] <= (cached + torch.arange(n))[:, None]  # (n, t)
+    ctx = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None], values.float().transpose(0, 1)[None],
+        attn_mask=causal, scale=layer.scale, enable_gqa=True)  # (1, H_q, n, D)
+    out.copy_(ctx[0].transpose(0, 1).reshape(out.shape).to(out.dtype))
+    layer.prompts_held_whole += 1
+    assert layer.pos is not None
+    layer.pos[where] = torch.arange(t, dtype=torch.int32)[:, None]
+    if layer.acc is not None:  # never read (held tokens are not judged); cleared of a freed block's last request
+        layer.acc[:, where // block, :, where % block] = 0.0
+    return True
 
 
 def window_slots(kept: torch.Tensor, rank: torch.Tensor | None, seen: int) -> torch.Tensor:
