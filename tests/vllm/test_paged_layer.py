@@ -17,6 +17,7 @@ import torch
 from scissorhands.core.attend.prefill import make_prefill
 from scissorhands.core.attend.streaming import attend
 from scissorhands.core.stores.base import DenseKVStore
+from scissorhands.core.tokens.protect import Protection
 from scissorhands.vllm import kernels
 from scissorhands.vllm.blocks import read_kv, write_kv
 from scissorhands.vllm.paged import PagedLayer
@@ -107,11 +108,12 @@ PLUGINS = {
 
 
 def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype = torch.float32, check=None,
-           fp8: str | None = None, stack: int = 1, defer: bool = False):
+           fp8: str | None = None, stack: int = 1, defer: bool = False, spans: dict | None = None):
     """Four requests through ``stack`` layers as vLLM would step them; ``check(rid, step, layer, ...)`` after each
     step for the first layer, given the step's K/V as the cache holds them (``fp8``: a uint8 cache in that format,
     read back as float). Each layer has its own cache and inputs and the one block table. ``defer``: the layers'
-    rounds wait for the planner's ``after_step``, which runs them all at once (the engine's path).
+    rounds wait for the planner's ``after_step``, which runs them all at once (the engine's path). ``spans``: each
+    request's own protected spans, given to the planner as the worker gives a new request's.
 
     Returns the first layer, every step's outputs (of every layer, stacked when ``stack > 1``) and the layers."""
     gen = torch.Generator().manual_seed(0)
@@ -135,6 +137,8 @@ def _serve(plugin: dict, compiled: bool, layout: str = "vec", dtype: torch.dtype
     for step in range(steps):
         running = [rid for rid in prompts if arrive[rid] <= step]
         chunks = {rid: (prompts[rid] if seen[rid] == 0 else 1) for rid in running}
+        new = [rid for rid in running if seen[rid] == 0]
+        planner.begin(new, {rid: spans[rid] for rid in new if spans and rid in spans})
         t = sum(chunks.values())
         slots = torch.cat([blocks.slots(rows[rid], torch.arange(seen[rid], seen[rid] + chunks[rid]))
                            for rid in running])
@@ -270,6 +274,37 @@ def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, 
     # (of the states here, only a count reads their probabilities).
     counted = settings.config.importance == "count"
     assert layer.head_queries_fused == (22 + 13 + 9 if compiled and name == "observe-8" and not counted else 0)
+
+
+SPANS = {"a": [(5, 7), (20, 21)], "c": [(2, 4)], "d": [(10, 12)]}  # each request's own ("b" none)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["operator", "reference"])
+@pytest.mark.parametrize("name", ["defaults", "h2o", "stream-drop3", "protected", "stream-protected"])
+def test_a_requests_own_protected_spans_keep_what_the_core_keeps_under_protect(name, compiled):
+    """Each request's own protected spans (a request's ``extra_args``, through the planner): its window output and
+    stored positions equal a one-row core layer given the same spans as ``protect=``, at every step, and every
+    span stays in every KV head's window."""
+    settings = parse(PLUGINS[name])
+    alone: dict = {}
+
+    def check(rid, step, layer, blocks, row, seen, q, k, v, got):
+        k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if seen == 0:
+            alone[rid] = _alone(layer)
+            if rid in SPANS:
+                alone[rid].given_shields.append(Protection([SPANS[rid]]))
+            alone[rid].allocate(k4, v4)
+        want = attend(alone[rid], q.transpose(0, 1)[None], k4, v4, None, SCALE, None, settings.config.query_tile)
+        torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
+        mine = layer.stored_positions(blocks.table[row], seen + q.shape[0], blocks.held.get(row, 0)).tolist()
+        assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
+        for a, b in SPANS.get(rid, []):
+            if b <= seen + q.shape[0]:
+                assert all(set(range(a, b)) <= set(head) for head in mine), f"{rid} step {step}"
+
+    layer, _, _ = _serve(PLUGINS[name], compiled, check=check, spans=SPANS, stack=2, defer=True)
+    assert layer.rounds > 0
 
 
 @pytest.mark.parametrize("name", ["defaults", "h2o", "count-buckets"])
