@@ -185,6 +185,18 @@ def run_variant(args: dict, requests) -> dict:
     return result
 
 
+def portable(path):
+    """A path as a record keeps it: relative to the project where it lies inside it, else from the home folder
+    (``~``), so that a record says the same on every machine; anything else as given."""
+    if not isinstance(path, str) or not path:
+        return path
+    full = Path(path).expanduser().resolve()
+    for base, shown in ((HAMLET.parents[4], ""), (Path.home(), "~/")):
+        if full.is_relative_to(base):
+            return shown + str(full.relative_to(base))
+    return path
+
+
 def _load() -> float:
     return os.getloadavg()[0]
 
@@ -317,7 +329,8 @@ def main() -> None:
             runs[name].append(row)
             print(name, json.dumps(row), flush=True)
     summary = summarize(runs)
-    record = {"config": vars(args) | {"budget": budget, "mean_length": mean_len, "plugin": plugin}, "runs": runs,
+    given = {k: portable(v) if k in ("model", "text", "out") else v for k, v in vars(args).items()}
+    record = {"config": given | {"budget": budget, "mean_length": mean_len, "plugin": plugin}, "runs": runs,
               "variants": {k: v for k, v in summary["medians"].items()}, "ratios": summary["ratios"]}
     print(json.dumps(summary, indent=1))
     if args.out:
