@@ -83,8 +83,9 @@ def main():
         rows.append(dict(variant=name, decode_tps=runs[name], prefill_s=prefill[name], median=med, ratio=med / base))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(config=vars(args) | {"out": Path(args.out).name}, torch=torch.__version__, threads=torch.get_num_threads(),
-                           machine=platform.machine(), time=time.strftime("%Y-%m-%d %H:%M"), rows=rows), f, indent=1)
+            json.dump(dict(config=vars(args) | {"out": Path(args.out).name}, torch=torch.__version__,
+                           threads=torch.get_num_threads(), machine=platform.machine(),
+                           time=time.strftime("%Y-%m-%d %H:%M"), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
