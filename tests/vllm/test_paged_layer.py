@@ -239,6 +239,29 @@ def test_a_sequence_begun_from_vllms_prefix_cache_serves_what_its_whole_prefill_
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
 
 
+def _like_the_core(settings, atol: float = 2e-6, spans: dict | None = None):
+    """A ``check`` for :func:`_serve`: each request's step output equals a one-row core layer in rounds fed that
+    request alone (given its ``spans`` as ``protect=``), and its window holds what the core stores (the kept
+    tokens and the victims still waiting to leave). Returns the window's positions per KV head."""
+    alone: dict = {}
+
+    def check(rid, step, layer, blocks, row, seen, q, k, v, got) -> list:
+        k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
+        if seen == 0:
+            alone[rid] = _alone(layer)
+            if spans and rid in spans:
+                alone[rid].given_shields.append(Protection([spans[rid]]))
+            alone[rid].allocate(k4, v4)
+        want = attend(alone[rid], q.transpose(0, 1)[None], k4, v4, None, SCALE, None,
+                      settings.config.query_tile)  # (1, H_q, T, D)
+        torch.testing.assert_close(got, want[0].transpose(0, 1), atol=atol, rtol=1e-5)
+        mine = layer.stored_positions(blocks.table[row], seen + q.shape[0], blocks.held.get(row, 0)).tolist()
+        assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
+        return mine
+
+    return check
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["operator", "reference"])
 @pytest.mark.parametrize("name", list(PLUGINS))
 def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, compiled):
@@ -247,22 +270,13 @@ def test_each_request_keeps_what_the_core_keeps_and_the_window_attends_it(name, 
     operator, prompts longer than the budget are attended and scored in one pass by the compiled prompt operator
     (``_hold_fused``); with the reference, by the core's own tiled pass: both must keep what the core keeps."""
     settings = parse(PLUGINS[name])
-    alone: dict = {}
+    like_the_core = _like_the_core(settings)
 
     def check(rid, step, layer, blocks, row, seen, q, k, v, got):
-        k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H_kv, T, D)
-        if seen == 0:
-            alone[rid] = _alone(layer)
-            alone[rid].allocate(k4, v4)
-        want = attend(alone[rid], q.transpose(0, 1)[None], k4, v4, None, SCALE, None,
-                      settings.config.query_tile)  # (1, H_q, T, D)
-        torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
+        like_the_core(rid, step, layer, blocks, row, seen, q, k, v, got)
         if q.shape[0] == 1:  # a decode row: vLLM's own kernel over the window would give the same
             torch.testing.assert_close(got[0], blocks.window_output(row, q[0], seen, settings.window), atol=2e-6,
                                        rtol=1e-5)
-        # The window holds what the core stores: the kept tokens and the victims still waiting to leave.
-        mine = layer.stored_positions(blocks.table[row], seen + q.shape[0], blocks.held.get(row, 0)).tolist()
-        assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
 
     layer, _, _ = _serve(PLUGINS[name], compiled, check=check)
     # The operator's run attends long prompts the fused way (the prompt-aware prefill's; a streamed one the core's).
@@ -285,20 +299,10 @@ def test_a_requests_own_protected_spans_keep_what_the_core_keeps_under_protect(n
     """Each request's own protected spans (a request's ``extra_args``, through the planner): its window output and
     stored positions equal a one-row core layer given the same spans as ``protect=``, at every step, and every
     span stays in every KV head's window."""
-    settings = parse(PLUGINS[name])
-    alone: dict = {}
+    like_the_core = _like_the_core(parse(PLUGINS[name]), spans=SPANS)
 
     def check(rid, step, layer, blocks, row, seen, q, k, v, got):
-        k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if seen == 0:
-            alone[rid] = _alone(layer)
-            if rid in SPANS:
-                alone[rid].given_shields.append(Protection([SPANS[rid]]))
-            alone[rid].allocate(k4, v4)
-        want = attend(alone[rid], q.transpose(0, 1)[None], k4, v4, None, SCALE, None, settings.config.query_tile)
-        torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
-        mine = layer.stored_positions(blocks.table[row], seen + q.shape[0], blocks.held.get(row, 0)).tolist()
-        assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
+        mine = like_the_core(rid, step, layer, blocks, row, seen, q, k, v, got)
         for a, b in SPANS.get(rid, []):
             if b <= seen + q.shape[0]:
                 assert all(set(range(a, b)) <= set(head) for head in mine), f"{rid} step {step}"
@@ -333,20 +337,7 @@ def test_vllms_fp8_cache_keeps_what_the_core_keeps_on_the_8_bit_values(name, fp8
     """Eviction over vLLM's fp8 K/V (a uint8 cache, scales 0.5 and 2): the prompt is attended and kept as the
     cache holds it (read back from its 8-bit slots), decode rows read the bytes; a one-row core layer fed the
     same 8-bit values must give the same outputs and keep the same positions, step by step."""
-    settings = parse(PLUGINS[name])
-    alone: dict = {}
-
-    def check(rid, step, layer, blocks, row, seen, q, k, v, got):
-        k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if seen == 0:
-            alone[rid] = _alone(layer)
-            alone[rid].allocate(k4, v4)
-        want = attend(alone[rid], q.transpose(0, 1)[None], k4, v4, None, SCALE, None, settings.config.query_tile)
-        torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-5, rtol=1e-5)
-        mine = layer.stored_positions(blocks.table[row], seen + q.shape[0]).tolist()
-        assert mine == alone[rid].slots.row(0).sort(dim=-1).values.tolist(), f"{rid} step {step}"
-
-    layer, _, _ = _serve(PLUGINS[name], True, check=check, fp8=fp8)
+    layer, _, _ = _serve(PLUGINS[name], True, check=_like_the_core(parse(PLUGINS[name]), atol=2e-5), fp8=fp8)
     assert layer.prompts_fused > 0
 
 
