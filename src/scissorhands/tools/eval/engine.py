@@ -22,10 +22,9 @@ from typing import Any
 
 from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.settings.config import CacheSettings
+from scissorhands.vllm.settings import PROTECT  # a request's own protected spans: the plugin's key (no vLLM needed)
 
 ENGINES = ("transformers", "vllm")
-#: A request's own protected spans: the plugin's key (``scissorhands.vllm.settings.PROTECT``).
-PROTECT = "scissorhands_protect"
 
 
 def plugin_settings(method: type[EvictionMethod], budget: int, base: CacheSettings) -> dict:
