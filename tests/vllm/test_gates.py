@@ -110,7 +110,7 @@ def test_no_stand_ins_where_the_config_does_not_say_every_layers_window(kinds, w
 
 _SERVER = '''
 import multiprocessing, sys
-from scissorhands.vllm.plugin import await_refusals, refuse_in_engine
+from scissorhands.vllm.refusals import await_refusals, refuse_in_engine
 from scissorhands.vllm.settings import Refusal
 
 def engine(refuse):

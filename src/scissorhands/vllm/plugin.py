@@ -24,7 +24,8 @@ by the plugin's worker, in the engine's process. The front end names a file for
 it (:func:`await_refusals`, through ``SCISSORHANDS_VLLM_REFUSAL``, which the
 engine's processes inherit); the worker writes its line there and ends the
 engine quietly (:func:`refuse_in_engine`). ``LLM(...)`` then raises that line
-in place of vLLM's failed engine start; a server prints it and exits with code 2.
+in place of vLLM's failed engine start; a server prints it and exits with code 2. How a refusal reaches the
+user from either process is :mod:`.refusals`.
 
 The start-up steps extend three vLLM methods in place (the config step, the
 engine config, ``LLMEngine.from_engine_args``), since vLLM 0.32 has no hook
@@ -36,16 +37,11 @@ returns its CPU platform before it loads platform plugins
 
 from __future__ import annotations
 
-import atexit
 import copy
 import functools
 import logging
-import os
-import sys
-import tempfile
-import uuid
-from typing import NoReturn
 
+from .refusals import _forget, _record_path, _recorded, await_refusals, quiet_failed_start, refusal_in, refuse
 from .settings import KEY as PLUGIN
 from .settings import Refusal
 
@@ -53,8 +49,6 @@ from .settings import Refusal
 FULL_ATTENTION = ("full_attention", "attention")
 #: vLLM's usage contexts of its servers: a bad setting there ends the process with one line and exit code 2.
 SERVERS = ("OPENAI_API_SERVER", "API_SERVER", "OPENAI_BATCH_RUNNER")
-#: Set by the front end to ``<its pid>:<file>``: where its engine's processes leave a refusal for it.
-RECORD = "SCISSORHANDS_VLLM_REFUSAL"
 
 logger = logging.getLogger("vllm.scissorhands")  # under vLLM's logger, so its lines show with vLLM's
 
@@ -202,118 +196,6 @@ def check_layout(vllm_config) -> None:
     except NotImplementedError:  # a K/V dtype vLLM's CPU kernel refuses here itself (fp8 without AVX-512)
         return
     refuse_layout(layout, kernels.LAYOUTS)
-
-
-def refuse(error: Exception, server: bool) -> NoReturn:
-    """End start-up with ``error``'s one line: a server prints it and exits with code 2 (its launcher would print a
-    traceback around it); ``LLM(...)`` and other Python callers get the exception itself."""
-    if server:
-        sys.stderr.write(f"scissorhands: error: {error}\n")
-        raise SystemExit(2) from None
-    raise error from None
-
-
-def await_refusals(server: bool = True) -> None:
-    """In the front end, before its engine starts: name a file for the engine's processes to leave a refusal in
-    (:func:`refuse_in_engine`). ``LLM(...)`` turns a failed start after one was left into the refusal itself (the
-    patched ``LLMEngine.from_engine_args``); a server, should it end with an exception after one was left, prints
-    that line and exits with code 2 (Python's ``sys.excepthook``; any other exception goes to the hook before)."""
-    here = os.environ.get(RECORD, "")
-    if here.split(":", 1)[0] == str(os.getpid()):  # named already (a second engine config in this process)
-        return
-    path = os.path.join(tempfile.gettempdir(), f"scissorhands-refusal-{os.getpid()}-{uuid.uuid4().hex}")
-    os.environ[RECORD] = f"{os.getpid()}:{path}"  # inherited by the engine's processes, started after this
-    atexit.register(_forget, path)
-    if not server:
-        return
-    previous = sys.excepthook
-
-    def excepthook(kind, value, traceback) -> None:
-        line = _recorded(path)
-        if line is None:
-            previous(kind, value, traceback)
-            return
-        # vLLM's report of the failed engine start ("Engine core initialization failed. See root cause above.")
-        # is this one line's consequence. The interpreter would exit with code 1 after this hook: exit now, with
-        # the code of every other refusal, once the log is flushed and the file removed.
-        sys.stderr.write(f"scissorhands: error: {line}\n")
-        sys.stderr.flush()
-        _forget(path)
-        logging.shutdown()
-        os._exit(2)
-
-    sys.excepthook = excepthook
-
-
-def refuse_in_engine(refusal: Exception) -> NoReturn:
-    """End start-up in an engine process with ``refusal`` (the worker's, once the layers exist). Its line is left
-    in the front end's file (:func:`await_refusals`) first; a process of its own (the engine core or a worker,
-    not the front end itself) then logs it and ends with ``SystemExit(2)``, which vLLM takes as a shutdown, with
-    no traceback of its own, and the front end says it. An engine in the front end's process raises it."""
-    front, _, path = os.environ.get(RECORD, "").partition(":")
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(str(refusal))
-        if front != str(os.getpid()):
-            logger.error("scissorhands: %s", refusal)
-            raise SystemExit(2) from None
-    raise refusal
-
-
-class _FailedStartOfARefusal(logging.Filter):
-    """Drops the engine core's "EngineCore failed to start." record (its traceback is the worker's end) once a
-    refusal was left: the front end says the refusal's one line instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not record.getMessage().startswith("EngineCore failed to start"):
-            return True
-        return _recorded(_record_path()) is None
-
-
-def quiet_failed_start() -> None:
-    """In every process: vLLM's engine core logs no traceback for a start the plugin refused (a logging filter
-    on its logger; any other failure is logged as vLLM logs it)."""
-    engine_logger = logging.getLogger("vllm.v1.engine.core")
-    if not any(isinstance(f, _FailedStartOfARefusal) for f in engine_logger.filters):
-        engine_logger.addFilter(_FailedStartOfARefusal())
-
-
-def _record_path() -> str:
-    """The file this process's front end named for a refusal (empty: none named)."""
-    return os.environ.get(RECORD, "").partition(":")[2]
-
-
-def _recorded(path: str) -> str | None:
-    """The refusal an engine process left in ``path``, or None."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def _forget(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-
-
-def refusal_in(error: BaseException) -> Refusal | None:
-    """The plugin's :class:`~.settings.Refusal` inside vLLM's validation report (pydantic keeps the exception a
-    validator raised in each error's context), or None."""
-    if isinstance(error, Refusal):
-        return error
-    try:
-        details = error.errors()  # type: ignore[attr-defined]
-    except (AttributeError, TypeError):
-        details = []
-    for detail in details:
-        found = (detail.get("ctx") or {}).get("error")
-        if isinstance(found, Refusal):
-            return found
-    cause = error.__cause__ or error.__context__
-    return refusal_in(cause) if cause is not None else None
 
 
 def prepare_config(vllm_config) -> None:

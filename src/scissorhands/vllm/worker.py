@@ -12,7 +12,7 @@ builds or loads the compiled operator; once vLLM has grouped the layers' caches
 it refuses budgeted layers split over several KV-cache groups; all before the engine
 serves (:mod:`.build`: never inside a request). A refusal here is one line for
 ``LLM(...)``, and under a server it is left for the front end to say
-(:func:`~.plugin.refuse_in_engine`). Each budgeted layer's cache is reported as
+(:func:`~.refusals.refuse_in_engine`). Each budgeted layer's cache is reported as
 the plugin's own spec (:mod:`.spec`). For every step it publishes
 the runner (whose input batch holds the request ids in row order) and a step
 number (every budgeted layer reuses its step's one plan), hands finished
@@ -36,7 +36,8 @@ from . import kernels
 from .build import BuildError
 from .paged import PagedLayer
 from .planner import Planner
-from .plugin import refuse_groups, refuse_in_engine, refuse_layer
+from .plugin import refuse_groups, refuse_layer
+from .refusals import refuse_in_engine
 from .settings import PluginSettings, Refusal, from_vllm
 from .spec import BudgetedWindowSpec
 
