@@ -186,3 +186,19 @@ def test_the_frontier_places_each_row_by_what_it_measured_and_pairs_it(tmp_path,
     assert "against the reference" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         frontier.main([str(out), "--task", "gsm8k", "--against", "no such row"])
+
+
+def test_structure_that_leaves_no_room_is_refused_before_any_cell_runs(tmp_path, capsys, monkeypatch):
+    """On the transformers path too, each problem's protected structure is planned at every budget before the first
+    cell: a budget the asked question fills is one line naming the problem and the budget, and nothing is written
+    (it used to stop the grid at that problem, after the cells before it)."""
+    common, out = gsm8k_grid(tmp_path, monkeypatch, 2, 12)
+    code, _, err = run_cli(capsys, *common, "--methods", "full,scissorhands", "--budgets", "160,64",
+                           "--protect-structure", "asked")
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("scissorhands: error: protect-structure: problem ") and " at budget 64: " in line, err
+    assert not (out / "results.jsonl").exists() or not (out / "results.jsonl").read_text().strip()
+    code, _, err = run_cli(capsys, *common, "--methods", "full,scissorhands", "--budgets", "160",
+                           "--protect-structure", "asked")
+    assert code == 0, err

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -99,6 +99,26 @@ def _check_distinct_budgets(task: Task, items, method: type[EvictionMethod], bud
         seen[used] = spec
 
 
+def _check_structure(model, task: Task, items, method: type[EvictionMethod], budgets: list, base: CacheSettings,
+                     seed: int = 0) -> None:
+    """Each problem's protected structure (``--protect-structure``) in the plan its cell will build, at every
+    budget, before any cell runs: one line naming the first problem whose spans leave a layer no room to evict
+    (it would otherwise stop the grid at that problem)."""
+    for item in items:
+        spans = item.data.get("spans") if isinstance(item.data, dict) else None
+        if not spans:
+            continue
+        total = len(item.data["prompt"]) + task.max_new_tokens  # the cache the cell builds for this problem
+        for spec in budgets:
+            setup = replace(ScoreSetup.planned(_plan(model, spec, item.length, method, base, seed), method, seed),
+                            protect=tuple(tuple(s) for s in spans))
+            try:
+                setup.cache_plan(model, total)
+            except ValueError as e:
+                raise ValueError(f"protect-structure: problem {item.key} at budget {spec}: "
+                                 f"{str(e).split(': ', 1)[-1]}") from None
+
+
 FULL = get_method("full")
 
 
@@ -154,6 +174,8 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
         for method in methods:
             if not method.is_full:
                 _check_distinct_budgets(task, items, method, budgets, base)
+                if engine is None:  # the engine checks each problem's spans as the plugin will (engine.check_spans)
+                    _check_structure(model, task, items, method, budgets, base, seed)
                 for wanted in budgets:  # a memory budget no store meets is refused before any cell runs
                     if isinstance(wanted, MemorySpec):
                         for length in sorted({i.length for i in items}):
