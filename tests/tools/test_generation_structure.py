@@ -72,7 +72,7 @@ def test_the_forms_are_the_worked_answers_closing_sentences_and_the_parts_are_na
     assert make_task("gsm8k", structure="turns,asked").structure is True  # the default parts: the key as before
     assert make_task("gsm8k", structure="forms,asked").structure == "asked,forms"
     for bad in ("shape", "", "asked,,"):
-        with pytest.raises(ValueError, match="^protect-structure: parts from asked, turns, forms"):
+        with pytest.raises(ValueError, match="^protect-structure: parts from asked, turns, forms, code"):
             make_task("gsm8k", structure=bad)
     with pytest.raises(ValueError, match="^protect-structure: forms: mbpp's prompts have no worked answers"):
         make_task("mbpp", structure="forms")
@@ -111,6 +111,31 @@ def test_the_tokens_held_are_measured_and_a_kept_prompt_holds_its_structure(tmp_
             assert {i for s, e in item.data["spans"] for i in range(s, e)} <= set(head.tolist())
     assert judged == {**judged, **held_tokens(cache)}
     assert judged["kv_held"] <= kept + 6 and judged["kv_seen"] == prompt + len(judged["tokens"]) - 1
+
+
+MBPP_LIKE = ("Sum a list.\n```python\ndef total(xs):\n    s = 0\n    for x in xs:\n        s += x\n"
+             "    return s\n```\n\n"
+             "Write a function that doubles each item.\nassert double([1, 2]) == [2, 4]\n```python\n")
+
+
+def test_the_code_part_is_the_asked_problems_defining_returning_and_testing_lines():
+    """``--protect-structure code``: the lines of the asked problem's code that define a name, return or test (the
+    assert naming the function), token for token; the worked examples' code before ``asked`` is left out, and
+    the prose and control lines are not code structure."""
+    from scissorhands.tools.eval.generated import code_lines
+
+    tok = byte_tokenizer_fast()
+    text = ("import math\ndef f(a, b: int) -> int:\n    \"\"\"Adds.\n    >>> f(1, 2)\n    3\n    \"\"\"\n"
+            "    x, y = a, b\n    total: int = x + y\n    if x == y:\n        return total\n    print(x)\n"
+            "    return total\nassert f(1, 2) == 3\n")
+    assert [text[s:e].strip() for s, e in code_lines(text)] == [
+        "import math", "def f(a, b: int) -> int:", ">>> f(1, 2)", "x, y = a, b", "total: int = x + y",
+        "return total", "return total", "assert f(1, 2) == 3"]
+    asked = MBPP_LIKE.rfind("```\n\n") + 5
+    spans = structure_spans(tok, MBPP_LIKE, asked, ("code",))
+    ids = tok(MBPP_LIKE, add_special_tokens=False).input_ids
+    assert [tok.decode(ids[s:e]) for s, e in spans] == ["assert double([1, 2]) == [2, 4]\n"]  # a byte a token
+    assert make_task("mbpp", structure="code,asked").structure == "asked,code"
 
 
 def gsm8k_grid(tmp_path, monkeypatch, problems: int, new_tokens: int, **model) -> tuple[tuple[str, ...], object]:

@@ -13,6 +13,7 @@ cache's, and where each answer first parts from the full cache's (its first diff
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -41,7 +42,24 @@ class StopAtText:
 
 
 #: The parts of a prompt's structure ``--protect-structure`` can protect, and those it protects when none are named.
-STRUCTURE = ("asked", "turns", "forms")
+STRUCTURE = ("asked", "turns", "forms", "code")
+
+#: A line of the asked problem's code that states its structure (after CodeComp's protected kinds): a definition
+#: (``def``, ``class``, an import), a name assigned, a ``return``, ``yield`` or ``raise``, a test (``assert``, a
+#: doctest's ``>>>`` call). The answer is written against these names and calls.
+CODE_LINE = re.compile(
+    r"^[ \t]*(?:(?:async[ \t]+)?def\b|class\b|import\b|from[ \t]+[\w.]+[ \t]+import\b|return\b|yield\b|raise\b"
+    r"|assert\b|>>>|[A-Za-z_][\w.]*(?:[ \t]*,[ \t]*[A-Za-z_][\w.]*)*[ \t]*(?::[^=\n]+)?=(?!=))", re.M)
+
+
+def code_lines(text: str, start: int = 0) -> list[tuple[int, int]]:
+    """The character spans (end exclusive, each with its newline) of :data:`CODE_LINE`'s lines in ``text`` from
+    character ``start`` on."""
+    spans = []
+    for found in CODE_LINE.finditer(text, start):
+        end = text.find("\n", found.start())
+        spans.append((found.start(), len(text) if end < 0 else end + 1))
+    return spans
 DEFAULT_STRUCTURE = ("asked", "turns")
 
 
@@ -62,12 +80,16 @@ def structure_spans(tokenizer, text: str, asked: int, parts: tuple[str, ...] = D
     """The token spans (end exclusive) of ``text``'s structure, the ``parts`` of it named: ``asked``, from
     character ``asked`` to the end (the asked problem); ``turns``, each special token of the tokenizer that occurs
     in it (a chat template's turn markers), a turn's opening marker with its role line; ``forms``, the character
-    spans ``forms`` (the worked examples' answer sentences). Mapped to tokens by the tokenizer's offsets, as
+    spans ``forms`` (the worked examples' answer sentences); ``code``, the lines of the asked problem's code that
+    define a name, return or test (:data:`CODE_LINE`: its signature, the assert or doctest naming the function,
+    names assigned and returned), not the prose around them. Mapped to tokens by the tokenizer's offsets, as
     ``text`` is encoded for the model (no special tokens added)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     chars = [(asked, len(text))] if "asked" in parts else []
     if "forms" in parts:
         chars += list(forms)
+    if "code" in parts:
+        chars += code_lines(text, asked)
     specials = set(getattr(tokenizer, "all_special_tokens", ()) or ()) if "turns" in parts else set()
     if "turns" in parts:
         specials |= {a.content for a in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
