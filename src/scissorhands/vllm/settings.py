@@ -74,7 +74,11 @@ FIXED: dict[str, object] = {"rounds": True}
 PREFILLS = ("prompt-aware", "stream", "keep-prompt")
 _UNSUPPORTED = {"kv_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_store": None, "merge": False,
                 "schedule": "uniform", "decode": "dynamic", "prompt_chunk": None,
-                "head_budgets": None}  # a vLLM layer's blocks hold every KV head: one window for all of them
+                "head_budgets": None}
+#: Why a setting of :data:`_UNSUPPORTED` cannot run, where the common reason (K/V in vLLM's blocks, one budget for
+#: every layer) is not it.
+_WHY_NOT = {"head_budgets": "a vLLM layer's blocks hold every KV head, so one window serves all of them; head-level "
+                            "budgets run in the transformers cache"}
 
 
 class Refusal(ValueError):
@@ -189,8 +193,8 @@ def parse(given: dict) -> PluginSettings:
                              f"got {fields[key]!r}")
     for key, value in _UNSUPPORTED.items():
         if key in fields and fields[key] != value:
-            raise ValueError(f"{key}: not supported by the vLLM adapter (K/V stay in vLLM's blocks, one budget for "
-                             f"every layer), got {fields[key]!r}")
+            why = _WHY_NOT.get(key, "K/V stay in vLLM's blocks, one budget for every layer")
+            raise ValueError(f"{key}: not supported by the vLLM adapter ({why}), got {fields[key]!r}")
     for key in sorted(fields.keys() & OWNED.keys()):  # a setting of a plug-in the adapter cannot run at all
         owned = OWNED[key]  # (on the axes FIXED pins, the settings' own rule names the mode that is chosen)
         if owned.axis in _UNSUPPORTED and _UNSUPPORTED[owned.axis] not in owned.owners:

@@ -59,9 +59,6 @@ def check_engine_grid(engine: str, tasks, methods, budgets, base: CacheSettings)
     if protected:
         raise ValueError(f"engine: the vLLM plugin protects a prompt prefix only, not {', '.join(protected)}'s "
                          f"planted facts; run them with --engine transformers")
-    if base.head_budgets is not None:
-        raise ValueError("head_budgets: the vLLM plugin cannot give KV heads budgets of their own (a vLLM layer's "
-                         "blocks hold every KV head); run head-level budgets with --engine transformers")
     for b in budgets:
         if not isinstance(b, int):
             raise ValueError(f"budgets: the vLLM plugin takes a token count per layer (one window for every "
