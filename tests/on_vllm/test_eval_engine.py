@@ -131,8 +131,7 @@ def test_the_engine_refuses_what_the_plugin_cannot_run(setup):
     check_engine_grid("vllm", [structured], ours, [24], base)  # each request's own spans: the plugin protects them
     with pytest.raises(ValueError, match=r"^engine: vllm runs the generated tasks"):
         check_engine_grid("vllm", [make_task("ppl", 64, 1, None)], ours, [24], base)
-    with pytest.raises(ValueError, match=r"^engine: the vLLM plugin protects a prompt prefix only, not passkey's"):
-        check_engine_grid("vllm", [Passkey(protect_facts=True)], ours, [24], base)
+    check_engine_grid("vllm", [Passkey(protect_facts=True)], ours, [24], base)  # the facts: each request's spans
     check_engine_grid("vllm", [task, make_task("multikey", 0, 0, None)], ours, [24], base)  # what it runs passes
 
 
@@ -164,22 +163,29 @@ from scissorhands.core.settings.config import CacheSettings
 from scissorhands.hf.scoring import ScoreSetup, continuation_logprobs
 from scissorhands.tools.models import load_model
 
-folder, contexts = sys.argv[1], json.loads(sys.argv[2])
+from dataclasses import replace
+
+folder, contexts, facts, budget = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 model, _ = load_model(folder, dtype="float32", device="cpu")
 base = CacheSettings(recent=4, rounds=True, prefill="stream")
 keys = [model.generate(torch.tensor([c]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(c):].tolist()
         for c in contexts]  # the full cache's own continuation: the key each prompt is asked for
-setup = ScoreSetup(get_method("scissorhands"), 64, base, 0)
-verdicts = [continuation_logprobs(model, c, [k], setup)[0][1] for c, k in zip(contexts, keys)]
+setup = ScoreSetup(get_method("scissorhands"), budget, base, 0)
+verdicts = [continuation_logprobs(model, c, [k], setup if f is None else
+                                  replace(setup, protect=tuple(map(tuple, f))))[0][1]  # as Passkey.score protects
+            for c, k, f in zip(contexts, keys, facts)]
 print(json.dumps({"keys": keys, "verdicts": verdicts}))
 """
 
 
-def test_passkey_through_the_engine_is_the_transformers_paths_verdict(setup):
+@pytest.mark.parametrize("protect_facts", [False, True])
+def test_passkey_through_the_engine_is_the_transformers_paths_verdict(setup, protect_facts):
     """A passkey cell through vLLM is right when the greedy continuation is the key; the transformers path asks the
     same by teacher forcing. With each prompt's key set to the full cache's own continuation (a random model finds
     no planted key), under eviction (64 tokens a layer, a fifth of the 320-token prompts: some continuations
-    change, some do not) each prompt's verdict through vLLM and the plugin must be the transformers cache's."""
+    change, some do not) each prompt's verdict through vLLM and the plugin must be the transformers cache's; with
+    ``protect_facts`` each planted key sentence (about 56 tokens) goes to its request as protected spans, as the
+    transformers path protects it, at 96 tokens a layer."""
     from transformers import AutoTokenizer
 
     from scissorhands.core.methods import get_method
@@ -190,17 +196,21 @@ def test_passkey_through_the_engine_is_the_transformers_paths_verdict(setup):
     root, folder, _ = setup
     text = root / "filler.txt"
     text.write_text((HERE.parent.parent / "README.md").read_text())  # real prose for the filler
-    task = Passkey(lengths=(320,), depths=(0.2, 0.5, 0.8), trials=2, data=str(text))
+    task = Passkey(lengths=(320,), depths=(0.2, 0.5, 0.8), trials=2, data=str(text), protect_facts=protect_facts)
     items = task.items(AutoTokenizer.from_pretrained(str(folder)), None)
+    facts = [i.data["facts"] if protect_facts else None for i in items]
+    budget = 96 if protect_facts else 64
+    assert all(f for f in facts) or not protect_facts
     done = subprocess.run([reference_python(), "-c", PASSKEY_SIDE, str(folder),
-                           json.dumps([i.data["ctx"] for i in items])], capture_output=True, text=True)
+                           json.dumps([i.data["ctx"] for i in items]), json.dumps(facts), str(budget)],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     reference = json.loads(done.stdout.splitlines()[-1])
     for item, key in zip(items, reference["keys"], strict=True):
         item.data["cont"] = key
     engine = VLLMEngine(str(folder), "float32", max_num_seqs=8, enforce_eager=True)
     base = CacheSettings(recent=4, rounds=True, prefill="stream")
-    ours = retrieval_scores(engine, task, items, get_method("scissorhands"), 64, base)
+    ours = retrieval_scores(engine, task, items, get_method("scissorhands"), budget, base)
     assert [(s["length"], s["depth"]) for s in ours] == [(i.data["length"], i.data["depth"]) for i in items]
     assert [s["correct"] for s in ours] == reference["verdicts"]
 

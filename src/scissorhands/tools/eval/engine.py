@@ -55,10 +55,6 @@ def check_engine_grid(engine: str, tasks, methods, budgets, base: CacheSettings)
     if other:
         raise ValueError(f"engine: vllm runs the generated tasks (humaneval, humaneval-chat, mbpp, gsm8k, passkey, "
                          f"multikey), not {', '.join(other)}")
-    protected = [t.name for t in tasks if getattr(t, "protect_facts", False)]
-    if protected:
-        raise ValueError(f"engine: the vLLM plugin protects a prompt prefix only, not {', '.join(protected)}'s "
-                         f"planted facts; run them with --engine transformers")
     for b in budgets:
         if not isinstance(b, int):
             raise ValueError(f"budgets: the vLLM plugin takes a token count per layer (one window for every "
@@ -165,18 +161,20 @@ def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod],
         scores.append(task.paired(mine, item.data["full"], False))
     return scores
 
-def check_spans(items, plugin: dict) -> None:
-    """Each problem's protected spans (``--protect-structure``) as the plugin will check them, before the cell
-    runs: one line naming the first problem whose spans do not fit."""
+def check_spans(items, plugin: dict, spans: list | None = None, prompt: str = "prompt",
+                name: str = "protect-structure") -> None:
+    """Each problem's protected spans (``--protect-structure``'s, or ``spans``, one list per item) as the plugin will
+    check them against its prompt (``item.data[prompt]``), before the cell runs: one line naming ``name`` and the
+    first problem whose spans do not fit."""
     from scissorhands.vllm.settings import parse
 
     settings = parse(plugin)
-    for item in items:
-        if item.data.get("spans"):
+    for item, given in zip(items, spans if spans is not None else [i.data.get("spans") for i in items]):
+        if given:
             try:
-                settings.request_protection({PROTECT: [list(x) for x in item.data["spans"]]}, len(item.data["prompt"]))
+                settings.request_protection({PROTECT: [list(x) for x in given]}, len(item.data[prompt]))
             except ValueError as e:
-                raise ValueError(f"protect-structure: problem {item.key}: {str(e).split(': ', 1)[-1]}") from None
+                raise ValueError(f"{name}: problem {item.key}: {str(e).split(': ', 1)[-1]}") from None
 
 
 def _held(item, answer: dict, budget: int | None, keeps_prompt: bool = False) -> dict:
@@ -198,8 +196,12 @@ def retrieval_scores(engine: VLLMEngine, task, items, method: type[EvictionMetho
     equals the key exactly when every key token is the greedy choice after the key's own earlier tokens. The
     continuation's own log-probability is not the key's, so the engine's rows record none."""
     plugin = None if method.is_full or budget is None else plugin_settings(method, budget, base)
+    spans = None
+    if plugin is not None and getattr(task, "protect_facts", False):  # the planted facts: each request's own spans
+        spans = [item.data["facts"] for item in items]
+        check_spans(items, plugin, spans, prompt="ctx", name="protect-facts")
     answers = engine.greedy([item.data["ctx"] for item in items], max(len(i.data["cont"]) for i in items), [],
-                            plugin)
+                            plugin, spans)
     return [{"correct": list(tokens[: len(item.data["cont"])]) == list(item.data["cont"]),
              "length": item.data["length"], "depth": item.data["depth"]}
             for item, tokens in zip(items, answers)]
