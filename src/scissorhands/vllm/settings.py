@@ -75,6 +75,9 @@ PREFILLS = ("prompt-aware", "stream", "keep-prompt")
 _UNSUPPORTED = {"kv_bits": None, "kv_residual": None, "kv_key_centers": None, "kv_store": None, "merge": False,
                 "schedule": "uniform", "decode": "dynamic", "prompt_chunk": None,
                 "head_budgets": None}
+#: A value of an unsupported setting that asks for nothing the adapter lacks: no token of full-precision residual
+#: (``preset="paper"`` sets it), which K/V in vLLM's blocks, never packed, are anyway.
+_MOOT = {"kv_residual": 0}
 #: Why a setting of :data:`_UNSUPPORTED` cannot run, where the common reason (K/V in vLLM's blocks, one budget for
 #: every layer) is not it.
 _WHY_NOT = {"head_budgets": "a vLLM layer's blocks hold every KV head, so one window serves all of them; head-level "
@@ -192,7 +195,7 @@ def parse(given: dict) -> PluginSettings:
             raise ValueError(f"{key}: the vLLM adapter runs with {key}={value!r} (see scissorhands.vllm.settings), "
                              f"got {fields[key]!r}")
     for key, value in _UNSUPPORTED.items():
-        if key in fields and fields[key] != value:
+        if key in fields and fields[key] != value and fields[key] != _MOOT.get(key, value):
             why = _WHY_NOT.get(key, "K/V stay in vLLM's blocks, one budget for every layer")
             raise ValueError(f"{key}: not supported by the vLLM adapter ({why}), got {fields[key]!r}")
     for key in sorted(fields.keys() & OWNED.keys()):  # a setting of a plug-in the adapter cannot run at all
