@@ -43,8 +43,9 @@ def labelled(rows: list[dict]) -> list[tuple[str, dict]]:
         parts = [f"budget {r['budget']}"]
         if c.get("prefill") not in (None, "stream"):
             parts.append(str(c["prefill"]) + (f" {c['prompt_keep']}" if c.get("prompt_keep") is not None else ""))
-        if r["key"]["task"].get("structure"):
-            parts.append("structure protected")
+        structure = r["key"]["task"].get("structure")
+        if structure:  # True: the default parts (asked, turns); else the parts named
+            parts.append("structure protected" + ("" if structure is True else f" ({structure})"))
         rest = label[len(r["method"]):].strip(" ()")
         rest = ", ".join(x for x in rest.split(", ") if x and not x.startswith(("prefill=", "prompt_keep=")))
         out.append((f"{r['method']} {', '.join(parts + ([rest] if rest else []))}", r))
