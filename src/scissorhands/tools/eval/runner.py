@@ -108,7 +108,7 @@ def _check_structure(model, task: Task, items, method: type[EvictionMethod], bud
         spans = item.data.get("spans") if isinstance(item.data, dict) else None
         if not spans:
             continue
-        total = len(item.data["prompt"]) + task.max_new_tokens  # the cache the cell builds for this problem
+        total = len(item.data["prompt"]) + getattr(task, "max_new_tokens", 0)  # the cache its cell builds
         for spec in budgets:
             setup = replace(ScoreSetup.planned(_plan(model, spec, item.length, method, base, seed), method, seed),
                             protect=tuple(tuple(s) for s in spans))
