@@ -227,3 +227,33 @@ def test_structure_that_leaves_no_room_is_refused_before_any_cell_runs(tmp_path,
     code, _, err = run_cli(capsys, *common, "--methods", "full,scissorhands", "--budgets", "160",
                            "--protect-structure", "asked")
     assert code == 0, err
+
+
+def test_a_cell_pooled_from_slices_is_its_rows_verdicts_in_order(tmp_path, capsys, monkeypatch):
+    """``experiments/pooled_cells.py``: a cell made of two runs (here the same three problems twice, two folders) is
+    their verdicts joined, paired with the full cache's joined; a row's first N alone with ``@N``; cells of
+    different sizes are refused."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "pooled_cells", Path(__file__).resolve().parents[2] / "experiments" / "pooled_cells.py")
+    pooled = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pooled)
+    common, out = gsm8k_grid(tmp_path, monkeypatch, 3, 12)
+    assert run_cli(capsys, *common, "--methods", "full,scissorhands", "--budgets", "8")[0] == 0
+    again = tmp_path / "again"
+    assert run_cli(capsys, *common[:-1], str(again), "--methods", "full,h2o", "--budgets", "8")[0] == 0
+    rows = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    other = [json.loads(line) for line in (again / "results.jsonl").read_text().splitlines()][-1]
+    mine = [s["correct"] for s in rows["scissorhands"]["item_scores"]] * 2
+    theirs = [s["correct"] for s in other["item_scores"]] + [s["correct"] for s in rows["scissorhands"]["item_scores"]]
+    capsys.readouterr()
+    assert pooled.main(["--task", "gsm8k", "--cell", "a", str(out), str(out), "--cell", "b", str(again), str(out),
+                        "--cell", "c", f"{out}@2", str(out), f"{again}@1"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[2].startswith(f"| a | 6 | {sum(mine) / 6:.3f} | ")
+    assert table[3].startswith(f"| b | 6 | {sum(theirs) / 6:.3f} | ")
+    assert len(table) == 2 + 3 + 1 + 2 + 3  # three cells, a blank line, then each pair of them
+    with pytest.raises(SystemExit):
+        pooled.main(["--task", "gsm8k", "--cell", "a", str(out), "--cell", "b", f"{out}@2"])
