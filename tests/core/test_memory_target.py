@@ -54,3 +54,19 @@ def test_each_stores_byte_model_is_what_it_allocates(store_settings, tokens):
         shape = Shape(layers=1, kv_heads=h, head_dim_k=d, head_dim_v=d, itemsize=chunk.element_size())
         model = STORES[store_name(config)].bytes_for(config, shape, tokens)
         assert model is not None and store.nbytes() == b * h * model, (store.nbytes(), b * h * model)
+
+
+def test_a_memory_target_needs_a_method_that_evicts_in_the_plan_and_before_anything_loads():
+    """One rule, written in the plan's ``check_given``: the plan refuses a memory target for the full cache, and the
+    entry points that check early (lm-eval's arguments, the command line) call the same function."""
+    from scissorhands.core.methods import get_method
+    from scissorhands.core.planning.assembly import check_given, plan
+    from scissorhands.core.settings.config import CacheSettings
+
+    full = get_method("full")
+    with pytest.raises(ValueError, match=r"^memory: method=full evicts nothing; give an evicting method$"):
+        check_given(None, "0.2", full)
+    with pytest.raises(ValueError, match=r"^memory: method=full evicts nothing"):
+        plan(CacheSettings(), 2, full(), memory="0.2", shape=(2, 2, 16, 4), length=64)
+    check_given(None, "0.2", get_method("scissorhands"))  # an evicting method passes
+    check_given(64, None, full)  # a budget for the full cache is the plan's to cover, not this rule's

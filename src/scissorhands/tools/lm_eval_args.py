@@ -126,9 +126,7 @@ def _eviction_args(method, budget, memory) -> tuple[type[EvictionMethod], float 
     from scissorhands.core.planning.assembly import check_given
     from scissorhands.core.planning.memory_target import parse_memory
 
-    check_given(budget, memory)  # the plan's rule: a token budget or a memory target
-    if chosen.is_full:
-        raise ValueError("memory: method=full evicts nothing; give an evicting method")
+    check_given(budget, memory, chosen)  # the plan's rule: a token budget or a memory target, for a method that evicts
     return chosen, None, parse_memory(memory)
 
 

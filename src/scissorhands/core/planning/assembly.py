@@ -225,11 +225,14 @@ def _tokens(spec, length: int | None, protected: int, name: str = "budget") -> i
     return value
 
 
-def check_given(budget, memory) -> None:
+def check_given(budget, memory, method=None) -> None:
     r"""The budget as given, checked before anything is loaded: a token budget or a memory target, not both, each
-    well formed (one-line ``ValueError``\ s naming ``budget`` or ``memory``). :func:`plan` checks the same."""
+    well formed, and a memory target for a method that evicts (one-line ``ValueError``\ s naming ``budget`` or
+    ``memory``). :func:`plan` checks the same."""
     if budget is not None and memory is not None:
         raise ValueError("memory: give memory or budget, not both")
+    if memory is not None and getattr(method, "is_full", False):
+        raise ValueError("memory: method=full evicts nothing; give an evicting method")
     if budget is not None:
         check_budget_spec(budget, "budget")
     if memory is not None:
@@ -266,7 +269,7 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
     """
     method = _method(method)
     choice = None
-    check_given(budget, memory)
+    check_given(budget, memory, method)
     if budget is not None:
         resolved = method.resolve(settings)  # the method's own settings, resolved once
         config = resolved.with_budget(_tokens(budget, length, resolved.protected))
