@@ -345,3 +345,17 @@ def test_a_refusal_of_the_worker_is_one_line_through_the_server_and_through_llm(
     assert raised["message"].startswith(start) and "\n" not in raised["message"], raised
     assert "EngineCore failed to start" not in llm_err, llm_err[-3000:]
     assert set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*")) <= records, "a front end's file is left"
+
+
+def test_per_slot_state_beyond_the_free_memory_is_refused_by_the_worker_before_the_cache_is_allocated(tiny_folder):
+    """An exact 400-step importance window over a KV cache of 200,000 blocks of 32 slots (6.4 million slots: about
+    41 GB of per-slot state for the tiny model's two layers and two KV heads, more than this machine has): the
+    worker refuses in one line naming ``window`` before vLLM allocates the cache, where a worker would otherwise
+    be killed for memory mid-request (the gate's arithmetic for other sizes: tests/vllm/test_gates.py)."""
+    from scissorhands.vllm.plugin import state_bytes
+
+    assert state_bytes(200_000 * 32, 2, 2, 400) > 40e9
+    message = _refused(tiny_folder, {"budget": 64, "window": 400, "window_buckets": None},
+                       num_gpu_blocks_override=200_000)
+    assert message.startswith("window: the plugin's per-slot state, a position and 400 float32 importance bucket(s) "
+                              "per slot and KV head, takes 38.2 GiB for this engine's 6,400,000-slot KV cache"), message

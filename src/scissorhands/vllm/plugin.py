@@ -364,6 +364,27 @@ def refuse_groups(groups: list[list[str]]) -> None:
 
 # -- predictions from the model's config: what the worker would refuse once vLLM has built the layers -------------
 
+def state_bytes(slots: int, kv_heads: int, layers: int, n_buckets: int) -> int:
+    """Bytes of the per-slot state the budgeted layers keep beside vLLM's cache: each slot's position (int32) and
+    ``n_buckets`` float32 importance accumulators, per KV head (0 buckets: a method that keeps no importance)."""
+    return slots * kv_heads * layers * (4 + 4 * n_buckets)
+
+
+def refuse_state(slots: int, kv_heads: int, layers: int, n_buckets: int, free: int | None) -> None:
+    """Refuse, before vLLM allocates its cache, per-slot state that would not fit in the memory left beside it
+    (``free``: None, not known): an exact importance window keeps a number per step of it for every slot, and a
+    worker that runs out of memory mid-request is killed without a word."""
+    need = state_bytes(slots, kv_heads, layers, n_buckets)
+    if free is None or need <= 0.9 * free:  # a tenth left for everything else a step allocates
+        return
+    gib = 2 ** 30
+    raise Refusal(f"window: the plugin's per-slot state, a position and {n_buckets} float32 importance bucket(s) per "
+                  f"slot and KV head, takes "
+                  f"{need / gib:.1f} GiB for this engine's {slots:,}-slot KV cache over {layers} layers, more than "
+                  f"the {free / gib:.1f} GiB free beside it; set window_buckets (a few buckets of the window), a "
+                  f"shorter window, or give vLLM a smaller KV cache (VLLM_CPU_KVCACHE_SPACE)")
+
+
 def declared_kind(*configs, attn_type: str = "decoder") -> str | None:
     """The kind of attention, in words, that the model's configs (its config and its text config, any objects with
     transformers' attribute names) declare when it is not plain decoder self-attention, or None. ``attn_type`` is

@@ -32,11 +32,13 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from scissorhands.core.tokens.importance import ImportanceState
+
 from . import kernels
 from .build import BuildError
 from .paged import PagedLayer
 from .planner import Planner
-from .plugin import refuse_groups, refuse_layer
+from .plugin import refuse_groups, refuse_layer, refuse_state
 from .refusals import refuse_in_engine
 from .settings import PluginSettings, Refusal, from_vllm
 from .spec import BudgetedWindowSpec
@@ -133,9 +135,25 @@ class ScissorhandsWorker(CPUWorker):
                       for group in kv_cache_config.kv_cache_groups]
             try:
                 refuse_groups([group for group in groups if group])
+                self._refuse_state(kv_cache_config)
             except Refusal as e:
                 refuse_in_engine(e)
         super().initialize_from_config(kv_cache_config)
+
+    def _refuse_state(self, kv_cache_config) -> None:
+        """The budgeted layers' per-slot state (:func:`~.plugin.state_bytes`) against the memory free once vLLM's
+        cache, about to be allocated, is taken from it (:func:`~.plugin.refuse_state`)."""
+        assert self.scissorhands is not None
+        template = self.scissorhands.settings.method().make_state(self.scissorhands.settings.config)
+        buckets = template.n_buckets if isinstance(template, ImportanceState) else 0
+        spec = next((g.kv_cache_spec for g in kv_cache_config.kv_cache_groups
+                     if any(name in self._budgeted for name in g.layer_names)), None)
+        if spec is None or not hasattr(spec, "block_size") or not hasattr(spec, "num_kv_heads"):
+            return
+        cache = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        free = _available_bytes()
+        refuse_state(kv_cache_config.num_blocks * spec.block_size, spec.num_kv_heads, len(self._budgeted), buckets,
+                     None if free is None else free - cache)
 
     def get_kv_cache_spec(self):
         """vLLM's specs, each budgeted layer's a window of the budget (:class:`~.spec.BudgetedWindowSpec`,
@@ -199,3 +217,15 @@ def _observed(settings) -> int:
     """The prompt's last queries whose attention chooses what a prompt-aware prefill keeps (0 for another mode):
     vLLM's prefix cache must not give them (:class:`~.spec.BudgetedWindowSpec`)."""
     return settings.config.observe if settings.config.prefill == "prompt-aware" else 0
+
+
+def _available_bytes() -> int | None:
+    """The memory this machine has free for new allocations (``MemAvailable``), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

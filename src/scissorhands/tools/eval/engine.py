@@ -10,9 +10,9 @@ row), and keyed apart by the engine, so the two paths' rows pair problem by prob
 What the plugin fixes is fixed here too, in one line each before anything runs: rounds (set), one budget for every
 layer, a token budget (no fraction, no ``--memory``), K/V in the model's dtype. ``--protect-structure`` gives each
 request its own protected spans (``extra_args``, the plugin's ``scissorhands_protect``), checked for every problem
-before the cell runs; so do a passkey task's planted facts with ``protect_facts``. The plugin keeps exactly ``min(seen, budget)`` tokens per layer and KV head
-(with ``--prefill keep-prompt``, the prompt's ``P`` beside ``min(seen - P, budget)``), so what an answer held
-(``kv_held``) is that.
+before the cell runs; so do a passkey task's planted facts with ``protect_facts``. The plugin keeps exactly
+``min(seen, budget)`` tokens per layer and KV head (with ``--prefill keep-prompt``, the prompt's ``P`` beside
+``min(seen - P, budget)``), so what an answer held (``kv_held``) is that.
 """
 
 from __future__ import annotations
