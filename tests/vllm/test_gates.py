@@ -111,20 +111,20 @@ def test_no_stand_ins_where_the_config_does_not_say_every_layers_window(kinds, w
 
 def test_per_slot_state_that_would_not_fit_beside_the_cache_is_refused_in_one_line():
     """An exact 400-step window keeps 1,604 bytes per slot and KV head beside a K/V of a few hundred: over a whole
-    KV cache that can be more than the machine has. Refused (naming ``window``) when it passes nine tenths of
-    what is free; the defaults' one bucket, or memory that cannot be read, pass."""
+    KV cache that can be more than the machine has. Refused (naming ``window``) when it passes half of what is
+    free; the defaults' one bucket, or memory that cannot be read, pass."""
     slots, heads, layers = 150_000, 2, 24
     need = slots * heads * layers * (4 + 4 * 400)  # 11.5 GB
     refuse_state(slots, heads, layers, 400, need * 2)
     refuse_state(slots, heads, layers, 1, 10 * 2 ** 30)
     refuse_state(slots, heads, layers, 400, None)
-    refuse_state(slots, heads, layers, 0, 2 ** 20 * 40)  # a method without importance: positions only, 29 MB
+    refuse_state(slots, heads, layers, 0, 2 ** 20 * 80)  # a method without importance: positions only, 29 MB
     with pytest.raises(Refusal) as err:
-        refuse_state(slots, heads, layers, 400, need)  # all of it would leave nothing for the step
+        refuse_state(slots, heads, layers, 400, 2 * need - 1)
     message = _line(err)
     assert message.startswith("window: the plugin's per-slot state, a position and 400 float32 importance "
                               "bucket(s) per slot and KV head, takes 10.8 GiB for this engine's 150,000-slot KV "
-                              "cache over 24 layers, more than the 10.8 GiB free beside it; set "), message
+                              "cache over 24 layers, more than half the 21.5 GiB free beside it; set "), message
 
 
 _SERVER = '''

@@ -371,17 +371,18 @@ def state_bytes(slots: int, kv_heads: int, layers: int, n_buckets: int) -> int:
 
 
 def refuse_state(slots: int, kv_heads: int, layers: int, n_buckets: int, free: int | None) -> None:
-    """Refuse, before vLLM allocates its cache, per-slot state that would not fit in the memory left beside it
-    (``free``: None, not known): an exact importance window keeps a number per step of it for every slot, and a
-    worker that runs out of memory mid-request is killed without a word."""
+    """Refuse, before vLLM allocates its cache, per-slot state that would take more than half the memory left beside
+    it (``free``: None, not known): an exact importance window keeps a number per step of it for every slot, the
+    state fills as slots are written while the engine's other memory grows beside it, and a worker that runs out
+    of memory mid-request is killed without a word."""
     need = state_bytes(slots, kv_heads, layers, n_buckets)
-    if free is None or need <= 0.9 * free:  # a tenth left for everything else a step allocates
+    if free is None or need <= free / 2:  # the state fills as slots are written; the rest of a step grows beside it
         return
     gib = 2 ** 30
     raise Refusal(f"window: the plugin's per-slot state, a position and {n_buckets} float32 importance bucket(s) per "
                   f"slot and KV head, takes "
                   f"{need / gib:.1f} GiB for this engine's {slots:,}-slot KV cache over {layers} layers, more than "
-                  f"the {free / gib:.1f} GiB free beside it; set window_buckets (a few buckets of the window), a "
+                  f"half the {free / gib:.1f} GiB free beside it; set window_buckets (a few buckets of the window), a "
                   f"shorter window, or give vLLM a smaller KV cache (VLLM_CPU_KVCACHE_SPACE)")
 
 
