@@ -119,9 +119,9 @@ MBPP_LIKE = ("Sum a list.\n```python\ndef total(xs):\n    s = 0\n    for x in xs
 
 
 def test_the_code_part_is_the_asked_problems_defining_returning_and_testing_lines():
-    """``--protect-structure code``: the lines of the asked problem's code that define a name, return or test (the
+    """``--protect-structure code``: the lines of the asked problem's code that define a name or test it (the
     assert naming the function), token for token; the worked examples' code before ``asked`` is left out, and
-    the prose and control lines are not code structure."""
+    the prose and a body's lines are not code structure."""
     from scissorhands.tools.eval.generated import code_lines
 
     tok = byte_tokenizer_fast()
@@ -129,8 +129,7 @@ def test_the_code_part_is_the_asked_problems_defining_returning_and_testing_line
             "    x, y = a, b\n    total: int = x + y\n    if x == y:\n        return total\n    print(x)\n"
             "    return total\nassert f(1, 2) == 3\n")
     assert [text[s:e].strip() for s, e in code_lines(text)] == [
-        "import math", "def f(a, b: int) -> int:", ">>> f(1, 2)", "x, y = a, b", "total: int = x + y",
-        "return total", "return total", "assert f(1, 2) == 3"]
+        "import math", "def f(a, b: int) -> int:", ">>> f(1, 2)", "assert f(1, 2) == 3"]
     asked = MBPP_LIKE.rfind("```\n\n") + 5
     spans = structure_spans(tok, MBPP_LIKE, asked, ("code",))
     ids = tok(MBPP_LIKE, add_special_tokens=False).input_ids

@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the parts named (comma-separated; alone: asked,turns): asked (the asked problem after any "
                     "worked examples), turns (the chat template's turn markers), forms (each worked example's "
                     "closing answer sentence, the form the answer should take: gsm8k's \"So the answer is N.\"), code "
-                    "(the asked problem's lines of code that define a name, return or test: its signature, the "
-                    "assert or doctest calling it); "
+                    "(the asked problem's lines of code that define a name or test it: its signature, imports, "
+                    "the assert or doctest calling it); "
                     "with --prefill keep-prompt they are kept with the prompt, otherwise they count against the "
                     "budget (through --engine vllm, each request's own protected spans)")
     ev.add_argument("--engine", default="transformers", choices=("transformers", "vllm"),

@@ -44,12 +44,12 @@ class StopAtText:
 #: The parts of a prompt's structure ``--protect-structure`` can protect, and those it protects when none are named.
 STRUCTURE = ("asked", "turns", "forms", "code")
 
-#: A line of the asked problem's code that states its structure (after CodeComp's protected kinds): a definition
-#: (``def``, ``class``, an import), a name assigned, a ``return``, ``yield`` or ``raise``, a test (``assert``, a
-#: doctest's ``>>>`` call). The answer is written against these names and calls.
+#: A line of the asked problem's code that states its structure (after CodeComp's protected kinds, as far as a
+#: prompt holds them): a name defined (``def``, ``class``, an import) or a test that calls it (``assert``, a
+#: doctest's ``>>>``). The answer is written against these names and calls; the bodies of helper functions the
+#: prompt shows (their assignments and returns) are left to the ranking, where they would crowd the budget.
 CODE_LINE = re.compile(
-    r"^[ \t]*(?:(?:async[ \t]+)?def\b|class\b|import\b|from[ \t]+[\w.]+[ \t]+import\b|return\b|yield\b|raise\b"
-    r"|assert\b|>>>|[A-Za-z_][\w.]*(?:[ \t]*,[ \t]*[A-Za-z_][\w.]*)*[ \t]*(?::[^=\n]+)?=(?!=))", re.M)
+    r"^[ \t]*(?:(?:async[ \t]+)?def\b|class\b|import\b|from[ \t]+[\w.]+[ \t]+import\b|assert\b|>>>)", re.M)
 
 
 def code_lines(text: str, start: int = 0) -> list[tuple[int, int]]:
@@ -81,8 +81,8 @@ def structure_spans(tokenizer, text: str, asked: int, parts: tuple[str, ...] = D
     character ``asked`` to the end (the asked problem); ``turns``, each special token of the tokenizer that occurs
     in it (a chat template's turn markers), a turn's opening marker with its role line; ``forms``, the character
     spans ``forms`` (the worked examples' answer sentences); ``code``, the lines of the asked problem's code that
-    define a name, return or test (:data:`CODE_LINE`: its signature, the assert or doctest naming the function,
-    names assigned and returned), not the prose around them. Mapped to tokens by the tokenizer's offsets, as
+    define a name or test it (:data:`CODE_LINE`: the signature, imports, the assert or doctest calling the
+    function), not the prose or the bodies around them. Mapped to tokens by the tokenizer's offsets, as
     ``text`` is encoded for the model (no special tokens added)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     chars = [(asked, len(text))] if "asked" in parts else []
