@@ -32,12 +32,17 @@ _spec.loader.exec_module(frontier)
 def part(given: str, task: str) -> tuple[list[float], list[float]]:
     """The verdicts of ``FOLDER[#LABEL][@N]`` and the full cache's paired with them (no label: the folder's one
     row besides the full cache's)."""
-    given, _, first = given.rpartition("@") if "@" in given else (given, "", "")
-    folder, _, label = given.partition("#")
+    head, _, first = given.rpartition("@")
+    if not head or not first.isdigit() or int(first) < 1:  # no "@N" (a folder may hold an "@" of its own)
+        head, first = given, ""
+    folder, _, label = head.partition("#")
     rows = [r for r in load_results(Path(folder) / "results.jsonl") if r["task"] == task and r["method"] != "full"]
     named = dict(frontier.labelled(rows))
     if not label and len(named) == 1:
         label = next(iter(named))
+    if not label:
+        raise SystemExit(f"cell: {folder} holds {len(named)} rows of {task} besides the full cache's; name one "
+                         "(FOLDER#LABEL): " + "; ".join(named))
     if label not in named:
         raise SystemExit(f"cell: no row labelled {label!r} in {folder}; the labels are: " + "; ".join(named))
     n = int(first) if first else None
@@ -64,6 +69,10 @@ def main(argv=None) -> int:
     if len(sizes) != 1:
         p.error("cell: the cells cover different numbers of problems: " +
                 ", ".join(f"{k} {len(m)}" for k, (m, _) in cells.items()))
+    fulls = {tuple(f) for _, f in cells.values()}
+    if len(fulls) != 1:  # the same problems in the same order answer the same under the full cache
+        p.error("cell: the full cache's verdicts differ between the cells: are their slices the same problems, "
+                "in the same order?")
     print(f"| cell | problems | {args.task} | full | against full (lost / gained, McNemar p) |")
     print("|---|---|---|---|---|")
     for name, (mine, full) in cells.items():

@@ -348,14 +348,18 @@ def test_a_refusal_of_the_worker_is_one_line_through_the_server_and_through_llm(
 
 
 def test_per_slot_state_beyond_the_free_memory_is_refused_by_the_worker_before_the_cache_is_allocated(tiny_folder):
-    """An exact 400-step importance window over a KV cache of 200,000 blocks of 32 slots (6.4 million slots: about
-    41 GB of per-slot state for the tiny model's two layers and two KV heads, more than this machine has): the
-    worker refuses in one line naming ``window`` before vLLM allocates the cache, where a worker would otherwise
-    be killed for memory mid-request (the gate's arithmetic for other sizes: tests/vllm/test_gates.py)."""
+    """An exact 400-step importance window over a KV cache sized so that its per-slot state (1,604 bytes per slot
+    and KV head, the tiny model's two layers and two KV heads) is as large as the memory this machine has free:
+    the worker refuses in one line naming ``window`` before vLLM allocates the cache, where a worker would
+    otherwise be killed for memory mid-request (the gate's arithmetic for other sizes: tests/vllm/test_gates.py)."""
     from scissorhands.vllm.plugin import state_bytes
+    from scissorhands.vllm.worker import _available_bytes
 
-    assert state_bytes(200_000 * 32, 2, 2, 400) > 40e9
+    free = _available_bytes()
+    assert free is not None  # Linux: /proc/meminfo
+    blocks = free // state_bytes(32, 2, 2, 400) + 1  # blocks of 32 slots; their K/V, a fifth of it, is never made
     message = _refused(tiny_folder, {"budget": 64, "window": 400, "window_buckets": None},
-                       num_gpu_blocks_override=200_000)
+                       num_gpu_blocks_override=int(blocks))
     assert message.startswith("window: the plugin's per-slot state, a position and 400 float32 importance bucket(s) "
-                              "per slot and KV head, takes 38.2 GiB for this engine's 6,400,000-slot KV cache"), message
+                              "per slot and KV head, takes "), message
+    assert f"for this engine's {blocks * 32:,}-slot KV cache over 2 layers" in message, message

@@ -118,7 +118,7 @@ MBPP_LIKE = ("Sum a list.\n```python\ndef total(xs):\n    s = 0\n    for x in xs
              "Write a function that doubles each item.\nassert double([1, 2]) == [2, 4]\n```python\n")
 
 
-def test_the_code_part_is_the_asked_problems_defining_returning_and_testing_lines():
+def test_the_code_part_is_the_asked_problems_defining_and_testing_lines():
     """``--protect-structure code``: the lines of the asked problem's code that define a name or test it (the
     assert naming the function), token for token; the worked examples' code before ``asked`` is left out, and
     the prose and a body's lines are not code structure."""
@@ -135,6 +135,8 @@ def test_the_code_part_is_the_asked_problems_defining_returning_and_testing_line
     ids = tok(MBPP_LIKE, add_special_tokens=False).input_ids
     assert [tok.decode(ids[s:e]) for s, e in spans] == ["assert double([1, 2]) == [2, 4]\n"]  # a byte a token
     assert make_task("mbpp", structure="code,asked").structure == "asked,code"
+    with pytest.raises(ValueError, match="^protect-structure: code: gsm8k's prompts ask for no code"):
+        make_task("gsm8k", structure="code")
 
 
 def gsm8k_grid(tmp_path, monkeypatch, problems: int, new_tokens: int, **model) -> tuple[tuple[str, ...], object]:
@@ -256,3 +258,33 @@ def test_a_cell_pooled_from_slices_is_its_rows_verdicts_in_order(tmp_path, capsy
     assert len(table) == 2 + 3 + 1 + 2 + 3  # three cells, a blank line, then each pair of them
     with pytest.raises(SystemExit):
         pooled.main(["--task", "gsm8k", "--cell", "a", str(out), "--cell", "b", f"{out}@2"])
+    assert "cover different numbers of problems: a 3, b 2" in capsys.readouterr().err
+
+
+def test_the_vllm_grid_checks_every_problems_spans_at_every_budget_before_any_cell(tmp_path):
+    """``--engine vllm``: each problem's protected structure, and a passkey task's planted facts, are checked at every
+    budget of the grid as the plugin will check them, before the first cell; a budget that covers a problem leaves
+    it out (its answer is the full cache's)."""
+    from scissorhands.core.methods import get_method
+    from scissorhands.core.settings.config import CacheSettings
+    from scissorhands.tools.eval.engine import check_grid_spans
+    from scissorhands.tools.eval.passkey import Passkey
+
+    tok = byte_tokenizer_fast()
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps(SUM) + "\n")
+    task = GSM8K(max_new_tokens=20, data=str(data))
+    task.protect_structure(("asked",))
+    items = task.items(tok, None)
+    ours, base = get_method("scissorhands"), CacheSettings(rounds=True, recent=4)
+    check_grid_spans(task, items, ours, [4000], base)  # covered: nothing to check
+    check_grid_spans(task, items, get_method("full"), [8], base)  # the full cache protects nothing
+    with pytest.raises(ValueError, match=r"^protect-structure: problem 0: \d+ protected tokens do not fit"):
+        check_grid_spans(task, items, ours, [4000, 8], base)
+    filler = tmp_path / "filler.txt"
+    filler.write_text("Once more unto the breach, dear friends, once more. " * 200)
+    facts = Passkey(lengths=(400,), depths=(0.5,), data=str(filler), protect_facts=True)
+    planted = facts.items(tok, None)
+    check_grid_spans(facts, planted, ours, [200], base)
+    with pytest.raises(ValueError, match=r"^protect_facts: problem .*: \d+ protected tokens do not fit"):
+        check_grid_spans(facts, planted, ours, [200, 24], base)

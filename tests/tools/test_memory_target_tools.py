@@ -82,7 +82,10 @@ def test_cli_memory_prints_its_choice_and_refuses_bad_input(tmp_path, capsys):
     assert "[scissorhands] memory 0.2: " in err and "expected ΔNLL about" in err
     for extra, message in ((["--memory", "0.2", "--budget", "30"], "memory: give memory or budget, not both"),
                            (["--memory", "0.0001"], "memory: '0.0001'"), (["--memory", "9ZB"], "memory: must be"),
-                           ([], "budget: required")):
+                           ([], "budget: required"),
+                           # the plan's rule, as lm-eval's arguments and the plan refuse it (it was dropped unsaid)
+                           (["--memory", "0.2", "--method", "full", "--kv-bits", "4"],
+                            "memory: method=full evicts nothing")):
         code, _, err = run_cli(capsys, *base, *extra)
         lines = [x for x in err.splitlines() if x.strip()]
         assert code == 2 and len(lines) == 1 and message in lines[0], err

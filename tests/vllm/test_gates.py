@@ -119,6 +119,9 @@ def test_per_slot_state_that_would_not_fit_beside_the_cache_is_refused_in_one_li
     refuse_state(slots, heads, layers, 1, 10 * 2 ** 30)
     refuse_state(slots, heads, layers, 400, None)
     refuse_state(slots, heads, layers, 0, 2 ** 20 * 80)  # a method without importance: positions only, 29 MB
+    with pytest.raises(Refusal, match=r"^kv_cache: .* more than half the 0\.0 GiB free beside it; give vLLM a "
+                                      r"smaller KV cache"):
+        refuse_state(slots, heads, layers, 1, -2 ** 30)  # a cache larger than what is free: nothing beside it
     with pytest.raises(Refusal) as err:
         refuse_state(slots, heads, layers, 400, 2 * need - 1)
     message = _line(err)

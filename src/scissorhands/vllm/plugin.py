@@ -19,13 +19,15 @@ OpenAI server prints it and exits with code 2. The compiled operator is built
 (or loaded) there too, before any engine starts (:mod:`.build`).
 
 What only the layers vLLM builds can show (a kind of attention no config
-declares, KV-cache groups the config's ``layer_types`` do not predict) is refused
-by the plugin's worker, in the engine's process. The front end names a file for
-it (:func:`await_refusals`, through ``SCISSORHANDS_VLLM_REFUSAL``, which the
-engine's processes inherit); the worker writes its line there and ends the
-engine quietly (:func:`refuse_in_engine`). ``LLM(...)`` then raises that line
-in place of vLLM's failed engine start; a server prints it and exits with code 2. How a refusal reaches the
-user from either process is :mod:`.refusals`.
+declares, KV-cache groups the config's ``layer_types`` do not predict, per-slot
+state that would not fit beside the cache vLLM sized: :func:`refuse_state`) is
+refused by the plugin's worker, in the engine's process. The front end names a
+file for it (:func:`~.refusals.await_refusals`, through
+``SCISSORHANDS_VLLM_REFUSAL``, which the engine's processes inherit); the worker
+writes its line there and ends the engine quietly
+(:func:`~.refusals.refuse_in_engine`). ``LLM(...)`` then raises that line in
+place of vLLM's failed engine start; a server prints it and exits with code 2.
+How a refusal reaches the user from either process is :mod:`.refusals`.
 
 The start-up steps extend three vLLM methods in place (the config step, the
 engine config, ``LLMEngine.from_engine_args``), since vLLM 0.32 has no hook
@@ -376,14 +378,16 @@ def refuse_state(slots: int, kv_heads: int, layers: int, n_buckets: int, free: i
     state fills as slots are written while the engine's other memory grows beside it, and a worker that runs out
     of memory mid-request is killed without a word."""
     need = state_bytes(slots, kv_heads, layers, n_buckets)
-    if free is None or need <= free / 2:  # the state fills as slots are written; the rest of a step grows beside it
+    if free is None or need <= max(free, 0) / 2:  # the state fills as slots are written; a step grows beside it
         return
     gib = 2 ** 30
-    raise Refusal(f"window: the plugin's per-slot state, a position and {n_buckets} float32 importance bucket(s) per "
-                  f"slot and KV head, takes "
-                  f"{need / gib:.1f} GiB for this engine's {slots:,}-slot KV cache over {layers} layers, more than "
-                  f"half the {free / gib:.1f} GiB free beside it; set window_buckets (a few buckets of the window), a "
-                  f"shorter window, or give vLLM a smaller KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    # A window of many buckets is what makes the state large; with one (or none) it is the cache's size.
+    name, fix = (("window", "set window_buckets (a few buckets of the window), a shorter window, or give vLLM a "
+                  "smaller KV cache (VLLM_CPU_KVCACHE_SPACE)") if n_buckets > 1 else
+                 ("kv_cache", "give vLLM a smaller KV cache (VLLM_CPU_KVCACHE_SPACE)"))
+    raise Refusal(f"{name}: the plugin's per-slot state, a position and {n_buckets} float32 importance bucket(s) per "
+                  f"slot and KV head, takes {need / gib:.1f} GiB for this engine's {slots:,}-slot KV cache over "
+                  f"{layers} layers, more than half the {max(free, 0) / gib:.1f} GiB free beside it; {fix}")
 
 
 def declared_kind(*configs, attn_type: str = "decoder") -> str | None:

@@ -38,7 +38,8 @@ What the adapter fixes, and why (each given otherwise is a one-line error):
 * one budget for every layer (``schedule="uniform"``): vLLM's window is one
   number;
 * K/V stay in vLLM's blocks in the model's dtype: no ``kv_bits``,
-  ``kv_residual``, ``kv_demote``, ``kv_store`` or ``merge``;
+  ``kv_residual`` (but 0, no token apart, which the paper preset sets),
+  ``kv_demote``, ``kv_store`` or ``merge``;
 * no ``prompt_chunk``: vLLM's scheduler chunks prompts itself;
 * ``decode`` stays ``"dynamic"``: vLLM runs its own step over its blocks
   (the static step is the transformers adapter's).

@@ -129,7 +129,8 @@ class ScissorhandsWorker(CPUWorker):
 
     def initialize_from_config(self, kv_cache_config) -> None:
         """Refuse a model whose budgeted layers vLLM splits into several KV-cache groups (each group has its own
-        block table; the plugin plans a step once, from one), before the cache is allocated."""
+        block table; the plugin plans a step once, from one), and per-slot state that would not fit beside the
+        cache (:meth:`_refuse_state`), before the cache is allocated."""
         if self.scissorhands is not None:
             groups = [[name for name in group.layer_names if name in self._budgeted]
                       for group in kv_cache_config.kv_cache_groups]

@@ -216,13 +216,16 @@ def job(args) -> GenerateJob:
                          "or --kv-bits for a quantised full cache")
     memory = getattr(args, "memory", None)
     budget = args.budget if args.budget is not None else getattr(args, "budget_fallback", None)
+    from scissorhands.core.planning.assembly import check_given
+
+    if memory is not None:  # the plan's rule, checked now: a budget or a memory target, for a method that evicts
+        check_given(args.budget, memory, method)
     if method.is_full:  # the quantised full cache: a budget no sequence reaches, so nothing is evicted
         budget, memory, config = NO_BUDGET, None, method.configure(settings, NO_BUDGET)
     elif memory is not None:
-        from scissorhands.core.planning.assembly import check_given
         from scissorhands.core.planning.memory_target import check_memory_settings
 
-        check_given(args.budget, memory)  # checked now; chosen once the model and the prompt's length are known
+        # chosen once the model and the prompt's length are known
         check_memory_settings(settings)
         budget, config = None, None
     elif budget is None:

@@ -143,10 +143,7 @@ def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod],
         for item, answer in zip(missing, engine.generate(task, missing, None)):
             item.data["full"] = task.judged(item, answer["tokens"], answer["completion"], _held(item, answer, None))
     held = base.prefill == "keep-prompt"
-    # A budget that covers the sequence (beside a held prompt, the answer) evicts nothing: the full cache's answer,
-    # as the transformers path has it.
-    covered = [method.is_full or budget is None
-               or budget >= (0 if held else len(item.data["prompt"])) + task.max_new_tokens for item in items]
+    covered = _covered(task, items, method, budget, base)
     asked = [item for item, c in zip(items, covered) if not c]
     if asked and budget:
         check_spans(asked, plugin_settings(method, budget, base))
@@ -161,6 +158,33 @@ def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod],
         scores.append(task.paired(mine, item.data["full"], False))
     return scores
 
+def _covered(task, items, method: type[EvictionMethod], budget: int | None, base: CacheSettings) -> list[bool]:
+    """Which items a budget covers: a sequence (beside a held prompt, the answer) within it evicts nothing, so its
+    answer is the full cache's, as the transformers path has it."""
+    held = base.prefill == "keep-prompt"
+    return [method.is_full or budget is None
+            or budget >= (0 if held else len(item.data["prompt"])) + task.max_new_tokens for item in items]
+
+
+def check_grid_spans(task, items, method: type[EvictionMethod], budgets: list, base: CacheSettings) -> None:
+    """Before any cell of a grid runs: every problem's protected spans (a generated task's structure, a passkey
+    task's planted facts) checked at every budget as the plugin will check them, so a budget they do not fit stops
+    nothing halfway."""
+    if method.is_full:
+        return
+    from .passkey import Passkey
+
+    for budget in budgets:
+        plugin = plugin_settings(method, int(budget), base)
+        if isinstance(task, Passkey):
+            if task.protect_facts:
+                check_spans(items, plugin, [item.data["facts"] for item in items], prompt="ctx",
+                            name="protect_facts")
+        else:
+            covered = _covered(task, items, method, int(budget), base)
+            check_spans([item for item, c in zip(items, covered) if not c], plugin)
+
+
 def check_spans(items, plugin: dict, spans: list | None = None, prompt: str = "prompt",
                 name: str = "protect-structure") -> None:
     """Each problem's protected spans (``--protect-structure``'s, or ``spans``, one list per item) as the plugin will
@@ -169,7 +193,7 @@ def check_spans(items, plugin: dict, spans: list | None = None, prompt: str = "p
     from scissorhands.vllm.settings import parse
 
     settings = parse(plugin)
-    for item, given in zip(items, spans if spans is not None else [i.data.get("spans") for i in items]):
+    for item, given in zip(items, spans if spans is not None else [i.data.get("spans") for i in items], strict=True):
         if given:
             try:
                 settings.request_protection({PROTECT: [list(x) for x in given]}, len(item.data[prompt]))
@@ -199,7 +223,7 @@ def retrieval_scores(engine: VLLMEngine, task, items, method: type[EvictionMetho
     spans = None
     if plugin is not None and getattr(task, "protect_facts", False):  # the planted facts: each request's own spans
         spans = [item.data["facts"] for item in items]
-        check_spans(items, plugin, spans, prompt="ctx", name="protect-facts")
+        check_spans(items, plugin, spans, prompt="ctx", name="protect_facts")
     answers = engine.greedy([item.data["ctx"] for item in items], max(len(i.data["cont"]) for i in items), [],
                             plugin, spans)
     return [{"correct": list(tokens[: len(item.data["cont"])]) == list(item.data["cont"]),

@@ -43,6 +43,7 @@ class StopAtText:
 
 #: The parts of a prompt's structure ``--protect-structure`` can protect, and those it protects when none are named.
 STRUCTURE = ("asked", "turns", "forms", "code")
+DEFAULT_STRUCTURE = ("asked", "turns")
 
 #: A line of the asked problem's code that states its structure (after CodeComp's protected kinds, as far as a
 #: prompt holds them): a name defined (``def``, ``class``, an import) or a test that calls it (``assert``, a
@@ -60,7 +61,6 @@ def code_lines(text: str, start: int = 0) -> list[tuple[int, int]]:
         end = text.find("\n", found.start())
         spans.append((found.start(), len(text) if end < 0 else end + 1))
     return spans
-DEFAULT_STRUCTURE = ("asked", "turns")
 
 
 def structure_parts(given: bool | str | tuple[str, ...]) -> tuple[str, ...]:
@@ -143,6 +143,8 @@ class Generated(Task):
     max_new_tokens: int
     _stops: tuple[str, ...] = ()
     _tokenizer: Any = None  # the tokenizer items() was given; generation decodes with it
+    #: The asked problem is code (what ``--protect-structure code`` protects lines of).
+    holds_code: bool = False
 
     def problems(self) -> list[dict]:
         """Every problem, in order."""
@@ -181,6 +183,9 @@ class Generated(Task):
         if "forms" in parts and type(self).answer_forms is Generated.answer_forms:
             raise ValueError(f"protect-structure: forms: {self.name}'s prompts have no worked answers to protect "
                              "(gsm8k's have)")
+        if "code" in parts and not self.holds_code:
+            raise ValueError(f"protect-structure: code: {self.name}'s prompts ask for no code (humaneval, "
+                             "humaneval-chat and mbpp's do)")
         self.structure = True if parts == DEFAULT_STRUCTURE else ",".join(parts)
 
     def check(self) -> None:

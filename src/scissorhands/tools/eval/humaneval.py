@@ -83,6 +83,7 @@ class HumanEval(Generated):
     """
 
     main_metric = "pass@1"
+    holds_code = True
 
     def __init__(self, max_new_tokens: int = 384, timeout: float = TIMEOUT_S, data: str | None = None,
                  chat: bool = False):

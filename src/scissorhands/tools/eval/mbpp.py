@@ -73,6 +73,7 @@ class MBPP(Generated):
 
     name = "mbpp"
     main_metric = "pass@1"
+    holds_code = True
 
     def __init__(self, max_new_tokens: int = 384, timeout: float = TIMEOUT_S, data: str | None = None):
         self.max_new_tokens, self.timeout, self.data = max_new_tokens, timeout, data

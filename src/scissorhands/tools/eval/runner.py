@@ -174,8 +174,12 @@ def run_grid(model, tokenizer, *, model_name: str, tasks: list[Task], methods: l
         for method in methods:
             if not method.is_full:
                 _check_distinct_budgets(task, items, method, budgets, base)
-                if engine is None:  # the engine checks each problem's spans as the plugin will (engine.check_spans)
+                if engine is None:
                     _check_structure(model, task, items, method, budgets, base, seed)
+                else:  # each problem's spans as the plugin will check them
+                    from .engine import check_grid_spans
+
+                    check_grid_spans(task, items, method, budgets, base)
                 for wanted in budgets:  # a memory budget no store meets is refused before any cell runs
                     if isinstance(wanted, MemorySpec):
                         for length in sorted({i.length for i in items}):
