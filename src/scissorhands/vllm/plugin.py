@@ -43,7 +43,7 @@ import copy
 import functools
 import logging
 
-from .refusals import _forget, _record_path, _recorded, await_refusals, quiet_failed_start, refusal_in, refuse
+from .refusals import await_refusals, quiet_failed_start, refusal_in, refuse, take_recorded
 from .settings import KEY as PLUGIN
 from .settings import Refusal
 
@@ -115,10 +115,9 @@ def register() -> None:
         try:
             return from_engine_args(cls, *args, **kwargs)
         except RuntimeError:
-            line = _recorded(_record_path())
+            line = take_recorded()
             if line is None:
                 raise
-            _forget(_record_path())
             raise Refusal(line) from None
 
     def validate_request(cls, processed_inputs, params) -> None:

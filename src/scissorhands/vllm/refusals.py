@@ -115,6 +115,15 @@ def _recorded(path: str) -> str | None:
         return None
 
 
+def take_recorded() -> str | None:
+    """The refusal an engine process left for this front end (:func:`refuse_in_engine`), its file then removed; None
+    when none was left."""
+    line = _recorded(_record_path())
+    if line is not None:
+        _forget(_record_path())
+    return line
+
+
 def _forget(path: str) -> None:
     try:
         os.remove(path)
