@@ -139,6 +139,18 @@ def test_the_code_part_is_the_asked_problems_defining_and_testing_lines():
         make_task("gsm8k", structure="code")
 
 
+def _experiment(name: str):
+    """The script ``experiments/<name>.py`` as a module (the experiments are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "experiments" /
+                                                  f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def gsm8k_grid(tmp_path, monkeypatch, problems: int, new_tokens: int, **model) -> tuple[tuple[str, ...], object]:
     """A tiny model and ``problems`` GSM8K-style problems on disk, answers cut at ``new_tokens``: the command line's
     common arguments for ``scissorhands eval --tasks gsm8k`` into ``tmp_path/out``, and that folder."""
@@ -187,13 +199,7 @@ def test_a_full_row_over_more_problems_serves_a_run_of_the_first_few(tmp_path, c
 
 
 def test_the_frontier_places_each_row_by_what_it_measured_and_pairs_it(tmp_path, capsys, monkeypatch):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "generation_frontier", Path(__file__).resolve().parents[2] / "experiments" / "generation_frontier.py")
-    frontier = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(frontier)
+    frontier = _experiment("generation_frontier")
     common, out = gsm8k_grid(tmp_path, monkeypatch, 3, 12)
     assert run_cli(capsys, *common, "--methods", "full,scissorhands,h2o", "--budgets", "8")[0] == 0
     assert run_cli(capsys, *common, "--methods", "scissorhands", "--budgets", "8", "--prefill", "keep-prompt",
@@ -234,13 +240,7 @@ def test_a_cell_pooled_from_slices_is_its_rows_verdicts_in_order(tmp_path, capsy
     """``experiments/pooled_cells.py``: a cell made of two runs (here the same three problems twice, two folders) is
     their verdicts joined, paired with the full cache's joined; a row's first N alone with ``@N``; cells of
     different sizes are refused."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "pooled_cells", Path(__file__).resolve().parents[2] / "experiments" / "pooled_cells.py")
-    pooled = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pooled)
+    pooled = _experiment("pooled_cells")
     common, out = gsm8k_grid(tmp_path, monkeypatch, 3, 12)
     assert run_cli(capsys, *common, "--methods", "full,scissorhands", "--budgets", "8")[0] == 0
     again = tmp_path / "again"
