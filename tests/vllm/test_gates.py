@@ -141,6 +141,8 @@ def engine(refuse):
 
 if __name__ == "__main__":
     await_refusals()  # the front end, as a server's engine config is made
+    if sys.argv[1] == "refuse_here":  # an engine in the front end's own process
+        engine(True)
     process = multiprocessing.get_context("fork").Process(target=engine, args=(sys.argv[1] == "refuse",))
     process.start()
     process.join()
@@ -149,12 +151,14 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("refuse", [True, False], ids=["refused_in_the_engine", "another_failure"])
+@pytest.mark.parametrize("refuse", ["refuse", "refuse_here", None],
+                         ids=["refused_in_the_engine", "refused_in_the_front_ends_engine", "another_failure"])
 def test_a_refusal_left_by_an_engine_process_is_the_servers_one_line_and_exit_code_2(tmp_path, refuse):
     """The front end names a file for its engine processes (inherited through the environment); an engine process
     that refuses leaves its line there and ends with code 2 and no traceback; the front end's failed start then
     prints that line, last, and exits with code 2, its file removed. Any other failure keeps Python's traceback
-    and exit code 1."""
+    and exit code 1. An engine in the front end's own process raises its refusal, which the server says the same
+    way, and leaves no file."""
     import os
     import subprocess
     import sys
@@ -163,16 +167,17 @@ def test_a_refusal_left_by_an_engine_process_is_the_servers_one_line_and_exit_co
 
     script = tmp_path / "server.py"
     script.write_text(_SERVER)
-    before = set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*"))
     env = {k: v for k, v in os.environ.items() if k != "SCISSORHANDS_VLLM_REFUSAL"}
-    done = subprocess.run([sys.executable, str(script), "refuse" if refuse else "serve"], capture_output=True,
-                          text=True, env=env, timeout=120)
+    proc = subprocess.Popen([sys.executable, str(script), refuse or "serve"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    stdout, stderr = proc.communicate(timeout=120)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     lines = done.stderr.strip().splitlines()
     if refuse:
-        assert (done.returncode, done.stdout.split()) == (2, ["2"]), done.stderr
+        assert (done.returncode, done.stdout.split()) == (2, ["2"] if refuse == "refuse" else []), done.stderr
         assert lines[-1] == "scissorhands: error: model: layer 0 is prefix-LM attention", done.stderr
         assert "Traceback" not in done.stderr, done.stderr
     else:
         assert (done.returncode, done.stdout.split()) == (1, ["0"]), done.stderr
         assert "Traceback" in done.stderr and lines[-1].startswith("RuntimeError: Engine core"), done.stderr
-    assert set(Path(tempfile.gettempdir()).glob("scissorhands-refusal-*")) <= before
+    assert not list(Path(tempfile.gettempdir()).glob(f"scissorhands-refusal-{proc.pid}-*"))  # its file removed

@@ -53,6 +53,8 @@ def await_refusals(server: bool = True) -> None:
 
     def excepthook(kind, value, traceback) -> None:
         line = _recorded(path)
+        if line is None and isinstance(value, Refusal):  # an engine in this process raised it (it left no file)
+            line = str(value)
         if line is None:
             previous(kind, value, traceback)
             return
@@ -72,14 +74,14 @@ def refuse_in_engine(refusal: Exception) -> NoReturn:
     """End start-up in an engine process with ``refusal`` (the worker's, once the layers exist). Its line is left
     in the front end's file (:func:`await_refusals`) first; a process of its own (the engine core or a worker,
     not the front end itself) then logs it and ends with ``SystemExit(2)``, which vLLM takes as a shutdown, with
-    no traceback of its own, and the front end says it. An engine in the front end's process raises it."""
+    no traceback of its own, and the front end says it. An engine in the front end's process raises it and leaves
+    no file (the front end sees the exception itself; a file would outlive the request until the process ends)."""
     front, _, path = os.environ.get(RECORD, "").partition(":")
-    if path:
+    if path and front != str(os.getpid()):
         with open(path, "w", encoding="utf-8") as f:
             f.write(str(refusal))
-        if front != str(os.getpid()):
-            logger.error("scissorhands: %s", refusal)
-            raise SystemExit(2) from None
+        logger.error("scissorhands: %s", refusal)
+        raise SystemExit(2) from None
     raise refusal
 
 
