@@ -19,7 +19,7 @@ from scissorhands.core.tokens.state import TokenState
 
 
 class CoreLayer:
-    """``BudgetedKV(budget, recent, drop, method, state, layer_idx, **options)`` and the chunks through it.
+    """``BudgetedKV.checked(budget, recent, drop, method, state, layer_idx, **options)`` and the chunks through it.
 
     The arguments are ``ScissorhandsLayer``'s: ``method`` defaults to Scissorhands, ``query_tile`` is the most
     query rows scored at once, and ``options`` (``store``, ``sinks``, ``prefill``, ``protect``, ``decode``,
@@ -29,7 +29,7 @@ class CoreLayer:
     def __init__(self, budget: int, recent: int, drop: int, state: TokenState | None = None,
                  method: EvictionMethod | None = None, query_tile: int = DEFAULTS.query_tile, layer_idx: int = 0,
                  **options):
-        self.kv = BudgetedKV(budget, recent, drop, method or Scissorhands(), state, layer_idx, **options)
+        self.kv = BudgetedKV.checked(budget, recent, drop, method or Scissorhands(), state, layer_idx, **options)
         self.query_tile = query_tile
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

@@ -122,7 +122,7 @@ def test_reorder_and_batch_select_move_packed_rows(bits):
 def test_eviction_with_quantisation_equals_quantising_the_kept_rows(bits):
     """BudgetedKV: same appends (padding included) and same scores, dense vs packed store."""
     method = get_method("scissorhands")()
-    layers = [BudgetedKV(12, 2, 4, method, store=store) for store in (DenseKVStore(), PackedKVStore(bits, 8))]
+    layers = [BudgetedKV.checked(12, 2, 4, method, store=store) for store in (DenseKVStore(), PackedKVStore(bits, 8))]
     gen = torch.Generator().manual_seed(bits)
     k, v = torch.randn(2, 2, 10, 16, generator=gen), torch.randn(2, 2, 10, 16, generator=gen)
     valid = torch.ones(2, 10, dtype=torch.bool)
@@ -433,7 +433,7 @@ def test_a_layer_refuses_a_residual_its_recent_window_or_merging_cannot_keep():
     from scissorhands.core.methods.scissorhands import Scissorhands
 
     with pytest.raises(ValueError, match="^kv_residual: "):
-        BudgetedKV(16, 2, 4, Scissorhands(), store=ResidualStore(PackedKVStore(4, 8), 3))
+        BudgetedKV.checked(16, 2, 4, Scissorhands(), store=ResidualStore(PackedKVStore(4, 8), 3))
     with pytest.raises(ValueError, match="^kv_residual: "):
-        BudgetedKV(16, 4, 4, Scissorhands(), store=ResidualStore(PackedKVStore(4, 8), 3), merge=True)
-    BudgetedKV(16, 3, 4, Scissorhands(), store=ResidualStore(PackedKVStore(4, 8), 3))
+        BudgetedKV.checked(16, 4, 4, Scissorhands(), store=ResidualStore(PackedKVStore(4, 8), 3), merge=True)
+    BudgetedKV.checked(16, 3, 4, Scissorhands(), store=ResidualStore(PackedKVStore(4, 8), 3))

@@ -257,7 +257,7 @@ def test_all_sliding_model_is_rejected():
 
 def test_layer_budget_check():
     with pytest.raises(ValueError, match="^drop:"):
-        ScissorhandsLayer(budget=10, recent=5, drop=6)
+        ScissorhandsLayer.of_budget(budget=10, recent=5, drop=6)
 
 
 def test_whole_model_memory_counts_sliding_layers():

@@ -27,8 +27,8 @@ def test_the_transformers_layer_is_the_core_layer(case):
     window, steps = case["window"], case["bucket_steps"]
     n_buckets = 1 if window is None else math.ceil(window / (steps or 1))
     state = ImportanceState(case["importance"], None if window is None else (steps or 1), n_buckets)
-    layer = ScissorhandsLayer(case["budget"], case["recent"], case["drop"], state, Scissorhands(),
-                              query_tile=case["tile"], prefill=Streamed(None))
+    layer = ScissorhandsLayer.of_budget(case["budget"], case["recent"], case["drop"], state, Scissorhands(),
+                                        query_tile=case["tile"], prefill=Streamed(None))
     outs, i = [], 0
     for c in case["chunks"]:
         kwargs = {}

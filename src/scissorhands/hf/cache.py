@@ -25,7 +25,6 @@ from scissorhands.core.methods import EvictionMethod
 from scissorhands.core.methods.scissorhands import Scissorhands
 from scissorhands.core.planning.assembly import CachePlan, plan
 from scissorhands.core.settings.config import DEFAULTS, CacheSettings, ScissorhandsConfig
-from scissorhands.core.stores.centers import load_key_centers
 from scissorhands.core.tokens.protect import Protection, SpanSpec
 from scissorhands.core.tokens.slots import SlotTable
 from scissorhands.core.tokens.state import TokenState
@@ -36,43 +35,31 @@ from .modelinfo import FULL, model_facts
 from .report import cache_memory_report
 
 if TYPE_CHECKING:
+    from scissorhands.core.facts import ModelFacts
     from scissorhands.core.planning.memory_target import MemoryChoice
 
 
 class ScissorhandsLayer(CacheLayerMixin):
-    """transformers' view of one budgeted layer.
+    """transformers' view of one budgeted layer: its storage, a core layer (:meth:`of_budget` builds one by hand).
 
     Parameters
     ----------
-    budget, recent, drop : int
-        Peak tokens stored per sequence, the protected recent window, and the
-        least number of tokens evicted at once.
-    state : TokenState, optional
-        The method's per-token state (e.g. importance), kept beside K/V.
-    method : EvictionMethod, optional
-        Scores tokens; default Scissorhands.
+    kv : BudgetedKV or HeadGroups
+        The layer's storage (``head_budgets``: its KV heads in groups of their own budgets,
+        :class:`~scissorhands.core.layer.heads.HeadGroups`); a cache takes it finished from its plan
+        (:meth:`scissorhands.core.planning.assembly.CachePlan.layer`).
     query_tile : int
         Most query rows scored at once.
     layer_idx : int
         The model layer this is.
-    kv : BudgetedKV or HeadGroups, optional
-        The layer's storage, built by the caller (``head_budgets``: its KV heads in groups of their own budgets,
-        :class:`~scissorhands.core.layer.heads.HeadGroups`); then the arguments above but ``query_tile`` and
-        ``layer_idx`` are not read.
-    **options
-        ``sinks``, ``merge``, ``prefill``, ``observe``, ``store``: see
-        :class:`~scissorhands.core.layer.budgeted.BudgetedKV`.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, budget: int, recent: int, drop: int, state: TokenState | None = None,
-                 method: EvictionMethod | None = None, query_tile: int = DEFAULTS.query_tile, layer_idx: int = 0,
-                 *, kv: BudgetedKV | HeadGroups | None = None, **options):
-        self.kv = kv if kv is not None else BudgetedKV(budget, recent, drop, method or Scissorhands(), state,
-                                                       layer_idx, **options)
+    def __init__(self, kv: BudgetedKV | HeadGroups, query_tile: int = DEFAULTS.query_tile, layer_idx: int = 0):
+        self.kv = kv
         super().__init__()
         self.query_tile = query_tile
         self.layer_idx = layer_idx
@@ -80,6 +67,17 @@ class ScissorhandsLayer(CacheLayerMixin):
         self.guard: ModelGuard | None = None  # what the owning cache was built for (set by ScissorhandsCache)
         self.checks_continuation = True  # the cache leaves this to its first budgeted layer: once per forward
         self.reset()
+
+    @classmethod
+    def of_budget(cls, budget: int, recent: int, drop: int, state: TokenState | None = None,
+                  method: EvictionMethod | None = None, query_tile: int = DEFAULTS.query_tile, layer_idx: int = 0,
+                  **options) -> ScissorhandsLayer:
+        """A layer built by hand: ``budget``, ``recent`` and ``drop`` (peak tokens stored per sequence, the
+        protected recent window, the least number of tokens evicted at once), the method's per-token ``state``,
+        the ``method`` (default Scissorhands) and ``options`` (``sinks``, ``merge``, ``prefill``, ``store``, ...:
+        see :class:`~scissorhands.core.layer.budgeted.BudgetedKV`), checked by the core layer."""
+        return cls(BudgetedKV.checked(budget, recent, drop, method or Scissorhands(), state, layer_idx, **options),
+                   query_tile, layer_idx)
 
     # transformers' base class and callers read `keys`/`values`; they are the store's buffers.
     @property
@@ -214,6 +212,13 @@ class ScissorhandsLayer(CacheLayerMixin):
         return self.kv.memory() if isinstance(self.kv, HeadGroups) else layer_memory(self.kv)
 
 
+def _facts(model) -> ModelFacts:
+    """The attention facts of a transformers model (or its config); the plan checks that the cache can run them."""
+    if not isinstance(getattr(model, "config", model), PretrainedConfig):
+        raise ValueError(f"model: must be a transformers model or its config, got {type(model).__name__}")
+    return model_facts(model)
+
+
 def memory_shape(model):
     """What a memory budget's bytes depend on, for this model (see :mod:`scissorhands.core.planning.memory_target`)."""
     from scissorhands.core.planning.memory_target import Shape
@@ -275,47 +280,42 @@ class ScissorhandsCache(Cache):
 
     def __init__(self, model, config: ScissorhandsConfig, method: EvictionMethod | None = None, *,
                  protect: SpanSpec | Protection | None = None, audit: EvictionAudit | None = None,
-                 protect_name: str = "protect", _plan: CachePlan | None = None):
+                 protect_name: str = "protect"):
         if not isinstance(config, ScissorhandsConfig):
             raise ValueError(f"config: must be a ScissorhandsConfig, got {type(config).__name__}")
         if method is not None and not isinstance(method, EvictionMethod):
             raise ValueError(f"method: must be an EvictionMethod instance, got {method!r}")
+        protection = Protection.parse(protect)
+        facts = _facts(model)
+        self._build(model, plan(config, len(facts.full_layers), method or Scissorhands(), protection=protection,
+                                protect_name=protect_name, facts=facts), audit, facts)
+
+    def _build(self, model, made: CachePlan, audit: EvictionAudit | None, facts: ModelFacts) -> None:
+        """The cache of a plan: the model's attention switched, each budgeted layer as the plan hands it out."""
         if audit is not None and not isinstance(audit, EvictionAudit):
             raise ValueError(f"audit: must be an EvictionAudit, got {type(audit).__name__}")
-        protection = Protection.parse(protect)
-        if not isinstance(getattr(model, "config", model), PretrainedConfig):
-            raise ValueError(f"model: must be a transformers model or its config, got {type(model).__name__}")
-        facts = model_facts(model)
-        facts.check_supported()
-        method = method or Scissorhands()
-        if _plan is None:
-            _plan = plan(config, len(facts.full_layers), method, protection=protection, protect_name=protect_name,
-                         facts=facts)
-        config = _plan.config
+        config = made.config
         if audit is not None and config.decode != "dynamic":
             raise ValueError(f"decode: {config.decode!r} cannot tell an audit of each eviction without reading the "
                              "device; use decode='dynamic' with an audit")
         if hasattr(model, "set_attn_implementation"):
             self.attention = enable(model)
-        self.plan = _plan  # what it was built from: its layers, and their bytes (CachePlan.kv_bytes)
-        self.method = _plan.method
+        self.plan = made  # what it was built from: its layers, and their bytes (CachePlan.kv_bytes)
+        self.method = made.method
         self.config = config
         self.facts = facts
-        self.protection = _plan.protection
+        self.protection = made.protection
         self.audit = audit
-        self.memory_choice = _plan.memory_choice
+        self.memory_choice = made.memory_choice
         guard = ModelGuard(facts)
-        centers = {} if config.kv_key_centers is None else load_key_centers(config.kv_key_centers, facts)
         layers: list = []
-        parts = iter(enumerate(_plan.layers))  # one per full-attention layer, in order
+        parts = iter(range(len(made.layers)))  # one per full-attention layer, in order
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
             if layer_type != FULL:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
                 continue
-            i, part = next(parts)
             # The plan's finished layer (with head-level budgets, its groups of KV heads, each a layer of its own).
-            layer = ScissorhandsLayer(part.budget, part.recent, part.drop, query_tile=config.query_tile,
-                                      layer_idx=idx, kv=_plan.layer(i, idx, centers.get(idx)))
+            layer = ScissorhandsLayer(made.layer(next(parts), idx), config.query_tile, idx)
             if audit is not None:
                 if isinstance(layer.kv, HeadGroups):
                     layer.kv.listen(audit)
@@ -344,18 +344,23 @@ class ScissorhandsCache(Cache):
         return layers[0].seen if layers else super().get_seq_length(layer_idx)
 
     @classmethod
-    def from_plan(cls, model, made: CachePlan, *, audit: EvictionAudit | None = None,
-                  protect_name: str = "protect") -> ScissorhandsCache:
+    def from_plan(cls, model, made: CachePlan, *, audit: EvictionAudit | None = None) -> ScissorhandsCache:
         """The cache a plan made for this model (:func:`cache_plan`) describes: its layers as the plan hands them
         out, its protection and what a memory target chose; nothing planned again."""
         if not isinstance(made, CachePlan):
             raise ValueError(f"plan: must be a CachePlan (see cache_plan), got {type(made).__name__}")
-        return cls(model, made.config, made.method, protect=made.protection, audit=audit, protect_name=protect_name,
-                   _plan=made)
+        facts = _facts(model)
+        if made.facts != facts:  # the plan checked its model's facts (supported, its layers, their centres)
+            raise ValueError("plan: made for another model (or by layer count alone); plan for this model with "
+                             "cache_plan(model, ...)")
+        cache = cls.__new__(cls)
+        cache._build(model, made, audit, facts)
+        return cache
 
     @classmethod
     def for_memory(cls, model, memory, length: int, settings: CacheSettings | None = None,
-                   method: EvictionMethod | None = None, **kwargs) -> ScissorhandsCache:
+                   method: EvictionMethod | None = None, *, protect: SpanSpec | Protection | None = None,
+                   audit: EvictionAudit | None = None, protect_name: str = "protect") -> ScissorhandsCache:
         """A cache whose peak bytes fit ``memory`` for a sequence of ``length`` tokens (prompt + new tokens).
 
         ``memory`` is a fraction of the full cache's K/V bytes (``0.2``: a fifth) or a size per sequence
@@ -363,15 +368,11 @@ class ScissorhandsCache(Cache):
         and kept as ``cache.memory_choice`` (also in :meth:`memory_report`). Other arguments are the
         constructor's.
         """
-        if not isinstance(getattr(model, "config", model), PretrainedConfig):
-            raise ValueError(f"model: must be a transformers model or its config, got {type(model).__name__}")
-        protect = kwargs.get("protect")
-        protection = protect if isinstance(protect, Protection) else Protection.parse(protect)
-        kwargs["protect"] = protection
+        _facts(model)
         made = cache_plan(model, settings if settings is not None else CacheSettings(), method,
-                          protection=protection, memory=memory, length=length,
-                          protect_name=kwargs.get("protect_name", "protect"))
-        return cls(model, made.config, made.method, _plan=made, **kwargs)
+                          protection=Protection.parse(protect), memory=memory, length=length,
+                          protect_name=protect_name)
+        return cls.from_plan(model, made, audit=audit)
 
     def memory_report(self) -> dict:
         """K/V, per-token state and position bytes, and tokens stored.

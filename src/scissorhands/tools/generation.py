@@ -100,13 +100,17 @@ def answer_cost(model, tokenizer, prompt: str, answer: torch.Tensor, config: Sci
                       tokens=int(answer.shape[1]))
 
 
-def _budgeted(model, config: ScissorhandsConfig | CachePlan, method, protect, **kwargs) -> ScissorhandsCache:
+def _plan_holds(method, protect) -> None:
+    if method is not None or protect is not None:
+        raise ValueError("method: a plan holds its method and protected spans; give them to the plan")
+
+
+def _budgeted(model, config: ScissorhandsConfig | CachePlan, method, protect) -> ScissorhandsCache:
     """The budgeted cache of a plan (which holds its method and protection), or of a configuration."""
     if isinstance(config, CachePlan):
-        if method is not None or protect is not None:
-            raise ValueError("method: a plan holds its method and protected spans; give them to the plan")
-        return ScissorhandsCache.from_plan(model, config, **kwargs)
-    return ScissorhandsCache(model, config, method, protect=protect, **kwargs)
+        _plan_holds(method, protect)
+        return ScissorhandsCache.from_plan(model, config)
+    return ScissorhandsCache(model, config, method, protect=protect)
 
 
 def check_positions(model, prompt_tokens: int, max_new_tokens: int, prompt_name: str = "prompt") -> None:
@@ -244,10 +248,14 @@ def generate(
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     check_positions(model, enc["input_ids"].shape[1], max_new_tokens, prompt_name)
-    cache: ScissorhandsCache | DynamicCache = (
-        _budgeted(model, config, method, protect, audit=audit, protect_name=protect_name)
-        if config is not None
-        else DynamicCache(config=model.config))
+    cache: ScissorhandsCache | DynamicCache
+    if config is None:
+        cache = DynamicCache(config=model.config)
+    elif isinstance(config, CachePlan):
+        _plan_holds(method, protect)
+        cache = ScissorhandsCache.from_plan(model, config, audit=audit)
+    else:
+        cache = ScissorhandsCache(model, config, method, protect=protect, audit=audit, protect_name=protect_name)
     torch.manual_seed(seed)
     kwargs: dict = {"do_sample": do_sample}
     if do_sample:

@@ -58,6 +58,9 @@ from .eviction import Eviction
 class BudgetedKV:
     """At most ``budget`` tokens per row and KV head, evicted ``drop`` at a time by ``method``.
 
+    A plan hands its layers out built (:meth:`..planning.assembly.CachePlan.layer`), their parts checked once
+    there; a layer built by hand is checked by :meth:`checked`.
+
     Parameters
     ----------
     budget : int
@@ -94,10 +97,6 @@ class BudgetedKV:
                  state: TokenState | None = None, layer_idx: int = 0, store: KVStore | None = None, *,
                  sinks: int = 0, merge: bool = False, prefill=None,
                  protect: Protection | None = None, decode: str = "dynamic", rounds: bool = False):
-        if drop > budget - recent:
-            raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
-        residual = store.residual if store is not None else 0
-        check_residual(residual, recent, merge=merge, evicts=not method.is_full)
         self.budget, self.recent, self.drop = budget, recent, drop
         self.prefill = prefill  # None: streamed (see :func:`..attend.streaming.attend`)
         self.method = method
@@ -117,18 +116,33 @@ class BudgetedKV:
         self.tiers = self.store.tiered()  # the chain of widths, or None
         self.demotion = None if self.tiers is None else Demotion(self.tiers)
         if self.tiers is not None:
-            check_demotion(merge=merge, evicts=not method.is_full)
             self.tiers.bind(budget, recent, drop)
         self.static = make_decode(self, decode)
         self.rounds: RoundState | None = None
         if rounds:
-            if self.merge is not None or self.tiers is not None or self.static is not None:
-                raise ValueError("rounds: cannot be combined with merge, kv_demote or a static decode")
             self.rounds = RoundState()
             self.states.append(self.rounds)
         self.eviction = Eviction(self)
         self.appending = Appending(self)
         self.reset()
+
+    @classmethod
+    def checked(cls, budget: int, recent: int, drop: int, method: EvictionMethod, state: TokenState | None = None,
+                layer_idx: int = 0, store: KVStore | None = None, **options) -> BudgetedKV:
+        r"""A layer built by hand, its arguments checked as the plan checks a planned layer's (the constructor
+        takes the parts :meth:`..planning.assembly.CachePlan.layer` hands it as they are); one-line
+        ``ValueError``\ s naming the parameter."""
+        if drop > budget - recent:
+            raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
+        merge = bool(options.get("merge", False))
+        check_residual(store.residual if store is not None else 0, recent, merge=merge, evicts=not method.is_full)
+        layer = cls(budget, recent, drop, method, state, layer_idx, store, **options)
+        if layer.tiers is not None:
+            check_demotion(merge=merge, evicts=not method.is_full)
+        if layer.rounds is not None and (layer.merge is not None or layer.tiers is not None
+                                         or layer.static is not None):
+            raise ValueError("rounds: cannot be combined with merge, kv_demote or a static decode")
+        return layer
 
     # -- a compression event (:class:`.eviction.Eviction`, a part of the layer) -------------------------------
     def view(self, prompt_attention: torch.Tensor | None = None) -> LayerView:

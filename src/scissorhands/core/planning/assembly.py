@@ -12,7 +12,7 @@ its per-token state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..settings.budget import check_budget_spec
@@ -72,6 +72,10 @@ class CachePlan:
     layers: tuple[LayerPlan, ...]
     protection: Protection | None = None
     memory_choice: MemoryChoice | None = None
+    #: Key centres by the model's layer index, read from ``kv_key_centers`` once the model's facts are known.
+    centres: dict | None = field(default=None, compare=False, repr=False)
+    #: The model's attention facts the plan was made for (checked supported), or None (planned by layer count).
+    facts: ModelFacts | None = field(default=None, compare=False, repr=False)
 
     def store(self, layer: int, key_center: torch.Tensor | RotaryCenters | None = None,
               group: HeadGroupPlan | None = None) -> KVStore:
@@ -111,6 +115,8 @@ class CachePlan:
 
         part, c = self.layers[layer], self.config
         idx = layer if layer_idx is None else layer_idx
+        if key_center is None and self.centres is not None:
+            key_center = self.centres.get(idx)
         if part.groups:
             if store is not None or prefill != "plan" or rounds is not None or method is not None:
                 raise ValueError("layer: a layer split into head groups takes its parts from the plan alone")
@@ -241,6 +247,32 @@ def check_given(budget, memory, method=None) -> None:
         parse_memory(memory)
 
 
+def check_plan(settings: CacheSettings, method: EvictionMethod | type[EvictionMethod] | None = None, *,
+               budget=None, memory=None) -> float | int | None:
+    """What :func:`plan` refuses before it needs the model or the sequence, checked at once (an entry point calls
+    this before a model loads; the plan calls it first): a token budget or a memory target, each well formed, a
+    token count above the method's protected tokens, no setting a memory target would override, and a schedule
+    file read. Returns the budget as given (a fraction or a token count), or None for a memory target or the
+    settings' own budget. One-line ``ValueError``s naming the parameter."""
+    check_given(budget, memory, method)
+    schedule = getattr(settings, "schedule", None)  # (a value of another type is refused by the plan)
+    if isinstance(schedule, str) and schedule.endswith(".json"):
+        from ..settings.schedule import load_schedule
+
+        load_schedule(schedule)
+    if memory is not None:
+        from .memory_target import check_memory_settings
+
+        check_memory_settings(settings)
+        if settings.head_budgets is not None:
+            raise ValueError("head_budgets: cannot be combined with memory= (a memory target plans one budget for "
+                             "every head)")
+        return None
+    if budget is not None:
+        return check_budget(budget, settings, method)
+    return None
+
+
 def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None = None, *,
          protection: Protection | None = None, protect_name: str = "protect", budget=None, memory=None,
          shape: Shape | None = None, length: int | None = None, facts: ModelFacts | None = None) -> CachePlan:
@@ -265,21 +297,18 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
         shape and the sequence length: the store and token budget are chosen for them
         (:func:`scissorhands.core.planning.memory_target.choose`) and kept as ``memory_choice``.
     facts : ModelFacts, optional
-        The model's attention facts: what a head ranking (``head_budgets``) is checked against.
+        The model's attention facts: what a head ranking (``head_budgets``) and a key-centre file
+        (``kv_key_centers``, read here, handed out with each layer) are checked against.
     """
     method = _method(method)
     choice = None
-    check_given(budget, memory, method)
+    check_plan(settings, method, budget=budget, memory=memory)
     if budget is not None:
         resolved = method.resolve(settings)  # the method's own settings, resolved once
         config = resolved.with_budget(_tokens(budget, length, resolved.protected))
     elif memory is not None:
-        from .memory_target import check_memory_settings, choose
+        from .memory_target import choose
 
-        check_memory_settings(settings)
-        if settings.head_budgets is not None:
-            raise ValueError("head_budgets: cannot be combined with memory= (a memory target plans one budget for "
-                             "every head)")
         if shape is None:
             raise ValueError("memory: needs the model's K/V shape to choose a budget")
         length = integer(1)("length", length)  # the sequence's tokens (prompt + new ones): a whole number >= 1
@@ -299,6 +328,13 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
         if centers_frame(config.kv_key_centers) == "rotary":
             raise ValueError("kv_key_centers: rotary centres (a format-2 file) cannot be combined with merge=True "
                              "(a merge rewrites keys whose positions differ between KV heads)")
+    if facts is not None:
+        facts.check_supported()
+    centres = None
+    if config.kv_key_centers is not None and facts is not None:  # read once, checked against the model
+        from ..stores.centers import load_key_centers
+
+        centres = load_key_centers(config.kv_key_centers, facts)
     budgets = layer_budgets(config, n_layers)
     if config.prefill != "keep-prompt":  # spans in a kept prompt sit beside the budget: checked at the prompt
         check_room(protection, [(b, config.recent_for(b), config.drop_for(b)) for b in budgets], name=protect_name)
@@ -311,7 +347,7 @@ def plan(settings: CacheSettings, n_layers: int, method: EvictionMethod | None =
                                 config.check_residual(b, evicts=not method.is_full)))
     if config.head_budgets is not None and not method.is_full:
         layers = _split_heads(config, layers, facts, protection, protect_name)
-    return CachePlan(config, method, tuple(layers), protection, choice)
+    return CachePlan(config, method, tuple(layers), protection, choice, centres, facts)
 
 
 def _split_heads(config: ScissorhandsConfig, layers: list[LayerPlan], facts: ModelFacts | None,

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-from scissorhands.core.settings.config import CacheSettings
-
 from ..paths import check_apart
 
 MAX_SEED = 2**63 - 1
@@ -77,11 +75,3 @@ def check_model_args(args) -> None:
 
     resolve_dtype(args.dtype)
     resolve_device(args.device)
-
-
-def check_schedule_file(settings: CacheSettings) -> None:
-    """A JSON schedule is read now, so a bad file is reported before the model loads."""
-    if isinstance(settings.schedule, str) and settings.schedule.endswith(".json"):
-        from scissorhands.core.settings.schedule import load_schedule
-
-        load_schedule(settings.schedule)

@@ -9,7 +9,7 @@ from pathlib import Path
 from scissorhands.core.settings.config import CacheSettings
 
 from ..paths import check_apart
-from .checks import MAX_SEED, check_model_args, check_range, check_schedule_file, input_files
+from .checks import MAX_SEED, check_model_args, check_range, input_files
 from .parser import cache_settings
 
 
@@ -73,7 +73,9 @@ def run(args) -> int:
     from ..text import load_texts
 
     base = cache_settings(args)
-    check_schedule_file(base)
+    from scissorhands.core.planning.assembly import check_plan
+
+    check_plan(base)  # the plan's rules on the settings alone (a schedule file read), before the model loads
     from scissorhands.core.methods import get_method
 
     methods = [get_method(m) for m in _names(args.methods, "methods")]

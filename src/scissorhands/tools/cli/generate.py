@@ -11,7 +11,7 @@ from typing import Any
 
 from scissorhands.core.settings.config import CacheSettings, ScissorhandsConfig
 
-from .checks import check_generation_args, check_model_args, check_schedule_file, check_trust_args
+from .checks import check_generation_args, check_model_args, check_trust_args
 from .parser import cache_settings
 
 NO_BUDGET = 2**31 - 1  # the quantised full cache's budget: no sequence reaches it
@@ -68,9 +68,9 @@ def _protection(todo: GenerateJob, tokenizer, prompt: str, n_system: int | None)
 def _write_audit(path: Path, audit, cache, watched: dict) -> None:
     from ..plots import plot_held_map
 
-    record = audit.to_json(path, cache)
     png = path.with_suffix(".png")
     plot_held_map(cache, png, spans=watched)
+    record = audit.to_json(path, cache)
     parts = []
     for name, info in record["spans"].items():
         held = [v for v in info["held_fraction"].values() if v is not None]
@@ -210,31 +210,24 @@ def job(args) -> GenerateJob:
     check_model_args(args)
     method = _method(args.method)
     settings = cache_settings(args)
-    check_schedule_file(settings)
     if method.is_full and not settings.quantized:
         raise ValueError("method: 'full' evicts nothing; use --compare-full to run the full cache beside a method, "
                          "or --kv-bits for a quantised full cache")
     memory = getattr(args, "memory", None)
-    budget = args.budget if args.budget is not None else getattr(args, "budget_fallback", None)
-    from scissorhands.core.planning.assembly import check_given
+    budget = args.budget
+    if budget is None and memory is None:
+        budget = getattr(args, "budget_fallback", None)
+    from scissorhands.core.planning.assembly import check_plan
 
-    if memory is not None:  # the plan's rule, checked now: a budget or a memory target, for a method that evicts
-        check_given(args.budget, memory, method)
+    # Every rule of the plan's that needs no model, checked before the load.
     if method.is_full:  # the quantised full cache: a budget no sequence reaches, so nothing is evicted
-        budget, memory, config = NO_BUDGET, None, method.configure(settings, NO_BUDGET)
-    elif memory is not None:
-        from scissorhands.core.planning.memory_target import check_memory_settings
-
-        # chosen once the model and the prompt's length are known
-        check_memory_settings(settings)
-        budget, config = None, None
-    elif budget is None:
+        check_plan(settings, method, memory=memory)
+        budget = NO_BUDGET
+    elif budget is None and memory is None:
         raise ValueError("budget: required: --budget B (tokens or a fraction), or --memory M (a byte budget)")
     else:
-        from scissorhands.core.planning.assembly import check_budget
-
-        budget = check_budget(budget, settings, method)  # the plan's rule, before the model loads
-        config = None if isinstance(budget, float) else method.configure(settings, budget)
+        budget = check_plan(settings, method, budget=budget, memory=memory)
+    config = method.configure(settings, budget) if isinstance(budget, int) else None
     sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                     ignore_eos=args.ignore_eos)
     return GenerateJob(
@@ -274,10 +267,10 @@ def run(args, prompt) -> int:
         print(f"--- {name}, budget {budget_text} ---")
     print(result.texts[0])
     _report(name, result)
-    if audit is not None and todo.audit is not None:
-        _write_audit(todo.audit, audit, result.cache, watched)
     if todo.compare_full:
         _compare_full(model, tokenizer, prompt, made, result, todo)
+    if audit is not None and todo.audit is not None:
+        _write_audit(todo.audit, audit, result.cache, watched)
     return 0
 
 
