@@ -314,3 +314,39 @@ def test_a_used_cache_refuses_another_batch_or_dtype_in_one_line():
             model(ids[:, :1], cache=cache, position_ids=torch.full((1, 1), 20))
         model.to(torch.float32)  # weights rounded through bfloat16: only the dtype matters here
         model(ids[:, :1], cache=cache, position_ids=torch.full((1, 1), 20))  # the cache still serves its own
+
+
+def test_a_cache_builds_only_from_a_plan_made_for_its_model():
+    """``from_plan`` builds what the plan checked and re-checks nothing, so a plan made for another model (other
+    layers or K/V heads), or by a layer count alone, is refused in one line; one made for this model builds the
+    same layers as the constructor from the same settings."""
+    from scissorhands.core.methods.scissorhands import Scissorhands
+    from scissorhands.core.planning.assembly import plan
+    from scissorhands.hf.cache import cache_plan
+
+    model, other = tiny_model("llama"), tiny_model("qwen2")
+    config = ScissorhandsConfig(budget=16, recent=4)
+    for made in (cache_plan(other, config), plan(config, model.config.num_hidden_layers, Scissorhands())):
+        with pytest.raises(ValueError, match=r"^plan: made for another model \(or by layer count alone\)"):
+            ScissorhandsCache.from_plan(model, made)
+    built = ScissorhandsCache.from_plan(model, cache_plan(model, config))
+    direct = ScissorhandsCache(model, config)
+
+    def parts(cache):
+        return [(kv.budget, kv.recent, kv.drop, type(kv.store)) for kv in (x.kv for x in cache.budgeted_layers)]
+
+    assert parts(built) == parts(direct)
+    assert len(built.budgeted_layers) == model.config.num_hidden_layers
+
+
+def test_a_plan_refuses_a_model_with_nothing_to_budget():
+    """The plan checks its model's facts once (the cache does not again): a model whose every layer keeps a native
+    window has no layer to budget."""
+    from transformers import AutoModelForCausalLM
+
+    from scissorhands.hf.cache import cache_plan
+
+    cfg = tiny_config("mistral")
+    cfg.sliding_window = 16
+    with pytest.raises(ValueError, match="^model: .*no full-attention layer"):
+        cache_plan(AutoModelForCausalLM.from_config(cfg), ScissorhandsConfig(budget=8, recent=2))
