@@ -129,20 +129,9 @@ class BudgetedKV:
     @classmethod
     def checked(cls, budget: int, recent: int, drop: int, method: EvictionMethod, state: TokenState | None = None,
                 layer_idx: int = 0, store: KVStore | None = None, **options) -> BudgetedKV:
-        r"""A layer built by hand, its arguments checked as the plan checks a planned layer's (the constructor
-        takes the parts :meth:`..planning.assembly.CachePlan.layer` hands it as they are); one-line
-        ``ValueError``\ s naming the parameter."""
-        if drop > budget - recent:
-            raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
-        merge = bool(options.get("merge", False))
-        check_residual(store.residual if store is not None else 0, recent, merge=merge, evicts=not method.is_full)
-        layer = cls(budget, recent, drop, method, state, layer_idx, store, **options)
-        if layer.tiers is not None:
-            check_demotion(merge=merge, evicts=not method.is_full)
-        if layer.rounds is not None and (layer.merge is not None or layer.tiers is not None
-                                         or layer.static is not None):
-            raise ValueError("rounds: cannot be combined with merge, kv_demote or a static decode")
-        return layer
+        """A layer built by hand, its arguments checked as the plan checks a planned layer's (the constructor takes
+        the parts :meth:`..planning.assembly.CachePlan.layer` hands it as they are)."""
+        return _check_parts(cls(budget, recent, drop, method, state, layer_idx, store, **options))
 
     # -- a compression event (:class:`.eviction.Eviction`, a part of the layer) -------------------------------
     def view(self, prompt_attention: torch.Tensor | None = None) -> LayerView:
@@ -261,3 +250,17 @@ class BudgetedKV:
         self.slots.select_batch(index)
         if self.demotion is not None:
             self.demotion.select_batch(index)
+
+
+def _check_parts(layer: BudgetedKV) -> BudgetedKV:
+    """:meth:`BudgetedKV.checked`'s rules (the plan's, for a layer built by hand); one-line ``ValueError``s naming
+    the parameter."""
+    budget, recent, drop, evicts = layer.budget, layer.recent, layer.drop, not layer.method.is_full
+    if drop > budget - recent:
+        raise ValueError(f"drop: must be <= budget - recent ({budget - recent}) for this layer, got {drop}")
+    check_residual(layer.store.residual, recent, merge=layer.merge is not None, evicts=evicts)
+    if layer.tiers is not None:
+        check_demotion(merge=layer.merge is not None, evicts=evicts)
+    if layer.rounds is not None and (layer.merge is not None or layer.tiers is not None or layer.static is not None):
+        raise ValueError("rounds: cannot be combined with merge, kv_demote or a static decode")
+    return layer
