@@ -36,3 +36,17 @@ def test_every_check_is_made_here_with_the_name_the_user_gave():
         plan(CacheSettings(), 2)
     with pytest.raises(ValueError, match="^memory: needs"):
         plan(CacheSettings(), 2, memory=0.2)
+
+
+def test_a_layer_built_by_hand_is_checked_as_the_plan_checks_its_layers():
+    """The plan hands out layers whose parts it checked, and ``BudgetedKV`` takes them as they are; a layer built by
+    hand goes through ``BudgetedKV.checked``, which refuses in one line what the plan would refuse."""
+    from scissorhands.core.layer.budgeted import BudgetedKV
+    from scissorhands.core.methods.scissorhands import Scissorhands
+
+    with pytest.raises(ValueError, match=r"^drop: must be <= budget - recent \(6\)"):
+        BudgetedKV.checked(10, 4, 7, Scissorhands())
+    with pytest.raises(ValueError, match="^rounds: cannot be combined with merge"):
+        BudgetedKV.checked(10, 4, 2, Scissorhands(), merge=True, rounds=True)
+    layer = BudgetedKV.checked(10, 4, 2, Scissorhands(), rounds=True)
+    assert (layer.budget, layer.recent, layer.drop, layer.rounds is not None) == (10, 4, 2, True)
