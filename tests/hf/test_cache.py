@@ -350,3 +350,19 @@ def test_a_plan_refuses_a_model_with_nothing_to_budget():
     cfg.sliding_window = 16
     with pytest.raises(ValueError, match="^model: .*no full-attention layer"):
         cache_plan(AutoModelForCausalLM.from_config(cfg), ScissorhandsConfig(budget=8, recent=2))
+
+
+def test_build_takes_a_configuration_or_a_plan_and_a_plan_keeps_its_own_method_and_spans():
+    """``ScissorhandsCache.build``, what ``generate`` and ``answer_cost`` call: a configuration goes to the
+    constructor, a plan to ``from_plan``; a method or spans given beside a plan are refused (the plan holds them)."""
+    from scissorhands.core.methods.scissorhands import Scissorhands
+    from scissorhands.hf.cache import cache_plan
+
+    model = tiny_model("llama")
+    config = ScissorhandsConfig(budget=16, recent=4)
+    made = cache_plan(model, config)
+    for given in ({"method": Scissorhands()}, {"protect": [(0, 2)]}):
+        with pytest.raises(ValueError, match="^method: a plan holds its method and protected spans"):
+            ScissorhandsCache.build(model, made, **given)
+    assert ScissorhandsCache.build(model, made).plan is made
+    assert ScissorhandsCache.build(model, config).config == ScissorhandsCache(model, config).config

@@ -234,8 +234,8 @@ def cache_plan(model, settings: CacheSettings, method: EvictionMethod | None = N
     """:func:`scissorhands.core.planning.assembly.plan` for a transformers model (or its config): its budgeted layers
     and K/V shape filled in; ``options`` are the plan's (``protection``, ``protect_name``, ``budget``, ``memory``,
     ``length``). :meth:`ScissorhandsCache.from_plan` builds the cache it plans."""
+    facts = _facts(model)
     shape = memory_shape(model) if options.get("memory") is not None else None  # reads the weights' dtype
-    facts = model_facts(model)
     return plan(settings, len(facts.full_layers), method or Scissorhands(), shape=shape, facts=facts, **options)
 
 
@@ -309,13 +309,13 @@ class ScissorhandsCache(Cache):
         self.memory_choice = made.memory_choice
         guard = ModelGuard(facts)
         layers: list = []
-        parts = iter(range(len(made.layers)))  # one per full-attention layer, in order
+        budgeted = {idx: i for i, idx in enumerate(facts.full_layers)}  # the plan's layers, one per full layer
         for idx, (layer_type, kwargs) in enumerate(zip(facts.layer_types, facts.layer_kwargs)):
             if layer_type != FULL:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
                 continue
             # The plan's finished layer (with head-level budgets, its groups of KV heads, each a layer of its own).
-            layer = ScissorhandsLayer(made.layer(next(parts), idx), config.query_tile, idx)
+            layer = ScissorhandsLayer(made.layer(budgeted[idx], idx), config.query_tile, idx)
             if audit is not None:
                 if isinstance(layer.kv, HeadGroups):
                     layer.kv.listen(audit)
@@ -358,6 +358,18 @@ class ScissorhandsCache(Cache):
         return cache
 
     @classmethod
+    def build(cls, model, config: ScissorhandsConfig | CachePlan, method: EvictionMethod | None = None, *,
+              protect: SpanSpec | Protection | None = None, audit: EvictionAudit | None = None,
+              protect_name: str = "protect") -> ScissorhandsCache:
+        """The cache of a plan (:meth:`from_plan`; it holds its method and protected spans) or of a configuration
+        (the constructor)."""
+        if not isinstance(config, CachePlan):
+            return cls(model, config, method, protect=protect, audit=audit, protect_name=protect_name)
+        if method is not None or protect is not None:
+            raise ValueError("method: a plan holds its method and protected spans; give them to the plan")
+        return cls.from_plan(model, config, audit=audit)
+
+    @classmethod
     def for_memory(cls, model, memory, length: int, settings: CacheSettings | None = None,
                    method: EvictionMethod | None = None, *, protect: SpanSpec | Protection | None = None,
                    audit: EvictionAudit | None = None, protect_name: str = "protect") -> ScissorhandsCache:
@@ -368,7 +380,6 @@ class ScissorhandsCache(Cache):
         and kept as ``cache.memory_choice`` (also in :meth:`memory_report`). Other arguments are the
         constructor's.
         """
-        _facts(model)
         made = cache_plan(model, settings if settings is not None else CacheSettings(), method,
                           protection=Protection.parse(protect), memory=memory, length=length,
                           protect_name=protect_name)

@@ -89,7 +89,7 @@ def answer_cost(model, tokenizer, prompt: str, answer: torch.Tensor, config: Sci
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
     answer = answer.reshape(1, -1).to(model.device)
     sides = []
-    for cache in (_budgeted(model, config, method, protect), DynamicCache(config=model.config)):
+    for cache in (ScissorhandsCache.build(model, config, method, protect=protect), DynamicCache(config=model.config)):
         first = model(ids, cache=cache, logits_to_keep=1).logits[:, -1:]
         rest = model(answer[:, :-1], cache=cache).logits if answer.shape[1] > 1 else first[:, :0]
         logits = torch.cat([first, rest], dim=1).float()  # (1, N, V): predicts each answer token
@@ -98,19 +98,6 @@ def answer_cost(model, tokenizer, prompt: str, answer: torch.Tensor, config: Sci
     delta, ci = mean_ci((lp_f - lp_b).tolist())
     return AnswerCost(delta_nll=delta, ci95=ci, agreement=float((top_b == answer[0]).float().mean()),
                       tokens=int(answer.shape[1]))
-
-
-def _plan_holds(method, protect) -> None:
-    if method is not None or protect is not None:
-        raise ValueError("method: a plan holds its method and protected spans; give them to the plan")
-
-
-def _budgeted(model, config: ScissorhandsConfig | CachePlan, method, protect) -> ScissorhandsCache:
-    """The budgeted cache of a plan (which holds its method and protection), or of a configuration."""
-    if isinstance(config, CachePlan):
-        _plan_holds(method, protect)
-        return ScissorhandsCache.from_plan(model, config)
-    return ScissorhandsCache(model, config, method, protect=protect)
 
 
 def check_positions(model, prompt_tokens: int, max_new_tokens: int, prompt_name: str = "prompt") -> None:
@@ -251,11 +238,8 @@ def generate(
     cache: ScissorhandsCache | DynamicCache
     if config is None:
         cache = DynamicCache(config=model.config)
-    elif isinstance(config, CachePlan):
-        _plan_holds(method, protect)
-        cache = ScissorhandsCache.from_plan(model, config, audit=audit)
     else:
-        cache = ScissorhandsCache(model, config, method, protect=protect, audit=audit, protect_name=protect_name)
+        cache = ScissorhandsCache.build(model, config, method, protect=protect, audit=audit, protect_name=protect_name)
     torch.manual_seed(seed)
     kwargs: dict = {"do_sample": do_sample}
     if do_sample:

@@ -18,6 +18,7 @@ before the cell runs; so do a passkey task's planted facts with ``protect_facts`
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from scissorhands.core.methods import EvictionMethod
@@ -145,9 +146,11 @@ def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod],
     held = base.prefill == "keep-prompt"
     covered = _covered(task, items, method, budget, base)
     asked = [item for item, c in zip(items, covered) if not c]
+    answers: Iterator[dict] = iter([])
     if asked and budget:
-        check_spans(asked, plugin_settings(method, budget, base))
-    answers = iter(engine.generate(task, asked, plugin_settings(method, budget, base)) if asked and budget else [])
+        plugin = plugin_settings(method, budget, base)
+        check_spans(asked, plugin)
+        answers = iter(engine.generate(task, asked, plugin))
     scores = []
     for item, c in zip(items, covered):
         if c:
@@ -157,6 +160,7 @@ def engine_scores(engine: VLLMEngine, task, items, method: type[EvictionMethod],
         mine = task.judged(item, a["tokens"], a["completion"], _held(item, a, budget, held))
         scores.append(task.paired(mine, item.data["full"], False))
     return scores
+
 
 def _covered(task, items, method: type[EvictionMethod], budget: int | None, base: CacheSettings) -> list[bool]:
     """Which items a budget covers: a sequence (beside a held prompt, the answer) within it evicts nothing, so its
