@@ -361,8 +361,9 @@ def test_build_takes_a_configuration_or_a_plan_and_a_plan_keeps_its_own_method_a
     model = tiny_model("llama")
     config = ScissorhandsConfig(budget=16, recent=4)
     made = cache_plan(model, config)
-    for given in ({"method": Scissorhands()}, {"protect": [(0, 2)]}):
-        with pytest.raises(ValueError, match="^method: a plan holds its method and protected spans"):
+    for name, given in (("method", {"method": Scissorhands()}), ("protect", {"protect": [(0, 2)]}),
+                        ("protect_prefix", {"protect": 2, "protect_name": "protect_prefix"})):
+        with pytest.raises(ValueError, match=f"^{name}: a plan holds its method and protected spans"):
             ScissorhandsCache.build(model, made, **given)
     assert ScissorhandsCache.build(model, made).plan is made
     assert ScissorhandsCache.build(model, config).config == ScissorhandsCache(model, config).config

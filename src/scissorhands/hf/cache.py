@@ -366,7 +366,8 @@ class ScissorhandsCache(Cache):
         if not isinstance(config, CachePlan):
             return cls(model, config, method, protect=protect, audit=audit, protect_name=protect_name)
         if method is not None or protect is not None:
-            raise ValueError("method: a plan holds its method and protected spans; give them to the plan")
+            given = "method" if method is not None else protect_name
+            raise ValueError(f"{given}: a plan holds its method and protected spans; give them to the plan")
         return cls.from_plan(model, config, audit=audit)
 
     @classmethod
